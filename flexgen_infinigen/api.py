@@ -1,0 +1,188 @@
+"""Python API: load a model under a policy, generate from a list of prompts.
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    lm = OffloadedLM.load(policy=Policy(w_gpu_percent=50, w_cpu_percent=50))
+    out = lm.generate(["The capital of France is"], gen_len=16)
+    print(out.texts[0])
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import memory_plan
+from .config import ConfigError, ModelConfig
+from .engine import Engine
+from .kv import make_kv_policy
+from .loading import find_weights, place_weights, resolve_device, resolve_dtype
+from .policy import Policy
+from .sampling import Sampler, SamplingConfig
+from .tiers import TIERS, Tiers
+
+
+@dataclass
+class Generation:
+    token_ids: list[list[int]]  # generated ids, one list per prompt (stop token included)
+    texts: list[str]
+    prefill_latency_s: float
+    decode_latency_s: float
+    num_prompts: int
+    prompt_tokens: int
+    generated_tokens: int  # per prompt, as scheduled (the longest row)
+    projected: bool = False  # decode latency extrapolated from --cut-gen-len steps
+    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [steps, vocab]
+
+
+class OffloadedLM:
+    def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer, tiers: Tiers):
+        self.cfg, self.engine, self.tokenizer, self.tiers = cfg, engine, tokenizer, tiers
+        self.load_time_s = 0.0
+
+    @classmethod
+    def load(cls, model: str | None = None, path: str | None = None, dummy: bool = False,
+             policy: Policy | None = None, device: str = "auto", dtype: str | None = None,
+             kv_policy: str = "full", kv_options: dict | None = None,
+             offload_dir: str | None = None, seed: int = 0, progress: bool = True,
+             max_len_hint: tuple[int, int] | None = None) -> "OffloadedLM":
+        """Find the weights, check that the policy fits, and place the weights on the tiers.
+
+        ``max_len_hint`` = (prompt_len, gen_len) lets the memory check include the KV cache.
+        """
+        start = time.perf_counter()
+        policy = (policy or Policy()).validate()
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        kv = make_kv_policy(kv_policy, **(kv_options or {}))
+        cfg, source, store = find_weights(model, path, dummy, seed, progress)
+        if max_len_hint is not None:
+            check_lengths(cfg, *max_len_hint)
+        need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)))
+        memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
+        tiers = Tiers(dev, offload_dir)
+        try:
+            weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress)
+        except BaseException:
+            tiers.close()
+            raise
+        engine = Engine(cfg, weights, policy, tiers, kv, torch_dtype)
+        tokenizer = None
+        if store is not None:
+            from .tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(store.path, cfg)
+        lm = cls(cfg, engine, tokenizer, tiers)
+        lm.load_time_s = time.perf_counter() - start
+        return lm
+
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
+
+    def close(self) -> None:
+        self.tiers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- generation -------------------------------------------------------------------------
+    def encode(self, prompts) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ConfigError("this model has no tokenizer (dummy weights); "
+                                      "give prompts as token ids or use --prompt-len")
+                p = self.tokenizer.encode(p)
+            if len(p) == 0:
+                raise ConfigError("a prompt is empty; give at least one token")
+            out.append(list(p))
+        return out
+
+    def generate(self, prompts, gen_len: int = 32, sampling: SamplingConfig | None = None,
+                 stop_token_id: int | None = -1, cut_gen_len: int | None = None,
+                 keep_logits: bool = False, progress: bool = False) -> Generation:
+        """Generate ``gen_len`` tokens for each prompt (strings or token id lists).
+
+        ``stop_token_id``: -1 means the model's end-of-sequence token; None never stops.
+        ``cut_gen_len``: run only that many steps and project the decode latency to ``gen_len``.
+        """
+        sampling = (sampling or SamplingConfig()).validate()
+        ids = self.encode(prompts)
+        if gen_len < 1:
+            raise ConfigError(f"--gen-len must be at least 1 (got {gen_len})")
+        if cut_gen_len is not None and cut_gen_len < 1:
+            raise ConfigError(f"--cut-gen-len must be at least 1 (got {cut_gen_len})")
+        check_lengths(self.cfg, max(map(len, ids)), gen_len)
+        if stop_token_id == -1:
+            stop_token_id = self.cfg.eos_token_id
+        steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
+        sampler = Sampler(sampling)
+        block = self.policy.block_size
+        outputs: list[list[int]] = []
+        logits: list[torch.Tensor] = []
+        prefill = decode = 0.0
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
+        for start in range(0, len(ids), block):
+            chunk = ids[start:start + block]
+            real = len(chunk)
+            chunk = chunk + [chunk[0]] * (block - real)  # pad the last block with a dummy row
+            batches = self._pad_batches(chunk)
+            rows = [[] for _ in chunk]
+            done = [False] * len(chunk)
+
+            def on_tokens(i, tokens, rows=rows, done=done, real=real):
+                flat = torch.cat(tokens).tolist()
+                for r, t in enumerate(flat):
+                    if not done[r]:
+                        rows[r].append(t)
+                        done[r] = stop_token_id is not None and t == stop_token_id
+                bar.update(real)
+                return all(done[:real])
+
+            result = self.engine.run_block(batches, steps, sampler, on_tokens, keep_logits)
+            prefill += result["times"][0]
+            decode += sum(result["times"][1:])
+            outputs += rows[:real]
+            if keep_logits:
+                per_step = [torch.cat(step) for step in result["logits"]]
+                stacked = torch.stack(per_step, dim=1)  # [block, steps, vocab]
+                logits += list(stacked[:real])
+        bar.close()
+        projected = bool(cut_gen_len and cut_gen_len < gen_len)
+        if projected and steps > 1:
+            decode = decode / (steps - 1) * (gen_len - 1)
+        texts = [self.tokenizer.decode(o) if self.tokenizer else "" for o in outputs]
+        return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
+                          gen_len if projected else steps, projected, logits)
+
+    def _pad_batches(self, chunk: list[list[int]]):
+        """Left-pad a block's prompts to one length and cut it into GPU batches."""
+        length = max(map(len, chunk))
+        pad = self.cfg.pad_token_id
+        ids = torch.tensor([[pad] * (length - len(p)) + p for p in chunk])
+        valid = torch.tensor([[False] * (length - len(p)) + [True] * len(p) for p in chunk])
+        b = self.policy.gpu_batch_size
+        return [(ids[i:i + b], valid[i:i + b]) for i in range(0, len(chunk), b)]
+
+    # ---- sizes for the report ---------------------------------------------------------------
+    def weight_bytes_by_tier(self) -> dict[str, int]:
+        out = {t: 0 for t in TIERS}
+        for tensor in self.engine.weights.values():
+            for t, n in tensor.bytes_by_tier().items():
+                out[t] += n
+        return out
+
+
+def check_lengths(cfg: ModelConfig, prompt_len: int, gen_len: int) -> None:
+    if prompt_len < 1 or gen_len < 1:
+        raise ConfigError(f"prompt length and --gen-len must be at least 1 "
+                          f"(got {prompt_len} and {gen_len})")
+    if prompt_len + gen_len > cfg.max_positions:
+        raise ConfigError(
+            f"prompt ({prompt_len} tokens) plus --gen-len ({gen_len}) is {prompt_len + gen_len}, "
+            f"over {cfg.name}'s maximum of {cfg.max_positions} positions; shorten one of them")

@@ -1,0 +1,104 @@
+"""Model configurations and the registry of known models."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of one decoder-only transformer."""
+
+    name: str
+    family: str  # "opt" or "llama": picks the math module in flexgen_infinigen.models
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+    # OPT only: width of the token embedding when it differs from hidden_size (opt-350m)
+    word_embed_proj_dim: int = 0
+    # OPT only: pre-LayerNorm (True for every OPT except opt-350m)
+    do_layer_norm_before: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def embed_dim(self) -> int:
+        return self.word_embed_proj_dim or self.hidden_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _opt(name, hidden, layers, heads, ffn=None, **kw) -> ModelConfig:
+    return ModelConfig(
+        name=name, family="opt", vocab_size=50272, hidden_size=hidden,
+        intermediate_size=ffn or 4 * hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, max_positions=2048, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=2, pad_token_id=1, **kw)
+
+
+def _llama(name, hidden, layers, heads, kv_heads, ffn, vocab=32000, max_pos=4096,
+           theta=10000.0, tie=False, bos=1, eos=2, pad=0) -> ModelConfig:
+    return ModelConfig(
+        name=name, family="llama", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=ffn, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        max_positions=max_pos, rope_theta=theta, tie_word_embeddings=tie,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
+DEFAULT_MODEL = "smollm2-135m"
+
+KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
+    _opt("opt-125m", 768, 12, 12),
+    _opt("opt-350m", 1024, 24, 16, word_embed_proj_dim=512, do_layer_norm_before=False),
+    _opt("opt-1.3b", 2048, 24, 32),
+    _opt("opt-2.7b", 2560, 32, 32),
+    _opt("opt-6.7b", 4096, 32, 32),
+    _opt("opt-13b", 5120, 40, 40),
+    _opt("opt-30b", 7168, 48, 56),
+    _opt("opt-66b", 9216, 64, 72),
+    _opt("opt-175b", 12288, 96, 96),
+    _llama("llama-2-7b", 4096, 32, 32, 32, 11008),
+    _llama("llama-2-13b", 5120, 40, 40, 40, 13824),
+    _llama("llama-2-70b", 8192, 80, 64, 8, 28672),
+    _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab=128256, max_pos=8192, theta=500000.0,
+           bos=128000, eos=128001, pad=128001),
+    _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab=49152, max_pos=8192, theta=100000.0,
+           tie=True, bos=1, eos=2, pad=2),
+]}
+
+
+class ConfigError(ValueError):
+    """A bad user input, reported as one line that names the fix."""
+
+
+def get_config(name: str) -> ModelConfig:
+    key = name.lower()
+    if key.startswith("facebook/"):
+        key = key.split("/", 1)[1]
+    if key not in KNOWN_MODELS:
+        raise ConfigError(
+            f"unknown model {name!r}; pick one of: {', '.join(KNOWN_MODELS)} "
+            "(or pass --path to a converted weight store)")
+    return KNOWN_MODELS[key]

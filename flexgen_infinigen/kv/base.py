@@ -1,0 +1,70 @@
+"""The KV cache policy interface: what the engine asks of a cache, whatever it keeps or moves.
+
+One :class:`KVCache` holds the keys and values of one layer for one GPU batch.
+The engine drives it through a decode step in three calls, which the
+overlapped schedule may run on different streams:
+
+* ``load(length)``: bring to the compute device what decode attention will read
+  (issued one schedule step ahead, overlapped with other compute);
+* ``attend(loaded, q, k_new, v_new, valid)``: attention of the new token;
+* ``store_token(k_new, v_new, position)``: keep the new token's key and value.
+
+``store_prompt`` keeps the prompt's keys and values after prefill.
+Shapes: q ``[b, s, H, d]``; k, v ``[b, s, KV, d]``; ``valid`` ``[b, length + s]``
+(True for real tokens, False for left padding).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..tiers import Tiers
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything a policy needs to build the cache of one (layer, GPU batch)."""
+
+    tiers: Tiers
+    layer: int
+    batch_size: int
+    max_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    fractions: tuple[float, float, float]
+    compress: bool
+    cpu_compute: bool
+
+
+class KVCache(ABC):
+    @abstractmethod
+    def store_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     valid: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def load(self, length: int): ...
+
+    @abstractmethod
+    def attend(self, loaded, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def store_token(self, k_new: torch.Tensor, v_new: torch.Tensor, position: int) -> None: ...
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {}
+
+
+class KVPolicy(ABC):
+    """Makes caches and reports what they moved; one instance per engine."""
+
+    name = "base"
+
+    @abstractmethod
+    def make_cache(self, spec: CacheSpec) -> KVCache: ...
+
+    def report(self) -> dict:
+        return {"kv_policy": self.name}

@@ -1,0 +1,73 @@
+"""The full KV cache: every cached token's key and value is read at every decode step."""
+from __future__ import annotations
+
+import torch
+
+from ..attention import attend, mask_bias
+from ..tiered import TieredTensor
+from ..tiers import DEVICE, HOST
+from .base import CacheSpec, KVCache, KVPolicy
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, KV, d] -> [s, b*KV, d], the token-major layout the cache is stored in."""
+    b, s, kv, d = x.shape
+    return x.permute(1, 0, 2, 3).reshape(s, b * kv, d)
+
+
+def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """[s, b*KV, d] -> [b, s, KV, d]."""
+    s, _, d = x.shape
+    return x.view(s, batch, -1, d).permute(1, 0, 2, 3)
+
+
+class FullCache(KVCache):
+    def __init__(self, spec: CacheSpec):
+        self.spec = spec
+        shape = (spec.max_len, spec.batch_size * spec.kv_heads, spec.head_dim)
+        self.k, self.v = (TieredTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
+                                       split_dim=1, compress=spec.compress) for _ in range(2))
+        # attention on the CPU, where the cache lives (only q and the output cross the link)
+        self.cpu_compute = spec.cpu_compute
+
+    def store_prompt(self, q, k, v, valid) -> None:
+        self.k.write(to_rows(k), slice(0, k.shape[1]))
+        self.v.write(to_rows(v), slice(0, v.shape[1]))
+
+    def load(self, length: int):
+        if self.cpu_compute:
+            return None
+        rows = slice(0, length)
+        return self.k.read(rows), self.v.read(rows)
+
+    def attend(self, loaded, q, k_new, v_new, valid) -> torch.Tensor:
+        b = self.spec.batch_size
+        length = valid.shape[1] - q.shape[1]
+        tiers = self.spec.tiers
+        if self.cpu_compute:
+            q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))
+            rows = slice(0, length)
+            loaded = self.k.read(rows, to=HOST), self.v.read(rows, to=HOST)
+            valid = valid.cpu()
+        k = torch.cat([from_rows(loaded[0], b), k_new], dim=1)
+        v = torch.cat([from_rows(loaded[1], b), v_new], dim=1)
+        out = attend(q, k, v, mask_bias(valid, q.shape[1], q.dtype))
+        if self.cpu_compute:
+            out = tiers.to_compute(out, HOST, "activations")
+        return out
+
+    def store_token(self, k_new, v_new, position: int) -> None:
+        rows = slice(position, position + k_new.shape[1])
+        self.k.write(to_rows(k_new), rows)
+        self.v.write(to_rows(v_new), rows)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        a, b = self.k.bytes_by_tier(), self.v.bytes_by_tier()
+        return {t: a[t] + b[t] for t in a}
+
+
+class FullPolicy(KVPolicy):
+    name = "full"
+
+    def make_cache(self, spec: CacheSpec) -> KVCache:
+        return FullCache(spec)

@@ -1,0 +1,80 @@
+"""Building an engine: pick the device and dtype, find the weights, place them on the tiers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import ConfigError, ModelConfig, get_config
+from .models import family_of
+from .policy import Policy
+from .tiered import TieredTensor
+from .tiers import Tiers
+from .weights.sources import DummySource, StoreSource
+from .weights.store import WeightStore
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible; "
+                          "use --device cpu or --device auto")
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cuda or cpu (got {name!r})")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0,
+                 progress: bool = True):
+    """(config, source, store or None) for a model name, a store folder, or dummy weights."""
+    if dummy:
+        if model is None:
+            raise ConfigError("--dummy needs --model NAME to know the shapes")
+        cfg = get_config(model)
+        return cfg, DummySource(cfg, seed), None
+    if path is None:
+        if model is not None and get_config(model).name != "smollm2-135m":
+            raise ConfigError(
+                f"no weights for {model}: pass --path to a weight store converted with "
+                "`python -m flexgen_infinigen.convert`, or --dummy for random weights")
+        from .weights.embedded import default_model_store
+        path = default_model_store(progress=progress)
+    if not Path(path).exists():
+        raise ConfigError(f"weight folder {path} does not exist; convert a checkpoint with "
+                          "`python -m flexgen_infinigen.convert` or use --dummy")
+    store = WeightStore(path)
+    cfg = store.config
+    if model is not None and get_config(model).name != cfg.name:
+        known = get_config(model)
+        if family_of(known).weight_shapes(known) != family_of(cfg).weight_shapes(cfg):
+            raise ConfigError(f"--model {model} does not match the store at {path} "
+                              f"(which holds {cfg.name}); drop --model or fix --path")
+    store.check(family_of(cfg).weight_shapes(cfg))
+    return cfg, StoreSource(store), store
+
+
+def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype: torch.dtype,
+                  progress: bool = True) -> dict[str, TieredTensor]:
+    """Every weight, split along its rows across the tiers as the policy's percentages say."""
+    shapes = family_of(cfg).weight_shapes(cfg)
+    placed = {}
+    for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
+                            disable=not progress, leave=False):
+        tensor = TieredTensor(tiers, shape, dtype, policy.weight_split, "weights",
+                              compress=policy.compress_weight, pin=policy.pin_weight)
+        tensor.write(source(name, shape).to(dtype), src_tier="host")
+        placed[name] = tensor
+    tiers.reset_counters()
+    return placed

@@ -1,0 +1,114 @@
+"""How many bytes a policy needs on each tier, checked against what the machine has.
+
+The check runs before any weight is placed, so an impossible policy fails in a
+second with one line that says which tier is short and what to change.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .compression import GROUP_SIZE, can_compress
+from .config import ConfigError, ModelConfig
+from .models import family_of
+from .policy import Policy
+from .tiered import split_sizes
+from .tiers import DEVICE, DISK, HOST, TIERS
+
+GIB = 1 << 30
+
+
+def _compressed_bytes(shape, itemsize: int) -> int:
+    groups = math.prod(shape) // GROUP_SIZE
+    return groups * (GROUP_SIZE // 2 + 2 * itemsize)
+
+
+def _split_bytes(shape, split_dim: int, fractions, itemsize: int, compress: bool) -> list[int]:
+    sizes = split_sizes(shape[split_dim], fractions)
+    out = []
+    for size in sizes:
+        seg = list(shape)
+        seg[split_dim] = size
+        if compress and can_compress(tuple(shape)):
+            out.append(_compressed_bytes(seg, itemsize))
+        else:
+            out.append(math.prod(seg) * itemsize)
+    return out
+
+
+def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
+         gen_len: int) -> dict[str, dict[str, int]]:
+    """Bytes per tier for weights, KV cache, activations, and the device's working set."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    shapes = family_of(cfg).weight_shapes(cfg)
+    weights = [0, 0, 0]
+    for shape in shapes.values():
+        for t, n in enumerate(_split_bytes(shape, 0, policy.weight_split, item,
+                                           policy.compress_weight)):
+            weights[t] += n
+    b, max_len = policy.gpu_batch_size, prompt_len + gen_len
+    cache_shape = (max_len, b * cfg.num_kv_heads, cfg.head_dim)
+    per_cache = _split_bytes(cache_shape, 1, policy.cache_split, item, policy.compress_cache)
+    n_caches = 2 * cfg.num_layers * policy.num_gpu_batches
+    cache = [n * n_caches for n in per_cache]
+    act_shape = (b, prompt_len, cfg.hidden_size)
+    act = [n * policy.num_gpu_batches
+           for n in _split_bytes(act_shape, 0, policy.act_split, item, False)]
+    # working set on the device: two stages of weights in flight, one batch's full cache,
+    # prefill activations and attention scores (float32)
+    biggest_stage = max(sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
+                        (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp")))
+    biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim) * item
+    working = (2 * biggest_stage + 2 * per_cache[1] + per_cache[2] * 2
+               + 4 * b * cfg.num_heads * prompt_len * prompt_len
+               + 8 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
+               + b * cfg.vocab_size * 4)
+    totals = {t: weights[i] + cache[i] + act[i] for i, t in enumerate(TIERS)}
+    totals[DEVICE] += working
+    return {"weights": dict(zip(TIERS, weights)), "kv_cache": dict(zip(TIERS, cache)),
+            "activations": dict(zip(TIERS, act)), "working_set_device": working,
+            "total": totals}
+
+
+def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
+    """Bytes free on each tier of this machine."""
+    host = _host_available()
+    if device.type == "cuda":
+        free_dev, _ = torch.cuda.mem_get_info(device)
+    else:
+        free_dev = host  # the compute device is the CPU: device and host share memory
+    disk = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
+    return {DEVICE: free_dev, HOST: host, DISK: disk}
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fit(need: dict, have: dict[str, int], device: torch.device) -> None:
+    total = need["total"]
+    shared = device.type != "cuda"
+    checks = [(DEVICE, total[DEVICE] + (total[HOST] if shared else 0)), (DISK, total[DISK])]
+    if not shared:
+        checks.insert(1, (HOST, total[HOST]))
+    hints = {DEVICE: "lower the GPU percentages in --percent (wg cg hg) or --gpu-batch-size",
+             HOST: "move more to disk (lower wc cc hc in --percent) or lower --gpu-batch-size",
+             DISK: "free disk space under --offload-dir or keep more in memory"}
+    for tier, n in checks:
+        if n > have[tier]:
+            label = "memory (device and host share it here)" if shared and tier == DEVICE \
+                else f"{tier} memory" if tier != DISK else "disk space"
+            raise ConfigError(
+                f"this policy needs {n / GIB:.1f} GiB of {label} but only "
+                f"{have[tier] / GIB:.1f} GiB is free; {hints[tier]}")

@@ -1,0 +1,15 @@
+"""Model families: each is a small module of math with the same functions.
+
+A family module provides ``weight_shapes``, ``stage_weights``, ``embed``,
+``attn_input``, ``attn_qkv``, ``attn_out``, ``mlp`` and ``head``. The engine
+calls only these; it never asks which family it runs.
+"""
+from types import ModuleType
+
+from . import llama, opt
+
+FAMILIES: dict[str, ModuleType] = {"opt": opt, "llama": llama}
+
+
+def family_of(cfg) -> ModuleType:
+    return FAMILIES[cfg.family]

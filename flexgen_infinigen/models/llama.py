@@ -1,0 +1,88 @@
+"""Llama-family math: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_dim
+    shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (h,), p + "q_proj.weight": (h, h),
+            p + "k_proj.weight": (kv, h), p + "v_proj.weight": (kv, h),
+            p + "o_proj.weight": (h, h),
+            p + "mlp_norm.weight": (h,), p + "gate_proj.weight": (f, h),
+            p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f),
+        })
+    return shapes
+
+
+def stage_weights(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Weight names used by each schedule stage; layer stages use a ``layers.{i}.`` prefix."""
+    head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return {
+        "embed": ["embed.weight"],
+        "attn": ["attn_norm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                 "o_proj.weight"],
+        "mlp": ["mlp_norm.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight"],
+        "head": head,
+    }
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x`` [b, s, heads, d] by the angles of ``positions`` [b, s] (half-split layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.float()[..., None] * inv_freq  # [b, s, d/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = torch.cat([-x2, x1], -1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, w["embed.weight"])
+
+
+def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """The normalized attention input (what InfiniGen's rehearsal multiplies)."""
+    return rms_norm(h, w["attn_norm.weight"], cfg.norm_eps)
+
+
+def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, positions: torch.Tensor):
+    """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied."""
+    b, s, _ = x.shape
+    q = F.linear(x, w["q_proj.weight"]).view(b, s, cfg.num_heads, cfg.head_dim)
+    k = F.linear(x, w["k_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
+    v = F.linear(x, w["v_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
+    return rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta), v
+
+
+def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    return h + F.linear(attn, w["o_proj.weight"])
+
+
+def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    x = rms_norm(h, w["mlp_norm.weight"], cfg.norm_eps)
+    gated = F.silu(F.linear(x, w["gate_proj.weight"])) * F.linear(x, w["up_proj.weight"])
+    return h + F.linear(gated, w["down_proj.weight"])
+
+
+def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
+    x = rms_norm(h, w["final_norm.weight"], cfg.norm_eps)
+    table = w["embed.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+    return F.linear(x, table)

@@ -1,0 +1,80 @@
+"""The offloading policy: where weights, KV cache and activations live, and batch shape."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Placement percentages (the disk tier gets what GPU and CPU leave) and schedule switches.
+
+    ``gpu`` in the names means the compute device, which is the CPU on a machine without CUDA.
+    """
+
+    gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
+    w_gpu_percent: float = 100
+    w_cpu_percent: float = 0
+    cache_gpu_percent: float = 100
+    cache_cpu_percent: float = 0
+    act_gpu_percent: float = 100
+    act_cpu_percent: float = 0
+    overlap: bool = True
+    sep_layer: bool = True
+    pin_weight: bool = True
+    cpu_cache_compute: bool = False
+    compress_weight: bool = False
+    compress_cache: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @staticmethod
+    def _split(gpu: float, cpu: float) -> tuple[float, float, float]:
+        return gpu / 100, cpu / 100, max(0.0, (100 - gpu - cpu) / 100)
+
+    @property
+    def weight_split(self) -> tuple[float, float, float]:
+        return self._split(self.w_gpu_percent, self.w_cpu_percent)
+
+    @property
+    def cache_split(self) -> tuple[float, float, float]:
+        return self._split(self.cache_gpu_percent, self.cache_cpu_percent)
+
+    @property
+    def act_split(self) -> tuple[float, float, float]:
+        return self._split(self.act_gpu_percent, self.act_cpu_percent)
+
+    def validate(self) -> "Policy":
+        names = ["weights", "cache", "activations"]
+        pairs = [(self.w_gpu_percent, self.w_cpu_percent),
+                 (self.cache_gpu_percent, self.cache_cpu_percent),
+                 (self.act_gpu_percent, self.act_cpu_percent)]
+        for what, (g, c) in zip(names, pairs):
+            for v in (g, c):
+                if not 0 <= v <= 100:
+                    raise ConfigError(f"--percent value {v} for {what} is outside 0..100; "
+                                      "give six numbers between 0 and 100")
+            if g + c > 100:
+                raise ConfigError(f"--percent for {what} puts {g}% on GPU and {c}% on CPU, over "
+                                  "100 in all; make each GPU+CPU pair sum to at most 100")
+        for flag, v in [("--gpu-batch-size", self.gpu_batch_size),
+                        ("--num-gpu-batches", self.num_gpu_batches)]:
+            if v < 1:
+                raise ConfigError(f"{flag} must be at least 1 (got {v})")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_percent(cls, percent: list[float], **kw) -> "Policy":
+        if len(percent) != 6:
+            raise ConfigError(f"--percent takes six numbers (wg wc cg cc hg hc), got {len(percent)}")
+        wg, wc, cg, cc, hg, hc = percent
+        return cls(w_gpu_percent=wg, w_cpu_percent=wc, cache_gpu_percent=cg,
+                   cache_cpu_percent=cc, act_gpu_percent=hg, act_cpu_percent=hc, **kw).validate()

@@ -1,0 +1,40 @@
+"""Choosing the next token: greedy, or temperature with nucleus (top-p) sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> "SamplingConfig":
+        from .config import ConfigError
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        return self
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Token ids [b] from last-position logits [b, vocab] (computed on the CPU in float32)."""
+        logits = logits.float().cpu()
+        if self.config.temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / self.config.temperature, dim=-1)
+        if self.config.top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p
+            sorted_p = sorted_p.masked_fill(before >= self.config.top_p, 0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

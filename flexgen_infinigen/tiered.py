@@ -1,0 +1,104 @@
+"""A tensor split across the three tiers along one dimension, optionally 4-bit compressed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import compression
+from .tiers import DEVICE, DISK, HOST, TIERS, Tiers, nbytes
+
+
+def split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
+    """Split ``n`` items into device/host/disk counts that follow ``fractions`` to the item."""
+    dev = round(n * fractions[0])
+    dev_host = round(n * (fractions[0] + fractions[1]))
+    return [dev, dev_host - dev, n - dev_host]
+
+
+@dataclass
+class Segment:
+    tier: str
+    start: int
+    stop: int
+    data: torch.Tensor | compression.Packed
+
+
+class TieredTensor:
+    """``shape`` split along ``split_dim`` into device, host and disk segments.
+
+    Rows along dim 0 can be read or written in place (a KV cache appends one
+    token row at a time); a compressed tensor keeps 4-bit codes in every tier
+    and is decompressed only where it is used.
+    """
+
+    def __init__(self, tiers: Tiers, shape: tuple[int, ...], dtype: torch.dtype,
+                 fractions: tuple[float, float, float], kind: str, split_dim: int = 0,
+                 compress: bool = False, pin: bool = True):
+        self.tiers, self.shape, self.dtype, self.kind = tiers, tuple(shape), dtype, kind
+        self.split_dim = split_dim
+        self.compressed = compress and compression.can_compress(self.shape)
+        self.segments: list[Segment] = []
+        start = 0
+        for tier, size in zip(TIERS, split_sizes(self.shape[split_dim], fractions)):
+            if size == 0:
+                continue
+            seg_shape = list(self.shape)
+            seg_shape[split_dim] = size
+            self.segments.append(Segment(tier, start, start + size,
+                                         self._alloc(tier, tuple(seg_shape), pin)))
+            start += size
+
+    def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
+        if not self.compressed:
+            return self.tiers.empty(tier, shape, self.dtype, pin)
+        cs, ss, ms = compression.packed_shapes(shape)
+        return compression.Packed(self.tiers.empty(tier, cs, torch.uint8, pin),
+                                  self.tiers.empty(tier, ss, self.dtype, pin),
+                                  self.tiers.empty(tier, ms, self.dtype, pin), shape)
+
+    # ---- sizes ------------------------------------------------------------------------------
+    def bytes_by_tier(self) -> dict[str, int]:
+        out = {t: 0 for t in TIERS}
+        for seg in self.segments:
+            out[seg.tier] += seg.data.nbytes if self.compressed else nbytes(seg.data)
+        return out
+
+    @property
+    def on_device_only(self) -> bool:
+        return all(seg.tier == DEVICE for seg in self.segments)
+
+    # ---- reads and writes -------------------------------------------------------------------
+    def _move(self, t: torch.Tensor, tier: str, to: str) -> torch.Tensor:
+        if to == DEVICE:
+            return self.tiers.to_compute(t, tier, self.kind)
+        return self.tiers.to_host(t, tier, self.kind)
+
+    def read(self, rows: slice | None = None, to: str = DEVICE) -> torch.Tensor:
+        """Rows ``rows`` (along dim 0) of the whole tensor, brought to ``to`` and decompressed."""
+        sel = slice(None) if rows is None else rows
+        parts = []
+        for seg in self.segments:
+            if self.compressed:
+                packed = seg.data
+                moved = [self._move(p[sel], seg.tier, to) for p in packed.parts]
+                parts.append(compression.decompress(compression.Packed(*moved, packed.shape)))
+            else:
+                parts.append(self._move(seg.data[sel], seg.tier, to))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
+
+    def write(self, src: torch.Tensor, rows: slice | None = None, src_tier: str = DEVICE) -> None:
+        """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place."""
+        sel = slice(None) if rows is None else rows
+        for seg in self.segments:
+            piece = src.narrow(self.split_dim, seg.start, seg.stop - seg.start)
+            if self.compressed:
+                packed = compression.compress(piece)
+                for dst, part in zip(seg.data.parts, packed.parts):
+                    self.tiers.write(dst[sel], seg.tier, part, self.kind, src_tier)
+            else:
+                self.tiers.write(seg.data[sel], seg.tier, piece, self.kind, src_tier)
+
+
+def host_or_disk(tier: str) -> bool:
+    return tier in (HOST, DISK)

@@ -1,0 +1,137 @@
+"""Text <-> token ids through Hugging Face ``tokenizers``, found next to the weights.
+
+Nothing here touches the network: a tokenizer comes from a weight store's
+``tokenizer.json`` or from a local Hugging Face checkpoint folder, or not at all
+(``load_tokenizer`` returns None and callers work with token ids).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import ModelConfig
+
+MANIFEST = "manifest.json"  # mirrors weights.store.MANIFEST without importing numpy
+
+
+class Tokenizer:
+    """A thin wrapper over ``tokenizers.Tokenizer`` that knows the model's special ids."""
+
+    def __init__(self, tok, add_bos: bool = False, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None):
+        self.tok = tok
+        self.add_bos = add_bos and bos_token_id is not None
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else eos_token_id
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, cfg: ModelConfig | None = None,
+                  add_bos: bool | None = None) -> Tokenizer:
+        """Load a ``tokenizer.json``; ``add_bos=None`` asks the file (then the model family)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        tok = HFTokenizer.from_file(str(path))
+        if add_bos is None:
+            add_bos = _config_add_bos(path.parent)
+        if add_bos is None:
+            add_bos = _template_adds_bos(tok)
+        return cls._with_ids(tok, cfg, add_bos)
+
+    @classmethod
+    def _with_ids(cls, tok, cfg: ModelConfig | None, add_bos: bool | None) -> Tokenizer:
+        if add_bos is None:
+            add_bos = cfg is not None and cfg.family == "opt"
+        if cfg is not None:
+            return cls(tok, add_bos, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+        bos = _first_id(tok, ["<s>", "<|begin_of_text|>", "<|im_start|>"])
+        eos = _first_id(tok, ["</s>", "<|end_of_text|>", "<|endoftext|>"])
+        return cls(tok, add_bos, bos, eos, _first_id(tok, ["<pad>"]))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self.add_bos else ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+def _first_id(tok, candidates: list[str]) -> int | None:
+    for text in candidates:
+        idx = tok.token_to_id(text)
+        if idx is not None:
+            return idx
+    return None
+
+
+def _config_add_bos(folder: Path) -> bool | None:
+    """``add_bos_token`` from a checkpoint's tokenizer_config.json, when it says."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("add_bos_token")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
+def _template_adds_bos(tok) -> bool | None:
+    """True when the file's post-processor is a template that starts with a special token."""
+    proc = json.loads(tok.to_str()).get("post_processor") or {}
+    if proc.get("type") == "Sequence":
+        procs = proc.get("processors", [])
+        proc = next((p for p in procs if p.get("type") == "TemplateProcessing"), {})
+    if proc.get("type") != "TemplateProcessing":
+        return None
+    single = proc.get("single") or [{}]
+    return "SpecialToken" in single[0]
+
+
+def _byte_level_bpe(folder: Path, cfg: ModelConfig | None, add_bos: bool | None) -> Tokenizer:
+    """A GPT-2 style tokenizer from ``vocab.json`` + ``merges.txt`` (what OPT ships)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    model = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    tok = HFTokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [t for t in ("<s>", "<pad>", "</s>", "<unk>", "<|endoftext|>")
+                if tok.token_to_id(t) is not None]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return Tokenizer._with_ids(tok, cfg, add_bos)
+
+
+def load_tokenizer(store_or_folder, cfg: ModelConfig | None = None) -> Tokenizer | None:
+    """The tokenizer of a weight store (object or folder) or of a HF checkpoint folder, or None."""
+    if store_or_folder is None:
+        return None
+    if hasattr(store_or_folder, "manifest"):  # an open WeightStore
+        cfg = cfg or store_or_folder.config
+        return _from_store_file(store_or_folder.tokenizer_path, cfg)
+    folder = Path(store_or_folder)
+    if folder.is_file():  # a tokenizer.json passed directly
+        return Tokenizer.from_file(folder, cfg)
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        info = json.loads(manifest.read_text())
+        if cfg is None and "config" in info:
+            cfg = ModelConfig.from_dict(info["config"])
+        name = info.get("tokenizer")
+        return _from_store_file(folder / name if name else None, cfg)
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_file(folder / "tokenizer.json", cfg)
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return _byte_level_bpe(folder, cfg, _config_add_bos(folder))
+    return None
+
+
+def _from_store_file(path: Path | None, cfg: ModelConfig | None) -> Tokenizer | None:
+    return Tokenizer.from_file(path, cfg) if path is not None and path.is_file() else None

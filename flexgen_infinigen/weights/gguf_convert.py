@@ -1,0 +1,213 @@
+"""Convert a llama-architecture GGUF file into a weight store.
+
+Every tensor is dequantized to float32 and renamed to the store's canonical
+names. llama.cpp stores ``attn_q``/``attn_k`` with the rows of each head
+interleaved for its rotary kernel; we undo that so the store matches Hugging
+Face's ``LlamaForCausalLM`` layout (the ``rotate_half`` convention that
+:func:`flexgen_infinigen.models.llama.rotary` implements). The GGUF tokenizer
+metadata becomes a Hugging Face ``tokenizer.json`` stored next to the weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..config import KNOWN_MODELS, ConfigError, ModelConfig
+from ..models import llama
+from .store import StoreWriter
+
+GGUF_MAGIC = b"GGUF"
+TOKEN_TYPE_CONTROL = 3
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "final_norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "attn_norm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+    "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj", "ffn_down": "down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def store_name(gguf_name: str) -> str:
+    """The store name of a GGUF tensor name; ConfigError for tensors we cannot use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    raise ConfigError(f"GGUF tensor {gguf_name!r} is not supported by the llama model; "
+                      "use a plain llama-architecture GGUF")
+
+
+def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's conversion of HF q/k rows: per head, halves [a | b] -> interleaved pairs."""
+    out, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, 2, out // n_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Exact inverse of :func:`permute_rotary`: back to HF's half-split rotary layout."""
+    out, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ConfigError(f"GGUF file {path} does not exist; check the path")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ConfigError(f"{path} is not a GGUF file; pass a .gguf model file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # corrupt or truncated files raise assorted errors
+        raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "gguf-model"
+
+
+def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
+    """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"GGUF {source} has architecture {arch!r}; only 'llama' GGUF files "
+                          "can be converted")
+    p = "llama."
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ConfigError(f"GGUF {source} has no token_embd.weight; it is not a complete model")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, p + "vocab_size") or (len(tokens) if tokens else None)
+    vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
+    hidden = int(_field(reader, p + "embedding_length"))
+    heads = int(_field(reader, p + "attention.head_count"))
+    rope_dim = _field(reader, p + "rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != hidden // heads:
+        raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
+                          f"{hidden // heads} dims), which this runtime does not support")
+    scaling = _field(reader, p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which this runtime "
+                          "does not support; use a model without rope scaling")
+    meta = ModelConfig(
+        name=name or _slug(_field(reader, "general.name") or Path(source).stem),
+        family="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        max_positions=int(_field(reader, p + "context_length", 2048)),
+        norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+    )
+    if name is None or name not in KNOWN_MODELS:
+        return meta
+    known = KNOWN_MODELS[name]
+    for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "tie_word_embeddings"):
+        if getattr(known, field) != getattr(meta, field):
+            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
+                              f"{name} has {getattr(known, field)}; pick the matching --model")
+    for field in ("norm_eps", "rope_theta"):
+        if not math.isclose(getattr(known, field), getattr(meta, field), rel_tol=1e-5):
+            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
+                              f"{name} has {getattr(known, field)}; pick the matching --model")
+    return known
+
+
+def tokenizer_json_from_gguf(reader) -> str | None:
+    """A Hugging Face tokenizer.json for a GGUF "gpt2" (byte-level BPE) vocabulary, else None."""
+    if _field(reader, "tokenizer.ggml.model") != "gpt2":
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    if any(len(m) != 2 for m in merges):
+        raise ConfigError("GGUF tokenizer has malformed merges; re-download the GGUF file")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        # Record "this model wants a BOS" the way HF tokenizer.json files do.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], int(bos))])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = [t for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=1)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
+                 name: str | None = None, progress: bool = True) -> Path:
+    """Convert ``gguf_path`` into a weight store at ``dest`` (written atomically)."""
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    src, dest = Path(gguf_path), Path(dest)
+    reader = _open_reader(src)
+    cfg = config_from_gguf(reader, name, str(src))
+    expected = llama.weight_shapes(cfg)
+    seen = set()
+    with StoreWriter(dest, cfg, source=f"gguf:{src.name}") as writer:
+        for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
+                      disable=not progress):
+            key = store_name(t.name)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+            if key not in expected:
+                raise ConfigError(f"GGUF tensor {t.name!r} is not part of {cfg.name}; "
+                                  "the file does not match the model config")
+            try:
+                w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            except NotImplementedError as e:
+                raise ConfigError(f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which "
+                                  "cannot be dequantized; use another quantization") from e
+            w = w.reshape(shape)
+            if shape != expected[key]:
+                raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
+                                  f"wants {expected[key]}; the file does not match the model")
+            if key.endswith("q_proj.weight"):
+                w = unpermute_rotary(w, cfg.num_heads)
+            elif key.endswith("k_proj.weight"):
+                w = unpermute_rotary(w, cfg.num_kv_heads)
+            writer.add(key, w)
+            seen.add(key)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise ConfigError(f"GGUF {src} lacks {len(missing)} tensors (e.g. {missing[0]!r}); "
+                              "the file is incomplete, re-download it")
+        text = tokenizer_json_from_gguf(reader)
+        if text is not None:
+            writer.add_tokenizer_json(text)
+    return dest

@@ -1,0 +1,99 @@
+"""The on-disk weight store: one memory-mappable ``.npy`` file per tensor.
+
+Layout of a store folder::
+
+    manifest.json      {"format": 1, "config": {...}, "tensors": {name: {"shape", "dtype"}},
+                        "tokenizer": "tokenizer.json" | null, "source": "..."}
+    <name>.npy         one file per tensor, written with numpy (never pickled)
+    tokenizer.json     a Hugging Face ``tokenizers`` file, when one is known
+
+A store is written into a temporary sibling folder and renamed into place only
+after every tensor and the manifest are on disk, so an interrupted conversion
+never leaves a folder that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError, ModelConfig
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class StoreWriter:
+    """Writes a store atomically: ``with StoreWriter(dest, cfg) as w: w.add(name, array)``."""
+
+    def __init__(self, dest: str | os.PathLike, config: ModelConfig, source: str = ""):
+        self.dest = Path(dest)
+        self.config = config
+        self.source = source
+        self.tmp = self.dest.parent / f".{self.dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.tensors: dict[str, dict] = {}
+        self.tokenizer_file: str | None = None
+
+    def __enter__(self) -> "StoreWriter":
+        self.tmp.mkdir(parents=True)
+        return self
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
+        self.tensors[name] = {"shape": list(array.shape), "dtype": str(array.dtype)}
+
+    def add_tokenizer_json(self, text: str) -> None:
+        (self.tmp / "tokenizer.json").write_text(text, encoding="utf-8")
+        self.tokenizer_file = "tokenizer.json"
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        manifest = {"format": FORMAT_VERSION, "config": self.config.to_dict(),
+                    "tensors": self.tensors, "tokenizer": self.tokenizer_file,
+                    "source": self.source}
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if self.dest.exists():
+            shutil.rmtree(self.dest)
+        os.replace(self.tmp, self.dest)
+
+
+class WeightStore:
+    """Read access to a finished store; tensors come back memory-mapped."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise ConfigError(
+                f"{self.path} is not a weight store (no {MANIFEST}); convert weights with "
+                "`python -m flexgen_infinigen.convert` or use --dummy")
+        self.manifest = json.loads(manifest_path.read_text())
+        self.config = ModelConfig.from_dict(self.manifest["config"])
+        self.tensors: dict[str, dict] = self.manifest["tensors"]
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Fail with one clear line when a tensor is missing, its file is gone, or its shape is off."""
+        for name, shape in expected.items():
+            info = self.tensors.get(name)
+            if info is None or not (self.path / f"{name}.npy").is_file():
+                raise ConfigError(
+                    f"weight store {self.path} lacks tensor {name!r}; re-run the conversion")
+            if tuple(info["shape"]) != tuple(shape):
+                raise ConfigError(
+                    f"tensor {name!r} in {self.path} has shape {tuple(info['shape'])}, the model "
+                    f"config wants {tuple(shape)}; the store does not match --model, re-convert it")
+
+    def load(self, name: str) -> np.ndarray:
+        return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        tok = self.manifest.get("tokenizer")
+        return self.path / tok if tok else None
