@@ -18,7 +18,7 @@ from .engine import Engine
 from .kv import make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
-from .sampling import Sampler, SamplingConfig
+from .sampling import ForcedTokens, Sampler, SamplingConfig
 from .tiers import TIERS, Tiers
 
 
@@ -104,11 +104,14 @@ class OffloadedLM:
 
     def generate(self, prompts, gen_len: int = 32, sampling: SamplingConfig | None = None,
                  stop_token_id: int | None = -1, cut_gen_len: int | None = None,
-                 keep_logits: bool = False, progress: bool = False) -> Generation:
+                 keep_logits: bool = False, progress: bool = False,
+                 forced=None) -> Generation:
         """Generate ``gen_len`` tokens for each prompt (strings or token id lists).
 
         ``stop_token_id``: -1 means the model's end-of-sequence token; None never stops.
         ``cut_gen_len``: run only that many steps and project the decode latency to ``gen_len``.
+        ``forced``: teacher forcing; one list of ``gen_len`` tokens per prompt that are fed
+        back instead of the sampled ones (the logits still score them).
         """
         sampling = (sampling or SamplingConfig()).validate()
         ids = self.encode(prompts)
@@ -144,7 +147,15 @@ class OffloadedLM:
                 bar.update(real)
                 return all(done[:real])
 
-            result = self.engine.run_block(batches, steps, sampler, on_tokens, keep_logits)
+            chooser = sampler
+            if forced is not None:
+                rows_forced = [list(forced[start + r]) for r in range(real)]
+                rows_forced += [rows_forced[0]] * (block - real)
+                if any(len(f) < steps for f in rows_forced):
+                    raise ConfigError(f"forced tokens must have at least {steps} per prompt")
+                chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]),
+                                       self.policy.gpu_batch_size)
+            result = self.engine.run_block(batches, steps, chooser, on_tokens, keep_logits)
             prefill += result["times"][0]
             decode += sum(result["times"][1:])
             outputs += rows[:real]

@@ -84,14 +84,14 @@ class Engine:
             self.states.append(BatchState(ids.to(dev), valid, positions))
         self._make_caches(len(batches[0][0]), prompt_len + steps)
         lanes = Lanes(dev, self.policy.overlap)
-        times, logits = [], []
+        times, logits, tokens = [], [], []
         try:
             for i in range(steps):
                 start = time.perf_counter()
                 if i > 0:
                     self._advance(tokens)
                 self._iteration(i, lanes)
-                tokens = [sampler(s.logits) for s in self.states]
+                tokens = [sampler(s.logits, i, k) for k, s in enumerate(self.states)]
                 if keep_logits:
                     logits.append([s.logits.float().cpu() for s in self.states])
                 if self.tiers.is_cuda:

@@ -74,7 +74,8 @@ class Policy:
     @classmethod
     def from_percent(cls, percent: list[float], **kw) -> "Policy":
         if len(percent) != 6:
-            raise ConfigError(f"--percent takes six numbers (wg wc cg cc hg hc), got {len(percent)}")
+            raise ConfigError(
+                f"--percent takes six numbers (wg wc cg cc hg hc), got {len(percent)}")
         wg, wc, cg, cc, hg, hc = percent
         return cls(w_gpu_percent=wg, w_cpu_percent=wc, cache_gpu_percent=cg,
                    cache_cpu_percent=cc, act_gpu_percent=hg, act_cpu_percent=hc, **kw).validate()

@@ -26,7 +26,7 @@ class Sampler:
         self.config = config
         self.generator = torch.Generator().manual_seed(config.seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
         """Token ids [b] from last-position logits [b, vocab] (computed on the CPU in float32)."""
         logits = logits.float().cpu()
         if self.config.temperature == 0:
@@ -38,3 +38,14 @@ class Sampler:
             sorted_p = sorted_p.masked_fill(before >= self.config.top_p, 0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+class ForcedTokens:
+    """Teacher forcing: step ``i`` of GPU batch ``k`` returns the given tokens, not a choice."""
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int):
+        self.tokens, self.batch_size = tokens, batch_size  # [block rows, steps]
+
+    def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
+        rows = slice(batch * self.batch_size, (batch + 1) * self.batch_size)
+        return self.tokens[rows, step]

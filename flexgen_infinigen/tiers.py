@@ -118,7 +118,7 @@ class Tiers:
 
     def write(self, dst: torch.Tensor, tier: str, src: torch.Tensor, kind: str,
               src_tier: str = DEVICE) -> None:
-        """Copy ``src`` (held in ``src_tier``) into ``dst`` (held in ``tier``), counting each link."""
+        """Copy ``src`` (in ``src_tier``) into ``dst`` (in ``tier``), counting each link."""
         n = nbytes(src)
         if tier == src_tier:
             dst.copy_(src)

@@ -105,6 +105,9 @@ def _byte_level_bpe(folder: Path, cfg: ModelConfig | None, add_bos: bool | None)
     tok.decoder = decoders.ByteLevel()
     specials = [t for t in ("<s>", "<pad>", "</s>", "<unk>", "<|endoftext|>")
                 if tok.token_to_id(t) is not None]
+    if cfg is not None:  # the model's own special ids must decode to nothing, too
+        ids = (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+        specials += [t for t in map(tok.id_to_token, ids) if t is not None]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return Tokenizer._with_ids(tok, cfg, add_bos)
 

@@ -78,7 +78,8 @@ def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> 
 
 def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = _ln(h, w, "mlp_norm") if cfg.do_layer_norm_before else h
-    x = F.linear(F.relu(F.linear(x, w["fc1.weight"], w["fc1.bias"])), w["fc2.weight"], w["fc2.bias"])
+    x = F.relu(F.linear(x, w["fc1.weight"], w["fc1.bias"]))
+    x = F.linear(x, w["fc2.weight"], w["fc2.bias"])
     h = h + x
     return h if cfg.do_layer_norm_before else _ln(h, w, "mlp_norm")
 

@@ -9,7 +9,6 @@ metadata becomes a Hugging Face ``tokenizer.json`` stored next to the weights.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -74,7 +73,8 @@ def _open_reader(path: Path):
         raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
 
 
-def _field(reader, key: str, default=None):
+def field_value(reader, key: str, default=None):
+    """The decoded value of one GGUF metadata key, or ``default``."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -85,7 +85,7 @@ def _slug(text: str) -> str:
 
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch != "llama":
         raise ConfigError(f"GGUF {source} has architecture {arch!r}; only 'llama' GGUF files "
                           "can be converted")
@@ -93,35 +93,35 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"GGUF {source} has no token_embd.weight; it is not a complete model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, p + "vocab_size") or (len(tokens) if tokens else None)
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = field_value(reader, p + "vocab_size") or (len(tokens) if tokens else None)
     vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
-    hidden = int(_field(reader, p + "embedding_length"))
-    heads = int(_field(reader, p + "attention.head_count"))
-    rope_dim = _field(reader, p + "rope.dimension_count")
+    hidden = int(field_value(reader, p + "embedding_length"))
+    heads = int(field_value(reader, p + "attention.head_count"))
+    rope_dim = field_value(reader, p + "rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != hidden // heads:
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
                           f"{hidden // heads} dims), which this runtime does not support")
-    scaling = _field(reader, p + "rope.scaling.type")
+    scaling = field_value(reader, p + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which this runtime "
                           "does not support; use a model without rope scaling")
     meta = ModelConfig(
-        name=name or _slug(_field(reader, "general.name") or Path(source).stem),
+        name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family="llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_layers=int(_field(reader, p + "block_count")),
+        intermediate_size=int(field_value(reader, p + "feed_forward_length")),
+        num_layers=int(field_value(reader, p + "block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
-        max_positions=int(_field(reader, p + "context_length", 2048)),
-        norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        num_kv_heads=int(field_value(reader, p + "attention.head_count_kv", heads)),
+        max_positions=int(field_value(reader, p + "context_length", 2048)),
+        norm_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field_value(reader, p + "rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        bos_token_id=int(field_value(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
+        pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
     )
     if name is None or name not in KNOWN_MODELS:
         return meta
@@ -140,13 +140,13 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
 
 def tokenizer_json_from_gguf(reader) -> str | None:
     """A Hugging Face tokenizer.json for a GGUF "gpt2" (byte-level BPE) vocabulary, else None."""
-    if _field(reader, "tokenizer.ggml.model") != "gpt2":
+    if field_value(reader, "tokenizer.ggml.model") != "gpt2":
         return None
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokens = list(field_value(reader, "tokenizer.ggml.tokens"))
+    types = list(field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ")) for m in field_value(reader, "tokenizer.ggml.merges", [])]
     if any(len(m) != 2 for m in merges):
         raise ConfigError("GGUF tokenizer has malformed merges; re-download the GGUF file")
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -156,17 +156,17 @@ def tokenizer_json_from_gguf(reader) -> str | None:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    if field_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
         # Record "this model wants a BOS" the way HF tokenizer.json files do.
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+            single=[tokens[bos], "$A"], pair=[tokens[bos], "$A", "$B"],
             special_tokens=[(tokens[bos], int(bos))])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     specials = [t for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return json.dumps(json.loads(tok.to_str()), ensure_ascii=False, indent=1)
+    return tok.to_str(pretty=True)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,

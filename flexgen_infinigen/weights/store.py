@@ -79,7 +79,7 @@ class WeightStore:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Fail with one clear line when a tensor is missing, its file is gone, or its shape is off."""
+        """One clear error when a tensor is missing, its file is gone, or its shape is off."""
         for name, shape in expected.items():
             info = self.tensors.get(name)
             if info is None or not (self.path / f"{name}.npy").is_file():

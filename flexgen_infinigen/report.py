@@ -1,0 +1,107 @@
+"""The run report: latency and throughput, sizes, peak memory per tier, bytes moved."""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+
+import torch
+
+from .api import Generation, OffloadedLM
+from .models import family_of
+from .tiers import DEVICE, DISK, HOST, LINKS
+
+GB = 1e9
+
+
+def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | None = None) -> dict:
+    cfg, policy, tiers = lm.cfg, lm.policy, lm.tiers
+    n, p, g = gen.num_prompts, gen.prompt_tokens, gen.generated_tokens
+    total_latency = gen.prefill_latency_s + gen.decode_latency_s
+    item = torch.tensor([], dtype=lm.engine.dtype).element_size()
+    weight_elems = sum(math.prod(s) for s in family_of(cfg).weight_shapes(cfg).values())
+    cache_bytes = 2 * cfg.num_layers * n * (p + g) * cfg.kv_dim * item
+    hidden_bytes = n * p * cfg.hidden_size * item
+    placed = lm.weight_bytes_by_tier()
+    if tiers.is_cuda:
+        peak_device = torch.cuda.max_memory_allocated(tiers.device)
+    else:
+        peak_device = tiers.peak[DEVICE]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    report = {
+        "model": {"name": cfg.name, "family": cfg.family, "num_layers": cfg.num_layers,
+                  "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
+                  "num_kv_heads": cfg.num_kv_heads},
+        "device": device,
+        "dtype": str(lm.engine.dtype).replace("torch.", ""),
+        "policy": policy.to_dict(),
+        "kv_policy": lm.engine.kv_policy.report(),
+        "num_prompts": n, "prompt_len": p, "gen_len": g, "projected": gen.projected,
+        "sizes_bytes": {"model": weight_elems * item, "cache": cache_bytes, "hidden": hidden_bytes},
+        "weights_by_tier_bytes": placed,
+        "prefill_latency_s": gen.prefill_latency_s,
+        "prefill_throughput": n * p / max(gen.prefill_latency_s, 1e-9),
+        "decode_latency_s": gen.decode_latency_s,
+        "decode_throughput": n * max(g - 1, 0) / max(gen.decode_latency_s, 1e-9),
+        "total_latency_s": total_latency,
+        "total_throughput": n * g / max(total_latency, 1e-9),
+        "peak_memory_bytes": {DEVICE: peak_device, HOST: tiers.peak[HOST], DISK: tiers.peak[DISK],
+                              "host_process_rss": rss},
+        "bytes_moved": tiers.bytes_moved,
+        "load_time_s": lm.load_time_s,
+        "texts": gen.texts,
+        "token_ids": gen.token_ids,
+    }
+    report.update(extra or {})
+    return report
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.3f} GB"
+
+
+def print_report(r: dict, out=sys.stdout, max_texts: int = 3) -> None:
+    w = lambda s="": print(s, file=out)  # noqa: E731
+    m = r["model"]
+    w(f"model: {m['name']} ({m['family']}, {m['num_layers']} layers, hidden {m['hidden_size']}) "
+      f"on {r['device']}, {r['dtype']}, kv policy {r['kv_policy']['kv_policy']}")
+    pol = r["policy"]
+    w("policy: percent {} {} {} {} {} {}, gpu batch {} x {}, overlap {}, sep-layer {}, "
+      "cpu-cache-compute {}, compress weight {} cache {}".format(
+          pol["w_gpu_percent"], pol["w_cpu_percent"], pol["cache_gpu_percent"],
+          pol["cache_cpu_percent"], pol["act_gpu_percent"], pol["act_cpu_percent"],
+          pol["gpu_batch_size"], pol["num_gpu_batches"], pol["overlap"], pol["sep_layer"],
+          pol["cpu_cache_compute"], pol["compress_weight"], pol["compress_cache"]))
+    s = r["sizes_bytes"]
+    placed = r["weights_by_tier_bytes"]
+    tot = max(sum(placed.values()), 1)
+    w(f"model size: {_gb(s['model'])}, cache size: {_gb(s['cache'])}, "
+      f"hidden size (prefill): {_gb(s['hidden'])}")
+    w("weights placed: " + ", ".join(f"{t} {_gb(n)} ({100 * n / tot:.1f}%)"
+                                     for t, n in placed.items()))
+    proj = " (projected from --cut-gen-len)" if r["projected"] else ""
+    w(f"prompts: {r['num_prompts']} x {r['prompt_len']} tokens, generated {r['gen_len']} each")
+    w(f"prefill latency: {r['prefill_latency_s']:.3f} s, "
+      f"prefill throughput: {r['prefill_throughput']:.2f} token/s")
+    w(f"decode latency: {r['decode_latency_s']:.3f} s{proj}, "
+      f"decode throughput: {r['decode_throughput']:.2f} token/s")
+    w(f"total latency: {r['total_latency_s']:.3f} s, "
+      f"total throughput: {r['total_throughput']:.2f} token/s")
+    pk = r["peak_memory_bytes"]
+    w(f"peak memory: device {_gb(pk['device'])}, host {_gb(pk['host'])} "
+      f"(process RSS {_gb(pk['host_process_rss'])}), disk {_gb(pk['disk'])}")
+    w("bytes moved:")
+    kinds = list(next(iter(r["bytes_moved"].values())))
+    w(f"  {'link':<14}" + "".join(f"{k:>14}" for k in kinds))
+    for link in LINKS:
+        row = r["bytes_moved"][link]
+        w(f"  {link:<14}" + "".join(f"{_gb(row[k]):>14}" for k in kinds))
+    for key, value in r["kv_policy"].items():
+        if key != "kv_policy":
+            w(f"{key}: {value}")
+    for text in r["texts"][:max_texts]:
+        if text:
+            w("-" * 60)
+            w(text)
+    if r["texts"] and any(r["texts"]):
+        w("-" * 60)

@@ -1,0 +1,168 @@
+"""Command line: ``python -m flexgen_infinigen.run [--model M] [--percent ...] ...``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .api import OffloadedLM, check_lengths
+from .config import DEFAULT_MODEL, ConfigError, get_config
+from .policy import Policy
+from .report import build_report, print_report
+from .sampling import SamplingConfig
+
+# Used to synthesize prompts of --prompt-len tokens when none are given.
+FILLER_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. From the "
+    "lantern room he could see the whole bay: the fishing boats coming home, the gulls "
+    "circling the harbour, and the long line of hills that turned purple as the sun went "
+    "down. He kept a notebook in which he wrote the weather, the ships that passed, and "
+    "anything else that seemed worth remembering. Over forty years the notebooks had filled "
+    "three shelves of the small kitchen below. One winter night, when the storm was so loud "
+    "that he could not hear the kettle, he opened the first notebook again and began to read. "
+)
+
+
+def str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("placement and schedule")
+    g.add_argument("--percent", nargs=6, type=float, default=[100, 0, 100, 0, 100, 0],
+                   metavar=("WG", "WC", "CG", "CC", "HG", "HC"),
+                   help="weights, KV cache and activations on GPU / CPU in percent; disk gets "
+                        "the rest (on a CPU-only machine 'GPU' is the compute device)")
+    g.add_argument("--gpu-batch-size", type=int, default=1)
+    g.add_argument("--num-gpu-batches", type=int, default=1)
+    g.add_argument("--sep-layer", type=str2bool, default=True)
+    g.add_argument("--pin-weight", type=str2bool, default=True)
+    g.add_argument("--cpu-cache-compute", action="store_true")
+    g.add_argument("--compress-weight", action="store_true")
+    g.add_argument("--compress-cache", action="store_true")
+    g.add_argument("--overlap", type=str2bool, default=True)
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float16 on CUDA, float32 on CPU")
+    g.add_argument("--offload-dir", default=None, help="folder for the disk tier (removed on exit)")
+    g.add_argument("--kv-policy", default="full", help="KV cache policy: full")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"model name (default {DEFAULT_MODEL})")
+    g.add_argument("--path", default=None, help="a converted weight store folder")
+    g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def policy_from_args(a) -> Policy:
+    return Policy.from_percent(
+        a.percent, gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches,
+        overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
+        cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
+        compress_cache=a.compress_cache)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.run",
+                                description="Generate text with an offloaded model and report "
+                                            "latency, throughput, memory and bytes moved.")
+    add_model_args(p)
+    add_policy_args(p)
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    g.add_argument("--prompt-file", default=None, help="a text file used as one prompt")
+    g.add_argument("--prompt-len", type=int, default=64,
+                   help="length of synthesized prompts when no prompt is given")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="synthesized prompts (default: one block of "
+                        "gpu-batch-size x num-gpu-batches)")
+    g.add_argument("--gen-len", type=int, default=32)
+    g.add_argument("--cut-gen-len", type=int, default=None,
+                   help="run only this many steps and project decode latency to --gen-len")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--no-stop", action="store_true", help="ignore the end-of-sequence token")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    g.add_argument("--verbose", action="store_true")
+    return p
+
+
+def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
+    if lm.tokenizer is not None:
+        ids = lm.tokenizer.encode(FILLER_TEXT)
+        ids = (ids * (prompt_len // len(ids) + 1))[:prompt_len]
+        return [ids] * count
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, lm.cfg.vocab_size, (count, prompt_len), generator=gen).tolist()
+
+
+def check_args(a) -> None:
+    """Cheap checks that run before any weight is touched."""
+    for flag, v in [("--gen-len", a.gen_len), ("--prompt-len", a.prompt_len)]:
+        if v < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {v})")
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be at least 1 (got {a.num_prompts})")
+    if a.prompt_file:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read --prompt-file {a.prompt_file}: {e.strerror}") from None
+        if not text.strip():
+            raise ConfigError(f"--prompt-file {a.prompt_file} is empty")
+    if a.dummy and (a.prompt or a.prompt_file):
+        raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
+                          "use --prompt-len")
+    if a.model is not None and not a.path:
+        cfg = get_config(a.model)
+        if not (a.prompt or a.prompt_file):
+            check_lengths(cfg, a.prompt_len, a.gen_len)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        check_args(a)
+        policy = policy_from_args(a)
+        sampling = SamplingConfig(a.temperature, a.top_p, a.seed).validate()
+        model = a.model if (a.model or a.path) else DEFAULT_MODEL
+        hint = None if (a.prompt or a.prompt_file) else (a.prompt_len, a.gen_len)
+        lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
+                              device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
+                              offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
+        with lm:
+            if a.prompt or a.prompt_file:
+                prompts = list(a.prompt or [])
+                if a.prompt_file:
+                    with open(a.prompt_file, encoding="utf-8") as f:
+                        prompts.append(f.read())
+                prompts = lm.encode(prompts)
+            else:
+                count = a.num_prompts or policy.block_size
+                prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
+            gen = lm.generate(prompts, a.gen_len, sampling,
+                              stop_token_id=None if a.no_stop else -1,
+                              cut_gen_len=a.cut_gen_len, progress=True)
+            report = build_report(lm, gen, str(lm.tiers.device))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_report(report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"report written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Shared fixtures: a tiny random OPT checkpoint and the real SmolLM2 store, with HF references."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory):
+    """(HF model, converted store path) for a small OPT with random weights."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from flexgen_infinigen.weights.hf_convert import convert_hf
+
+    torch.manual_seed(0)
+    hf_cfg = OPTConfig(vocab_size=512, hidden_size=128, num_hidden_layers=3, ffn_dim=256,
+                       num_attention_heads=4, max_position_embeddings=256,
+                       word_embed_proj_dim=128)
+    model = OPTForCausalLM(hf_cfg).eval()
+    folder = tmp_path_factory.mktemp("tiny-opt")
+    model.save_pretrained(folder)
+    store = convert_hf(folder, folder / "store", "tiny-opt")
+    return model, store
+
+
+@pytest.fixture(scope="session")
+def smollm2_store():
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.weights.embedded import default_model_store
+
+    try:
+        return default_model_store(progress=False)
+    except ConfigError as e:
+        pytest.skip(f"SmolLM2-135M could not be obtained: {e}")
+
+
+def hf_llama_from_store(store_path):
+    """transformers' LlamaForCausalLM holding exactly the store's (dequantized) weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flexgen_infinigen.weights.store import WeightStore
+
+    store = WeightStore(store_path)
+    c = store.config
+    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                         max_position_embeddings=c.max_positions, rms_norm_eps=c.norm_eps,
+                         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                         attn_implementation="eager")
+    model = LlamaForCausalLM(hf_cfg).eval()
+    ours = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+            "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+            "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+            "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+    state = {}
+    for name in store.tensors:
+        t = torch.from_numpy(store.load(name).copy())
+        if name == "embed.weight":
+            state["model.embed_tokens.weight"] = t
+        elif name == "final_norm.weight":
+            state["model.norm.weight"] = t
+        elif name == "lm_head.weight":
+            state["lm_head.weight"] = t
+        else:
+            _, i, part, kind = name.split(".")
+            state[f"model.layers.{i}.{ours[part]}.{kind}"] = t
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_store):
+    return hf_llama_from_store(smollm2_store)
+
+
+def hf_greedy(model, prompt: list[int], steps: int):
+    """Greedy tokens and per-step logits from transformers with its own KV cache (the reference).
+
+    A plain loop rather than ``generate`` so that no logits processor (such as the one that
+    hides the end-of-sequence token) changes the logits.
+    """
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(steps):
+            last = out.logits[0, -1].float()
+            logits.append(last)
+            tokens.append(int(last.argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

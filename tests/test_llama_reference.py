@@ -1,0 +1,48 @@
+"""SmolLM2-135M (real weights, GQA) equals transformers' LlamaForCausalLM on the same weights."""
+from __future__ import annotations
+
+import pytest
+
+from flexgen_infinigen import OffloadedLM, Policy
+from conftest import hf_greedy
+
+STEPS = 32
+TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
+
+POLICIES = {
+    "all-on-device": Policy(),
+    "weights-split-cache-on-disk": Policy.from_percent([30, 40, 0, 0, 100, 0]),
+    "cpu-cache-compute-fused-layers": Policy.from_percent(
+        [0, 100, 0, 100, 100, 0], cpu_cache_compute=True, sep_layer=False, overlap=False),
+    "mixed-three-batches": Policy.from_percent([50, 50, 30, 40, 100, 0], num_gpu_batches=3),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_store):
+    from flexgen_infinigen.config import get_config
+    from flexgen_infinigen.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_store, get_config("smollm2-135m"))
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2_hf, prompts):
+    return [hf_greedy(smollm2_hf, p, STEPS) for p in prompts]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_matches_transformers(smollm2_store, prompts, references, name):
+    with OffloadedLM.load(path=smollm2_store, policy=POLICIES[name], progress=False) as lm:
+        out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
+    for row, (ref_tokens, ref_logits) in enumerate(references):
+        assert out.token_ids[row] == ref_tokens
+        # fp32 rounding: logits are O(10); allow a few ulps of accumulated difference
+        assert (out.logits[row] - ref_logits).abs().max().item() < 2e-3
+
+
+def test_continuation_is_text(smollm2_store):
+    with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
+        out = lm.generate(["The capital of France is"], 8)
+    assert "Paris" in out.texts[0]
