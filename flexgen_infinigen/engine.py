@@ -52,6 +52,8 @@ class BatchState:
     ids: torch.Tensor  # [b, s] tokens fed at this iteration
     valid: torch.Tensor  # [b, length] True for real (not padding) tokens, inputs included
     positions: torch.Tensor  # [b, s] position ids of the inputs
+    pos_enc: object = None  # the family's encoding of ``positions`` (rotary cos/sin)
+    bias: torch.Tensor | None = None  # additive attention mask [b, 1, s, length]
     hidden: object = None
     logits: torch.Tensor | None = None
     new_kv: dict = field(default_factory=dict)  # stage index -> values waiting to be stored
@@ -81,7 +83,7 @@ class Engine:
         for ids, valid in batches:
             valid = valid.to(dev)
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            self.states.append(BatchState(ids.to(dev), valid, positions))
+            self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
         self._make_caches(len(batches[0][0]), prompt_len + steps)
         lanes = Lanes(dev, self.policy.overlap)
         times, logits, tokens = [], [], []
@@ -129,6 +131,13 @@ class Engine:
             state.ids = new.view(-1, 1).to(dev)
             state.positions = state.valid.long().sum(-1, keepdim=True)
             state.valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
+            self._prepare(state)
+
+    def _prepare(self, state: BatchState) -> BatchState:
+        """What every layer of this iteration shares: position encodings and the mask bias."""
+        state.pos_enc = self.family.encode_positions(self.cfg, state.positions)
+        state.bias = mask_bias(state.valid, state.ids.shape[1], self.dtype)
+        return state
 
     # ---- the schedule -----------------------------------------------------------------------
     def _load_weights(self, j: int) -> dict[str, torch.Tensor]:
@@ -160,23 +169,32 @@ class Engine:
                     self._compute(i, j, k, weights, self._load_cache(i, j, k))
                     self._store_cache(i, j, k)
             return
-        weight_loads = {0: lanes.submit("weights", self._load_weights, 0)}
-        cache_load = lanes.submit("cache_load", self._load_cache, i, 0, 0)
+        weight_loads = {0: self._submit_weights(lanes, 0)}
+        cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, i, 0, 0)
         previous = None
         for n, (j, k) in enumerate(steps):
             if k == 0 and j + 1 < len(self.stages):
-                weight_loads[j + 1] = lanes.submit("weights", self._load_weights, j + 1)
+                weight_loads[j + 1] = self._submit_weights(lanes, j + 1)
             next_load = None
             if n + 1 < len(steps):
-                next_load = lanes.submit("cache_load", self._load_cache, i, *steps[n + 1])
+                next_load = self._submit_cache(lanes, "cache_load", self._load_cache, i,
+                                               *steps[n + 1])
             if previous is not None:
-                lanes.submit("cache_store", self._store_cache, i, *previous)
+                self._submit_cache(lanes, "cache_store", self._store_cache, i, *previous)
             self._compute(i, j, k, lanes.result(weight_loads[j]), lanes.result(cache_load))
             lanes.sync()
             if k == num_batches - 1:
                 del weight_loads[j]
             cache_load, previous = next_load, (j, k)
         self._store_cache(i, *previous)
+
+    def _submit_weights(self, lanes: Lanes, j: int):
+        resident = all(self.weights[n].resident for n in self.stages[j].weights.values())
+        return lanes.submit("weights", self._load_weights, j, inline=resident)
+
+    def _submit_cache(self, lanes: Lanes, lane: str, fn, i: int, j: int, k: int):
+        cache = self.caches.get((j, k))
+        return lanes.submit(lane, fn, i, j, k, inline=cache is None or cache.resident)
 
     # ---- compute ----------------------------------------------------------------------------
     def _compute(self, i: int, j: int, k: int, w: dict, loaded) -> None:
@@ -198,11 +216,11 @@ class Engine:
     def _attention(self, i: int, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, self.states[k_batch]
         x = fam.attn_input(cfg, w, h)
-        q, k, v = fam.attn_qkv(cfg, w, x, state.positions)
+        q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
         if i == 0:
-            out = attend(q, k, v, mask_bias(state.valid, q.shape[1], q.dtype))
+            out = attend(q, k, v, state.bias)
         else:
-            out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.valid)
+            out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.valid, state.bias)
         state.new_kv[j] = (q, k, v, state.valid)
         return fam.attn_out(cfg, w, h, out)
 

@@ -43,8 +43,9 @@ class Lanes:
             if enabled and self.cuda else {}
         self.outstanding: list[Pending] = []
 
-    def submit(self, lane: str, fn, *args) -> Pending:
-        if not self.enabled:
+    def submit(self, lane: str, fn, *args, inline: bool = False) -> Pending:
+        """Run ``fn(*args)`` on ``lane``; ``inline`` work (nothing to move) runs right here."""
+        if not self.enabled or inline:
             return Pending(value=fn(*args))
         if not self.cuda:
             pending = Pending(self.pools[lane].submit(fn, *args))

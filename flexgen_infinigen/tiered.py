@@ -48,6 +48,8 @@ class TieredTensor:
             self.segments.append(Segment(tier, start, start + size,
                                          self._alloc(tier, tuple(seg_shape), pin)))
             start += size
+        # nothing to move: every segment sits on the compute device, uncompressed
+        self.resident = not self.compressed and all(s.tier == DEVICE for s in self.segments)
 
     def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
         if not self.compressed:
@@ -63,10 +65,6 @@ class TieredTensor:
         for seg in self.segments:
             out[seg.tier] += seg.data.nbytes if self.compressed else nbytes(seg.data)
         return out
-
-    @property
-    def on_device_only(self) -> bool:
-        return all(seg.tier == DEVICE for seg in self.segments)
 
     # ---- reads and writes -------------------------------------------------------------------
     def _move(self, t: torch.Tensor, tier: str, to: str) -> torch.Tensor:

@@ -6,12 +6,13 @@ overlapped schedule may run on different streams:
 
 * ``load(length)``: bring to the compute device what decode attention will read
   (issued one schedule step ahead, overlapped with other compute);
-* ``attend(loaded, q, k_new, v_new, valid)``: attention of the new token;
+* ``attend(loaded, q, k_new, v_new, valid, bias)``: attention of the new token;
 * ``store_token(k_new, v_new, position)``: keep the new token's key and value.
 
 ``store_prompt`` keeps the prompt's keys and values after prefill.
 Shapes: q ``[b, s, H, d]``; k, v ``[b, s, KV, d]``; ``valid`` ``[b, length + s]``
-(True for real tokens, False for left padding).
+(True for real tokens, False for left padding); ``bias`` is the matching additive mask
+``[b, 1, s, length + s]``.
 """
 from __future__ import annotations
 
@@ -49,13 +50,16 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(self, loaded, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor: ...
+               valid: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def store_token(self, k_new: torch.Tensor, v_new: torch.Tensor, position: int) -> None: ...
 
     def bytes_by_tier(self) -> dict[str, int]:
         return {}
+
+    # True when load and store move nothing (the schedule then runs them inline)
+    resident: bool = False
 
 
 class KVPolicy(ABC):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attend, mask_bias
+from ..attention import attend
 from ..tiered import TieredTensor
 from ..tiers import DEVICE, HOST
 from .base import CacheSpec, KVCache, KVPolicy
@@ -29,37 +29,48 @@ class FullCache(KVCache):
                                        split_dim=1, compress=spec.compress) for _ in range(2))
         # attention on the CPU, where the cache lives (only q and the output cross the link)
         self.cpu_compute = spec.cpu_compute
+        # all on the device, uncompressed: the new token is written in place before attention
+        self.resident = self.k.resident and not self.cpu_compute
 
     def store_prompt(self, q, k, v, valid) -> None:
         self.k.write(to_rows(k), slice(0, k.shape[1]))
         self.v.write(to_rows(v), slice(0, v.shape[1]))
 
     def load(self, length: int):
-        if self.cpu_compute:
+        if self.cpu_compute or self.resident:
             return None
         rows = slice(0, length)
         return self.k.read(rows), self.v.read(rows)
 
-    def attend(self, loaded, q, k_new, v_new, valid) -> torch.Tensor:
+    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b = self.spec.batch_size
         length = valid.shape[1] - q.shape[1]
+        if self.resident:
+            self._store(k_new, v_new, length)
+            rows = slice(0, length + q.shape[1])
+            k, v = from_rows(self.k.read(rows), b), from_rows(self.v.read(rows), b)
+            return attend(q, k, v, bias)
         tiers = self.spec.tiers
         if self.cpu_compute:
             q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))
             rows = slice(0, length)
             loaded = self.k.read(rows, to=HOST), self.v.read(rows, to=HOST)
-            valid = valid.cpu()
+            bias = bias.cpu()
         k = torch.cat([from_rows(loaded[0], b), k_new], dim=1)
         v = torch.cat([from_rows(loaded[1], b), v_new], dim=1)
-        out = attend(q, k, v, mask_bias(valid, q.shape[1], q.dtype))
+        out = attend(q, k, v, bias)
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")
         return out
 
-    def store_token(self, k_new, v_new, position: int) -> None:
+    def _store(self, k_new, v_new, position: int) -> None:
         rows = slice(position, position + k_new.shape[1])
         self.k.write(to_rows(k_new), rows)
         self.v.write(to_rows(v_new), rows)
+
+    def store_token(self, k_new, v_new, position: int) -> None:
+        if not self.resident:  # a resident cache stored the token during attention
+            self._store(k_new, v_new, position)
 
     def bytes_by_tier(self) -> dict[str, int]:
         a, b = self.k.bytes_by_tier(), self.v.bytes_by_tier()

@@ -1,7 +1,7 @@
 """Model families: each is a small module of math with the same functions.
 
-A family module provides ``weight_shapes``, ``stage_weights``, ``embed``,
-``attn_input``, ``attn_qkv``, ``attn_out``, ``mlp`` and ``head``. The engine
+A family module provides ``weight_shapes``, ``stage_weights``, ``encode_positions``,
+``embed``, ``attn_input``, ``attn_qkv``, ``attn_out``, ``mlp`` and ``head``. The engine
 calls only these; it never asks which family it runs.
 """
 from types import ModuleType

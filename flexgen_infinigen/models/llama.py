@@ -42,15 +42,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x`` [b, s, heads, d] by the angles of ``positions`` [b, s] (half-split layout)."""
+def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
+    """cos and sin [b, s, 1, d] of the rotary angles at ``positions`` [b, s]."""
+    d = cfg.head_dim
+    exponent = torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d
+    angles = positions.float()[..., None] * (1.0 / cfg.rope_theta ** exponent)  # [b, s, d/2]
+    angles = torch.cat([angles, angles], -1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotary(x: torch.Tensor, rope) -> torch.Tensor:
+    """Rotate ``x`` [b, s, heads, d] (half-split layout, as Hugging Face Llama)."""
+    cos, sin = rope
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    angles = positions.float()[..., None] * inv_freq  # [b, s, d/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    rotated = torch.cat([-x2, x1], -1)
+    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -63,13 +68,13 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     return rms_norm(h, w["attn_norm.weight"], cfg.norm_eps)
 
 
-def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, positions: torch.Tensor):
+def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
     """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied."""
     b, s, _ = x.shape
     q = F.linear(x, w["q_proj.weight"]).view(b, s, cfg.num_heads, cfg.head_dim)
     k = F.linear(x, w["k_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
     v = F.linear(x, w["v_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
-    return rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta), v
+    return rotary(q, rope), rotary(k, rope), v
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -58,11 +58,15 @@ def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor)
     return x + F.embedding(positions + POSITION_OFFSET, w["pos_embed.weight"])
 
 
+def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
+    return None  # learned positions are added by ``embed``
+
+
 def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     return _ln(h, w, "attn_norm") if cfg.do_layer_norm_before else h
 
 
-def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, positions: torch.Tensor):
+def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc):
     b, s, _ = x.shape
     shape = (b, s, cfg.num_heads, cfg.head_dim)
     q = F.linear(x, w["q_proj.weight"], w["q_proj.bias"]).view(shape)
