@@ -106,7 +106,8 @@ def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
 
 def check_args(a) -> None:
     """Cheap checks that run before any weight is touched."""
-    for flag, v in [("--gen-len", a.gen_len), ("--prompt-len", a.prompt_len)]:
+    for flag, v in [("--gen-len", a.gen_len), ("--prompt-len", a.prompt_len),
+                    ("--cut-gen-len", 1 if a.cut_gen_len is None else a.cut_gen_len)]:
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {v})")
     if a.num_prompts is not None and a.num_prompts < 1:

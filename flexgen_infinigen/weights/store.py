@@ -34,13 +34,28 @@ class StoreWriter:
         self.dest = Path(dest)
         self.config = config
         self.source = source
-        self.tmp = self.dest.parent / f".{self.dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        self.tmp = self.dest.parent / (f".{self.dest.name}.partial-{os.getpid()}-"
+                                       f"{uuid.uuid4().hex[:8]}")
         self.tensors: dict[str, dict] = {}
         self.tokenizer_file: str | None = None
 
     def __enter__(self) -> "StoreWriter":
+        self._remove_stale_partials()
         self.tmp.mkdir(parents=True)
         return self
+
+    def _remove_stale_partials(self) -> None:
+        """Delete partial folders left by conversions whose process was killed."""
+        if not self.dest.parent.is_dir():
+            return
+        for old in self.dest.parent.glob(f".{self.dest.name}.partial-*"):
+            try:
+                pid = int(old.name.rsplit("partial-", 1)[1].split("-")[0])
+                os.kill(pid, 0)  # still running: leave it alone
+            except ProcessLookupError:
+                shutil.rmtree(old, ignore_errors=True)
+            except (ValueError, PermissionError):
+                continue
 
     def add(self, name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
@@ -85,10 +100,13 @@ class WeightStore:
             if info is None or not (self.path / f"{name}.npy").is_file():
                 raise ConfigError(
                     f"weight store {self.path} lacks tensor {name!r}; re-run the conversion")
-            if tuple(info["shape"]) != tuple(shape):
-                raise ConfigError(
-                    f"tensor {name!r} in {self.path} has shape {tuple(info['shape'])}, the model "
-                    f"config wants {tuple(shape)}; the store does not match --model, re-convert it")
+            # the file's own header, not only the manifest (reads no tensor data)
+            actual = tuple(self.load(name).shape)
+            for found in (tuple(info["shape"]), actual):
+                if found != tuple(shape):
+                    raise ConfigError(
+                        f"tensor {name!r} in {self.path} has shape {found}, the model config "
+                        f"wants {tuple(shape)}; the store does not match --model, re-convert it")
 
     def load(self, name: str) -> np.ndarray:
         return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)

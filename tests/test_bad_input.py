@@ -1,0 +1,308 @@
+"""Bad input fails fast with exactly one clear line that names the fix.
+
+Every case runs the command line in-process (``run.main``) and checks that it returns 2,
+prints one ``error: ...`` line on stderr that mentions the fix, prints nothing on stdout,
+returns quickly, and never starts placing weights (``place_weights`` is replaced by a
+function that fails the test).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flexgen_infinigen import api, loading, run
+from flexgen_infinigen.config import ConfigError
+from flexgen_infinigen.weights import embedded, hf_convert
+from flexgen_infinigen.weights.store import StoreWriter, WeightStore
+
+FAST_S = 2.0  # a bad input must be reported well before any long work
+
+
+@pytest.fixture(autouse=True)
+def no_long_work(monkeypatch):
+    """Fail the test if weights are placed or the default model is fetched."""
+
+    def forbidden(*args, **kwargs):
+        pytest.fail("long work started (weights placed or default model fetched) "
+                    "before the bad input was reported")
+
+    # api.py imports place_weights by name, so patch both the module it lives in and api's copy
+    monkeypatch.setattr(loading, "place_weights", forbidden)
+    monkeypatch.setattr(api, "place_weights", forbidden)
+    monkeypatch.setattr(embedded, "default_model_store", forbidden)
+
+
+def cli_error(capsys, argv) -> str:
+    """Run the CLI on ``argv``; assert one fast ``error:`` line and return it."""
+    capsys.readouterr()  # drop anything printed before (fixtures)
+    start = time.perf_counter()
+    rc = run.main([str(a) for a in argv])
+    elapsed = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, f"main returned {rc}; stderr: {err!r}"
+    assert len(lines) == 1, f"expected exactly one stderr line, got {len(lines)}: {err!r}"
+    assert lines[0].startswith("error: "), lines[0]
+    assert out == "", f"unexpected stdout: {out!r}"
+    assert elapsed < FAST_S, f"took {elapsed:.2f} s to report: {lines[0]}"
+    return lines[0]
+
+
+def assert_mentions(line: str, *words: str) -> None:
+    for w in words:
+        assert w.lower() in line.lower(), f"{w!r} not in {line!r}"
+
+
+@pytest.fixture
+def store_copy(tiny_opt, tmp_path):
+    """A private copy of the tiny OPT store that a test may damage."""
+    dest = tmp_path / "store"
+    shutil.copytree(tiny_opt[1], dest)
+    return dest
+
+
+SMALL = ["--gen-len", "2", "--prompt-len", "4"]
+
+
+# ---- the model and its weights ---------------------------------------------------------------
+def test_unknown_model(capsys):
+    line = cli_error(capsys, ["--model", "opt-does-not-exist", "--dummy"])
+    assert_mentions(line, "unknown model", "opt-does-not-exist", "opt-125m", "--path")
+
+
+def test_unknown_model_without_dummy(capsys):
+    line = cli_error(capsys, ["--model", "gpt-17"])
+    assert_mentions(line, "unknown model", "gpt-17", "--path")
+
+
+def test_path_missing_folder(capsys, tmp_path):
+    line = cli_error(capsys, ["--path", tmp_path / "nope"] + SMALL)
+    assert_mentions(line, "does not exist", "convert", "--dummy")
+
+
+def test_path_folder_without_manifest(capsys, tmp_path):
+    line = cli_error(capsys, ["--path", tmp_path] + SMALL)
+    assert_mentions(line, "manifest.json", "flexgen_infinigen.convert")
+
+
+def test_path_to_unconverted_hf_folder(capsys, tiny_opt):
+    # the Hugging Face folder the store was converted from: a likely mix-up
+    line = cli_error(capsys, ["--path", tiny_opt[1].parent] + SMALL)
+    assert_mentions(line, "manifest.json", "flexgen_infinigen.convert")
+
+
+def test_partial_store(capsys, store_copy):
+    (store_copy / "layers.1.fc2.weight.npy").unlink()
+    line = cli_error(capsys, ["--path", store_copy] + SMALL)
+    assert_mentions(line, "layers.1.fc2.weight", "re-run the conversion")
+
+
+@pytest.mark.parametrize("bad_shape", [(128, 256), (256, 1)], ids=["transposed", "broadcastable"])
+@pytest.mark.parametrize("manifest_updated", [True, False], ids=["manifest-updated",
+                                                                 "manifest-stale"])
+def test_tensor_shape_mismatch(capsys, store_copy, bad_shape, manifest_updated):
+    name = "layers.0.fc1.weight"  # (256, 128) in the tiny OPT
+    np.save(store_copy / f"{name}.npy", np.zeros(bad_shape, np.float32))
+    if manifest_updated:
+        manifest = json.loads((store_copy / "manifest.json").read_text())
+        manifest["tensors"][name]["shape"] = list(bad_shape)
+        (store_copy / "manifest.json").write_text(json.dumps(manifest))
+    line = cli_error(capsys, ["--path", store_copy] + SMALL)
+    assert_mentions(line, name, str(bad_shape), "(256, 128)", "re-convert")
+
+
+# ---- the policy ------------------------------------------------------------------------------
+@pytest.mark.parametrize("percent", [[150, 0, 100, 0, 100, 0], [100, 0, -10, 0, 100, 0],
+                                     [100, 0, 100, 0, 100, 101]])
+def test_percent_outside_range(capsys, percent):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--percent", *percent])
+    assert_mentions(line, "--percent", "outside 0..100")
+
+
+@pytest.mark.parametrize("percent, what", [([60, 50, 100, 0, 100, 0], "weights"),
+                                           ([100, 0, 70, 40, 100, 0], "cache"),
+                                           ([100, 0, 100, 0, 50, 51], "activations")])
+def test_percent_pair_over_100(capsys, percent, what):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--percent", *percent])
+    assert_mentions(line, "--percent", what, "sum to at most 100")
+
+
+def test_percent_five_numbers(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--model", "opt-125m", "--dummy", "--percent", "100", "0", "100", "0", "100"])
+    assert exc.value.code == 2
+    assert "--percent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--gpu-batch-size", "--num-gpu-batches"])
+def test_batch_shape_zero(capsys, flag):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", flag, 0])
+    assert_mentions(line, flag, "at least 1")
+
+
+def test_policy_that_cannot_fit(capsys):
+    line = cli_error(capsys, ["--model", "opt-175b", "--dummy"])
+    # names the short tier and what to change
+    assert_mentions(line, "GiB", "memory", "--percent")
+
+
+def test_device_cuda_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--device", "cuda"])
+    assert_mentions(line, "--device cuda", "--device cpu")
+
+
+# ---- lengths ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--gen-len", "--prompt-len"])
+def test_length_zero(capsys, flag):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", flag, 0])
+    assert_mentions(line, flag, "at least 1")
+
+
+@pytest.mark.parametrize("flag", ["--gen-len", "--prompt-len"])
+def test_length_zero_default_model(capsys, flag):
+    # no --model: must still fail before the default model is fetched
+    line = cli_error(capsys, [flag, 0])
+    assert_mentions(line, flag, "at least 1")
+
+
+def test_lengths_over_max_positions(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--prompt-len", 2000,
+                              "--gen-len", 100])
+    assert_mentions(line, "2048", "--gen-len", "shorten")
+
+
+def test_lengths_over_max_positions_store(capsys, tiny_opt):
+    # the tiny OPT has 256 positions; its limit is only known once the store is read
+    line = cli_error(capsys, ["--path", tiny_opt[1], "--prompt-len", 250, "--gen-len", 10])
+    assert_mentions(line, "256", "--gen-len", "shorten")
+
+
+def test_cut_gen_len_zero(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--cut-gen-len", 0])
+    assert_mentions(line, "--cut-gen-len", "at least 1")
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def test_negative_temperature(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--temperature", -1])
+    assert_mentions(line, "--temperature", ">= 0")
+
+
+@pytest.mark.parametrize("top_p", [0, 1.5, -0.2])
+def test_top_p_outside_range(capsys, top_p):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--temperature", 0.7,
+                              "--top-p", top_p])
+    assert_mentions(line, "--top-p", "(0, 1]")
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def test_prompt_file_missing(capsys, tmp_path):
+    missing = tmp_path / "no-such-prompt.txt"
+    line = cli_error(capsys, ["--prompt-file", missing])
+    assert_mentions(line, "--prompt-file", str(missing))
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t\n"], ids=["empty", "blank"])
+def test_prompt_file_empty(capsys, tmp_path, text):
+    f = tmp_path / "prompt.txt"
+    f.write_text(text)
+    line = cli_error(capsys, ["--prompt-file", f])
+    assert_mentions(line, "--prompt-file", "empty")
+
+
+def test_dummy_with_prompt(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--prompt", "Hello"])
+    assert_mentions(line, "--dummy", "--prompt-len")
+
+
+def test_dummy_with_prompt_file(capsys, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Hello there")
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--prompt-file", f])
+    assert_mentions(line, "--dummy", "--prompt-len")
+
+
+# ---- the Hugging Face converter --------------------------------------------------------------
+def convert_cli(capsys, argv) -> str:
+    from flexgen_infinigen import convert
+
+    capsys.readouterr()
+    start = time.perf_counter()
+    rc = convert.main([str(a) for a in argv])
+    elapsed = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, f"convert returned {rc}; stderr: {err!r}"
+    error_lines = [line for line in lines if line.startswith("error: ")]
+    assert len(error_lines) == 1, f"expected one error line: {err!r}"
+    # the conversion's own progress bar may precede it (a long read that found the fault)
+    others = [line for line in lines if line not in error_lines]
+    assert all(line.startswith("converting") for line in others), err
+    assert elapsed < FAST_S, f"took {elapsed:.2f} s to report: {error_lines[0]}"
+    return error_lines[0]
+
+
+def leftovers(folder, before):
+    return sorted(p.name for p in folder.iterdir() if p.name not in before)
+
+
+def test_convert_folder_without_config(capsys, tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    line = convert_cli(capsys, ["--checkpoint", src, "--out", tmp_path / "out"])
+    assert_mentions(line, "config.json", "--checkpoint")
+    assert leftovers(tmp_path, {"ckpt"}) == []
+
+
+@pytest.fixture
+def hf_folder_copy(tiny_opt, tmp_path):
+    """A private copy of the tiny OPT's Hugging Face folder (config.json + safetensors)."""
+    src = tiny_opt[1].parent
+    dest = tmp_path / "ckpt"
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def test_convert_checkpoint_missing_tensor(capsys, hf_folder_copy, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = hf_folder_copy / "model.safetensors"
+    state = load_file(str(weights))
+    key = next(k for k in state if k.endswith("layers.2.fc1.weight"))
+    del state[key]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    line = convert_cli(capsys, ["--checkpoint", hf_folder_copy, "--out", tmp_path / "out"])
+    assert_mentions(line, "layers.2.fc1.weight", "partial")
+    assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError], ids=["ctrl-c", "disk-error"])
+def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_path, exc_type):
+    real_add = StoreWriter.add
+    calls = []
+
+    def add_then_fail(self, name, array):
+        if len(calls) == 5:
+            raise exc_type("interrupted")
+        calls.append(name)
+        real_add(self, name, array)
+
+    monkeypatch.setattr(StoreWriter, "add", add_then_fail)
+    out = tmp_path / "out"
+    with pytest.raises(exc_type):
+        hf_convert.convert_hf(hf_folder_copy, out, "tiny-opt")
+    assert len(calls) == 5
+    assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
+    with pytest.raises(ConfigError):
+        WeightStore(out)
