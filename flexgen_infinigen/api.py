@@ -39,6 +39,7 @@ class OffloadedLM:
     def __init__(self, cfg: ModelConfig, engine: Engine, tokenizer, tiers: Tiers):
         self.cfg, self.engine, self.tokenizer, self.tiers = cfg, engine, tokenizer, tiers
         self.load_time_s = 0.0
+        self.store_path = None
 
     @classmethod
     def load(cls, model: str | None = None, path: str | None = None, dummy: bool = False,
@@ -72,6 +73,12 @@ class OffloadedLM:
             from .tokenizer import load_tokenizer
             tokenizer = load_tokenizer(store.path, cfg)
         lm = cls(cfg, engine, tokenizer, tiers)
+        lm.store_path = store.path if store is not None else None
+        try:
+            kv.prepare(lm)
+        except BaseException:
+            tiers.close()
+            raise
         lm.load_time_s = time.perf_counter() - start
         return lm
 

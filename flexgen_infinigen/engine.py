@@ -113,7 +113,7 @@ class Engine:
             if stage.kind not in ("attn", "layer"):
                 continue
             for k in range(len(self.states)):
-                spec = CacheSpec(self.tiers, stage.layer, batch_size, max_len, cfg.num_kv_heads,
+                spec = CacheSpec(self.tiers, stage.layer, k, batch_size, max_len, cfg.num_kv_heads,
                                  cfg.head_dim, self.dtype, p.cache_split, p.compress_cache,
                                  p.cpu_cache_compute)
                 self.caches[(j, k)] = self.kv_policy.make_cache(spec)
@@ -216,6 +216,8 @@ class Engine:
     def _attention(self, i: int, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, self.states[k_batch]
         x = fam.attn_input(cfg, w, h)
+        if i > 0:
+            self.kv_policy.before_attention(self.stages[j].layer, k_batch, x, state)
         q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
         if i == 0:
             out = attend(q, k, v, state.bias)

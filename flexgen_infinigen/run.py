@@ -51,7 +51,21 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")
     g.add_argument("--offload-dir", default=None, help="folder for the disk tier (removed on exit)")
-    g.add_argument("--kv-policy", default="full", help="KV cache policy: full")
+    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen"],
+                   help="KV cache policy (default full)")
+    g = p.add_argument_group("InfiniGen (with --kv-policy infinigen)")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="keep tokens whose approximate logit is above max - alpha "
+                        "(default 4 for OPT, 5 for Llama; inf keeps all)")
+    g.add_argument("--partial-weight-ratio", type=float, default=0.3,
+                   help="fraction of head_dim columns used to rehearse attention")
+    g.add_argument("--max-kv-fraction", type=float, default=0.2,
+                   help="cap on fetched tokens, as a fraction of the context")
+    g.add_argument("--max-num-kv", type=int, default=None, help="cap on fetched tokens")
+    g.add_argument("--calibration", default=None,
+                   help="text file for skewing (default: the store's skew, else built-in text)")
+    g.add_argument("--group-combine", default="union", choices=["union", "mean"],
+                   help="how the query heads sharing a KV head combine their selections")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +74,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
+
+
+def kv_options_from_args(a) -> dict:
+    if a.kv_policy != "infinigen":
+        return {}
+    from .kv import InfiniGenOptions
+    return {"options": InfiniGenOptions(
+        alpha=a.alpha, partial_weight_ratio=a.partial_weight_ratio,
+        max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
+        calibration=a.calibration, group_combine=a.group_combine).validate()}
 
 
 def policy_from_args(a) -> Policy:
@@ -134,11 +158,13 @@ def main(argv=None) -> int:
     try:
         check_args(a)
         policy = policy_from_args(a)
+        kv_options = kv_options_from_args(a)
         sampling = SamplingConfig(a.temperature, a.top_p, a.seed).validate()
         model = a.model if (a.model or a.path) else DEFAULT_MODEL
         hint = None if (a.prompt or a.prompt_file) else (a.prompt_len, a.gen_len)
         lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                               device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
+                              kv_options=kv_options,
                               offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
         with lm:
             if a.prompt or a.prompt_file:

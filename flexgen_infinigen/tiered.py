@@ -85,6 +85,31 @@ class TieredTensor:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
 
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """Per-column rows: ``out[r, c] = self[index[r, c], c]`` on the compute device.
+
+        ``index`` is ``[n, shape[1]]`` (a tensor split along dim 1, like the KV cache); only
+        the gathered rows cross the links. Index columns of host and disk segments must be
+        on the CPU, those of device segments on the device.
+        """
+        assert self.split_dim == 1
+        parts = []
+        for seg in self.segments:
+            idx = index[:, seg.start:seg.stop]
+            idx = idx.to(self.tiers.device if seg.tier == DEVICE else "cpu")
+            tensors = seg.data.parts if self.compressed else (seg.data,)
+            moved = []
+            for t in tensors:
+                full_idx = idx.view(*idx.shape, *([1] * (t.dim() - 2))).expand(
+                    idx.shape[0], idx.shape[1], *t.shape[2:])
+                moved.append(self.tiers.gather_to_compute(t, seg.tier, full_idx, self.kind))
+            if self.compressed:
+                shape = (idx.shape[0], idx.shape[1], *self.shape[2:])
+                parts.append(compression.decompress(compression.Packed(*moved, shape)))
+            else:
+                parts.append(moved[0])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def write(self, src: torch.Tensor, rows: slice | None = None, src_tier: str = DEVICE) -> None:
         """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place."""
         sel = slice(None) if rows is None else rows

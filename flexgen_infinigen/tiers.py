@@ -107,6 +107,24 @@ class Tiers:
         self.count("host->device", kind, nbytes(src))
         return self.track(out, DEVICE)
 
+    def gather_to_compute(self, src: torch.Tensor, tier: str, index: torch.Tensor,
+                          kind: str) -> torch.Tensor:
+        """``src.gather(0, index)`` brought to the compute device; only gathered rows move.
+
+        Off the device, the rows are gathered on the host into a (pinned) staging buffer
+        and copied from there; ``index`` must then live on the CPU.
+        """
+        if tier == DEVICE:
+            return src.gather(0, index)
+        staged = torch.empty(index.shape, dtype=src.dtype, pin_memory=self.pin_host)
+        torch.gather(src, 0, index, out=staged)
+        if tier == DISK:
+            self.count("disk->host", kind, nbytes(staged))
+        out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+        out.copy_(staged, non_blocking=self.is_cuda)
+        self.count("host->device", kind, nbytes(staged))
+        return self.track(out, DEVICE)
+
     def to_host(self, src: torch.Tensor, tier: str, kind: str) -> torch.Tensor:
         """Bring a tensor held in ``tier`` to host memory (for compute on the CPU)."""
         if tier == HOST:

@@ -2,8 +2,9 @@
 from ..config import ConfigError
 from .base import CacheSpec, KVCache, KVPolicy
 from .full import FullPolicy
+from .infinigen import InfiniGenOptions, InfiniGenPolicy
 
-POLICIES = {"full": FullPolicy}
+POLICIES = {"full": FullPolicy, "infinigen": InfiniGenPolicy}
 
 
 def make_kv_policy(name: str, **options) -> KVPolicy:
@@ -12,4 +13,4 @@ def make_kv_policy(name: str, **options) -> KVPolicy:
     return POLICIES[name](**options)
 
 
-__all__ = ["CacheSpec", "KVCache", "KVPolicy", "make_kv_policy", "POLICIES"]
+__all__ = ["InfiniGenOptions", "CacheSpec", "KVCache", "KVPolicy", "make_kv_policy", "POLICIES"]

@@ -30,6 +30,7 @@ class CacheSpec:
 
     tiers: Tiers
     layer: int
+    batch: int  # index of the GPU batch within the block
     batch_size: int
     max_len: int
     kv_heads: int
@@ -69,6 +70,13 @@ class KVPolicy(ABC):
 
     @abstractmethod
     def make_cache(self, spec: CacheSpec) -> KVCache: ...
+
+    def prepare(self, lm) -> None:
+        """Called once after the weights are placed (InfiniGen skews them here)."""
+
+    def before_attention(self, layer: int, batch: int, x: torch.Tensor, state) -> None:
+        """Decode only: layer ``layer``'s normalized attention input ``x`` for GPU batch
+        ``batch`` (``state`` has ``pos_enc``, ``valid``), before its attention runs."""
 
     def report(self) -> dict:
         return {"kv_policy": self.name}

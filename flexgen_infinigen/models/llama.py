@@ -68,13 +68,23 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     return rms_norm(h, w["attn_norm.weight"], cfg.norm_eps)
 
 
+# RoPE sits between the projections and the dot product, so an orthogonal skew of q and k
+# cannot be folded into the weights; it is applied to the rotated q and k instead.
+SKEW_FOLDS_INTO_WEIGHTS = False
+
+
+def query(cfg: ModelConfig, w: dict, x: torch.Tensor, rope) -> torch.Tensor:
+    """q [b, s, H, d] with RoPE applied."""
+    b, s, _ = x.shape
+    return rotary(F.linear(x, w["q_proj.weight"]).view(b, s, cfg.num_heads, cfg.head_dim), rope)
+
+
 def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
     """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied."""
     b, s, _ = x.shape
-    q = F.linear(x, w["q_proj.weight"]).view(b, s, cfg.num_heads, cfg.head_dim)
     k = F.linear(x, w["k_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
     v = F.linear(x, w["v_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
-    return rotary(q, rope), rotary(k, rope), v
+    return query(cfg, w, x, rope), rotary(k, rope), v
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

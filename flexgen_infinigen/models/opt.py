@@ -66,10 +66,20 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     return _ln(h, w, "attn_norm") if cfg.do_layer_norm_before else h
 
 
+# q and k are plain affine maps of the input: an orthogonal skew folds into W_Q, W_K and biases
+SKEW_FOLDS_INTO_WEIGHTS = True
+
+
+def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:
+    b, s, _ = x.shape
+    return F.linear(x, w["q_proj.weight"], w["q_proj.bias"]).view(b, s, cfg.num_heads,
+                                                                   cfg.head_dim)
+
+
 def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc):
     b, s, _ = x.shape
     shape = (b, s, cfg.num_heads, cfg.head_dim)
-    q = F.linear(x, w["q_proj.weight"], w["q_proj.bias"]).view(shape)
+    q = query(cfg, w, x, pos_enc)
     k = F.linear(x, w["k_proj.weight"], w["k_proj.bias"]).view(shape)
     v = F.linear(x, w["v_proj.weight"], w["v_proj.bias"]).view(shape)
     return q, k, v

@@ -1,0 +1,1 @@
+"""InfiniGen: offline skewing and the speculative KV cache policy (see ``kv/infinigen.py``)."""

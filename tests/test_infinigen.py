@@ -1,0 +1,125 @@
+"""InfiniGen: exact when it keeps everything, skew-invariant, per-sequence, and accounted."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.config import ConfigError
+from flexgen_infinigen.kv import InfiniGenOptions
+
+PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17],
+           [2, 40, 41, 42, 43, 44],
+           [2, 9, 8, 7, 6, 5, 4, 3, 60, 61]]
+STEPS = 10
+KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
+
+SCHEDULES = {
+    "all-on-device": Policy(),
+    "cache-on-cpu": Policy.from_percent([100, 0, 0, 100, 100, 0]),
+    "cache-on-disk-weights-split": Policy.from_percent([30, 40, 0, 0, 100, 0]),
+    "mixed-no-overlap": Policy.from_percent([50, 50, 20, 50, 100, 0], overlap=False),
+    "fused-layers-one-batch-overlap": Policy.from_percent([0, 100, 0, 100, 100, 0],
+                                                          sep_layer=False),
+    "three-gpu-batches": Policy.from_percent([0, 100, 0, 100, 100, 0], num_gpu_batches=3),
+    "two-by-two-fused": Policy.from_percent([100, 0, 30, 70, 100, 0], gpu_batch_size=2,
+                                            num_gpu_batches=2, sep_layer=False),
+}
+
+
+def _run(store, policy, kv="full", options=None, prompts=PROMPTS):
+    kw = {"options": options} if options else None
+    with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=kw,
+                          progress=False) as lm:
+        out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
+        return out, lm.engine.kv_policy.report(), lm.tiers.bytes_moved
+
+
+@pytest.fixture(scope="module")
+def full_outputs(tiny_opt):
+    return _run(tiny_opt[1], Policy())[0]
+
+
+def _assert_same(out, ref, tol=1e-4):
+    assert out.token_ids == ref.token_ids
+    for a, b in zip(out.logits, ref.logits):
+        assert (a - b).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_keep_everything_equals_full(tiny_opt, full_outputs, name):
+    out, report, _ = _run(tiny_opt[1], SCHEDULES[name], "infinigen", KEEP_ALL)
+    _assert_same(out, full_outputs)
+    # everything but left padding (blocks of several prompts pad the shorter ones)
+    assert report["kv_fetch_fraction"] > 0.8
+
+
+def test_skew_alone_leaves_opt_logits_unchanged(tiny_opt, full_outputs):
+    """first_layer past the last layer: skewed W_Q/W_K, full attention everywhere."""
+    out, report, _ = _run(tiny_opt[1], Policy(), "infinigen", InfiniGenOptions(first_layer=99))
+    _assert_same(out, full_outputs)
+    assert report["kv_fetch_fraction"] == 1.0
+
+
+def test_skew_alone_leaves_llama_logits_unchanged(smollm2_store):
+    prompts = [[1, 504, 3458, 282, 4649, 314]]
+    full = _run(smollm2_store, Policy(), prompts=prompts)[0]
+    out = _run(smollm2_store, Policy(), "infinigen", InfiniGenOptions(first_layer=99),
+               prompts=prompts)[0]
+    _assert_same(out, full, tol=2e-3)
+
+
+def test_each_sequence_gets_what_it_gets_alone(tiny_opt):
+    options = InfiniGenOptions(alpha=1.0, max_kv_fraction=0.5, first_layer=1)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=3)
+    batch = _run(tiny_opt[1], policy, "infinigen", options)[0]
+    for row, prompt in enumerate(PROMPTS):
+        alone = _run(tiny_opt[1], Policy.from_percent([100, 0, 0, 100, 100, 0]), "infinigen",
+                     options, prompts=[prompt])[0]
+        assert batch.token_ids[row] == alone.token_ids[0]
+        assert (batch.logits[row] - alone.logits[0]).abs().max().item() < 1e-4
+
+
+def test_selection_moves_fewer_bytes_and_reports_them(tiny_opt):
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
+    _, full_report, full_moved = _run(tiny_opt[1], policy)
+    _, report, moved = _run(tiny_opt[1], policy, "infinigen", options)
+    full_kv = full_moved["host->device"]["kv_cache"]
+    kv = moved["host->device"]["kv_cache"]
+    # layer 0 reads everything; layers 1-2 at most a quarter of the context (+ rounding)
+    per_layer = report["kv_fetch_fraction_per_layer"]
+    assert per_layer[0] == 1.0 and all(f <= 0.3 for f in per_layer[1:])
+    assert kv == pytest.approx(full_kv * report["kv_fetch_fraction"], rel=0.01)
+    assert kv < 0.6 * full_kv
+    assert report["kv_selected_fraction"] <= report["kv_fetch_fraction"]
+    assert report["speculation_time_s"] > 0
+
+
+def test_compressed_cache_fetches_compressed_rows(tiny_opt):
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
+    full = _run(tiny_opt[1], policy)
+    keep_all = _run(tiny_opt[1], policy, "infinigen", KEEP_ALL)
+    # same bytes as the full compressed cache when everything is selected
+    assert keep_all[2]["host->device"]["kv_cache"] == full[2]["host->device"]["kv_cache"]
+    # skewed keys quantize differently, so logits are close, not equal
+    for a, b in zip(keep_all[0].logits, full[0].logits):
+        assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("kw, flag", [({"alpha": -1.0}, "--alpha"),
+                                      ({"partial_weight_ratio": 0.0}, "--partial-weight-ratio"),
+                                      ({"partial_weight_ratio": 1.5}, "--partial-weight-ratio"),
+                                      ({"max_kv_fraction": 0.0}, "--max-kv-fraction"),
+                                      ({"max_num_kv": 0}, "--max-num-kv"),
+                                      ({"group_combine": "max"}, "--group-combine")])
+def test_bad_options(kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        InfiniGenOptions(**kw).validate()
+
+
+def test_cpu_cache_compute_is_refused(tiny_opt):
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
+    with pytest.raises(ConfigError, match="cpu-cache-compute"):
+        OffloadedLM.load(path=tiny_opt[1], policy=policy, kv_policy="infinigen", progress=False)
