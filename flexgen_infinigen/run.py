@@ -64,6 +64,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-kv", type=int, default=None, help="cap on fetched tokens")
     g.add_argument("--calibration", default=None,
                    help="text file for skewing (default: the store's skew, else built-in text)")
+    g.add_argument("--kv-pool-capacity", type=float, default=1.0,
+                   help="fraction of each head's context kept in the host pool")
+    g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
     g.add_argument("--group-combine", default="union", choices=["union", "mean"],
                    help="how the query heads sharing a KV head combine their selections")
 
@@ -83,7 +86,8 @@ def kv_options_from_args(a) -> dict:
     return {"options": InfiniGenOptions(
         alpha=a.alpha, partial_weight_ratio=a.partial_weight_ratio,
         max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
-        calibration=a.calibration, group_combine=a.group_combine).validate()}
+        calibration=a.calibration, group_combine=a.group_combine,
+        kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction).validate()}
 
 
 def policy_from_args(a) -> Policy:

@@ -123,3 +123,33 @@ def test_cpu_cache_compute_is_refused(tiny_opt):
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
     with pytest.raises(ConfigError, match="cpu-cache-compute"):
         OffloadedLM.load(path=tiny_opt[1], policy=policy, kv_policy="infinigen", progress=False)
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "lru", "counter"])
+def test_pool_keeps_at_most_its_capacity(eviction):
+    import torch
+
+    from flexgen_infinigen.kv.pool import KVPool
+
+    pool = KVPool(0.5, eviction, columns=3, max_len=64, device=torch.device("cpu"), window=4)
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[2, :10] = False  # a left-padded row
+    pool.record_fetch(torch.tensor([[30, 31], [5, 6], [12, 13]]), torch.tensor([2, 1, 2]))
+    pool.evict(valid)
+    held = (pool.alive[:, :40] & valid).sum(-1)
+    assert held.tolist() == [20, 20, 15]
+    assert pool.alive[:, 36:40].all()  # the recent window survives
+    if eviction == "fifo":
+        assert not pool.alive[0, :20].any() and pool.alive[0, 20:40].all()
+    if eviction == "lru":
+        assert pool.alive[0, 30] and pool.alive[0, 31]  # just fetched, kept
+
+
+def test_pool_runs_in_the_decode_path(tiny_opt):
+    options = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
+                               kv_pool_capacity=0.5, eviction="lru")
+    out, report, _ = _run(tiny_opt[1], Policy.from_percent([100, 0, 0, 100, 100, 0]),
+                          "infinigen", options, prompts=[PROMPTS[0]])
+    assert report["kv_pool_evicted_tokens"] > 0
+    # with half the tokens gone, even "keep all" reads about half of the context
+    assert report["kv_selected_fraction"] < 0.8

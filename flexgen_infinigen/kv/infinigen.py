@@ -27,6 +27,7 @@ from ..attention import attend
 from ..config import ConfigError
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, from_rows, to_rows
+from .pool import KVPool, check_pool_options
 
 SELECTION_TIMEOUT_S = 600
 
@@ -42,6 +43,8 @@ class InfiniGenOptions:
     group_combine: str = "union"  # how the query heads of a KV head combine: union | mean
     column_score: str = "q"
     calibration: str | None = None  # text file; default: the store's skew, else built-in text
+    kv_pool_capacity: float = 1.0  # fraction of each head's context kept on the host
+    eviction: str = "fifo"
 
     def validate(self) -> "InfiniGenOptions":
         if self.alpha is not None and not self.alpha >= 0:
@@ -55,6 +58,7 @@ class InfiniGenOptions:
         if self.group_combine not in ("union", "mean"):
             raise ConfigError(f"--group-combine must be union or mean "
                               f"(got {self.group_combine!r})")
+        check_pool_options(self.kv_pool_capacity, self.eviction)
         if self.column_score not in ("q", "qk"):
             raise ConfigError(f"--column-score must be q or qk (got {self.column_score!r})")
         return self
@@ -73,6 +77,11 @@ class InfiniGenCache(FullCache):
         spec.tiers.track(self.partial, "device")
         self.selection = None
         self.ready = threading.Event()
+        opts = policy.options
+        self.pool = None
+        if self.speculative and opts.kv_pool_capacity < 1:
+            self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
+                               spec.batch_size * spec.kv_heads, spec.max_len, spec.tiers.device)
 
     # keys are kept skewed; for rotary models the skew is applied here, at run time
     def _skew(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +119,7 @@ class InfiniGenCache(FullCache):
         index = order[:, :, :top]  # [b, KV, top]
         rows = index.permute(2, 0, 1).reshape(top, b * kv).cpu()
         stats.add(self.spec.layer, top * b * kv, int(counts.sum()), length * b * kv)
-        return self.k.gather(rows), self.v.gather(rows), counts
+        return self.k.gather(rows), self.v.gather(rows), counts, index
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         q, k_new = self._skew_query(q), self._skew(k_new)
@@ -118,7 +127,9 @@ class InfiniGenCache(FullCache):
         if not self.speculative:
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         b = self.spec.batch_size
-        k_sel, v_sel, counts = loaded
+        k_sel, v_sel, counts, index = loaded
+        if self.pool is not None:
+            self._update_pool(index, counts, valid)
         top = k_sel.shape[0]
         k = torch.cat([from_rows(k_sel, b), k_new], dim=1)
         v = torch.cat([from_rows(v_sel, b), v_new], dim=1)
@@ -129,6 +140,15 @@ class InfiniGenCache(FullCache):
         sel_bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
         sel_bias = sel_bias.masked_fill(~keep, torch.finfo(q.dtype).min)[:, :, None, :]
         return attend(q, k, v, sel_bias)
+
+    def _update_pool(self, index, counts, valid) -> None:
+        """Record what this step used, then evict past the budget (the new token included)."""
+        b, kv = self.spec.batch_size, self.spec.kv_heads
+        self.pool.record_fetch(index.reshape(b * kv, -1), counts.reshape(b * kv))
+        per_col = valid[:, None, :].expand(b, kv, valid.shape[1]).reshape(b * kv, -1)
+        before = self.pool.evicted
+        self.pool.evict(per_col)
+        self.policy.stats.evicted += self.pool.evicted - before
 
     def _skew_query(self, q: torch.Tensor) -> torch.Tensor:
         pol = self.policy
@@ -149,6 +169,7 @@ class FetchStats:
         self.selected = defaultdict(int)
         self.cached = defaultdict(int)
         self.speculation_s = 0.0
+        self.evicted = 0
 
     def add(self, layer: int, moved: int, selected: int, cached: int) -> None:
         with self.lock:
@@ -262,6 +283,8 @@ class InfiniGenPolicy(FullPolicy):
         pk = cache.partial[:length].view(length, b, kv, r).permute(1, 2, 3, 0)  # [b, KV, r, t]
         scores = torch.matmul(pq, pk).float() / math.sqrt(cfg.head_dim)  # [b, KV, G, t]
         valid = state.valid[:, None, None, :length]
+        if cache.pool is not None:  # evicted tokens are never selected again
+            valid = valid & cache.pool.alive[:, :length].view(b, kv, 1, length)
         scores = scores.masked_fill(~valid, float("-inf"))
         margin = scores - scores.amax(-1, keepdim=True)  # 0 at each head's best token
         if opts.group_combine == "union":
@@ -293,4 +316,7 @@ class InfiniGenPolicy(FullPolicy):
             "kv_selected_fraction": sum(s.selected.values()) / total_cached,
             "kv_fetch_fraction_per_layer": [s.moved[i] / max(s.cached[i], 1) for i in layers],
             "speculation_time_s": s.speculation_s,
+            "kv_pool_capacity": self.options.kv_pool_capacity,
+            "eviction": self.options.eviction,
+            "kv_pool_evicted_tokens": s.evicted,
         }

@@ -1,0 +1,61 @@
+"""Command line: compute InfiniGen's skewing matrices for a model and store them with it.
+
+    python -m flexgen_infinigen.skew                       # the default model, built-in text
+    python -m flexgen_infinigen.skew --path stores/opt-1.3b --calibration wiki.txt
+
+The matrices go to ``<store>/infinigen/``; ``--kv-policy infinigen`` uses them from then on
+(without them it calibrates on the built-in text at every load).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.skew", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model name (default: the embedded default)")
+    p.add_argument("--path", default=None, help="the weight store to skew")
+    p.add_argument("--calibration", default=None,
+                   help="calibration text file (default: built-in English prose)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="calibration tokens used")
+    p.add_argument("--column-score", default="q", choices=["q", "qk"],
+                   help="rank skewed columns by summed |q| (default) or |q| + |k|")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    a = p.parse_args(argv)
+    try:
+        if a.max_tokens < 8:
+            raise ConfigError(f"--max-tokens must be at least 8 (got {a.max_tokens})")
+        text = None
+        if a.calibration:
+            try:
+                with open(a.calibration, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ConfigError(f"cannot read --calibration {a.calibration}: "
+                                  f"{e.strerror}") from None
+            if not text.strip():
+                raise ConfigError(f"--calibration {a.calibration} is empty")
+        from .api import OffloadedLM
+        from .infinigen.skew import calibrate
+        from .policy import Policy
+        lm = OffloadedLM.load(model=a.model, path=a.path, device=a.device,
+                              policy=Policy(w_gpu_percent=0, w_cpu_percent=100))
+        with lm:
+            if lm.store_path is None:
+                raise ConfigError("skewing is stored with a weight store; pass --path")
+            skew = calibrate(lm, text, a.max_tokens, a.column_score)
+            dest = skew.save(lm.store_path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"skewing matrices ({skew.meta['tokens']} calibration tokens, {skew.meta['source']}) "
+          f"written to {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
