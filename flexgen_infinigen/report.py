@@ -97,8 +97,13 @@ def print_report(r: dict, out=sys.stdout, max_texts: int = 3) -> None:
         row = r["bytes_moved"][link]
         w(f"  {link:<14}" + "".join(f"{_gb(row[k]):>14}" for k in kinds))
     for key, value in r["kv_policy"].items():
-        if key != "kv_policy":
-            w(f"{key}: {value}")
+        if key == "kv_policy":
+            continue
+        if isinstance(value, list):
+            value = " ".join(f"{v:.2f}" for v in value)
+        elif isinstance(value, float):
+            value = f"{value:.4g}"
+        w(f"{key}: {value}")
     for text in r["texts"][:max_texts]:
         if text:
             w("-" * 60)

@@ -299,7 +299,11 @@ class InfiniGenPolicy(FullPolicy):
             cap = cap.clamp(max=opts.max_num_kv)
         floor = n_valid.clamp(max=opts.min_num_kv)
         counts = torch.maximum(torch.minimum(chosen, cap.long()), floor.long())
-        order = torch.sort(rank_score, dim=-1, descending=True, stable=True).indices  # [b, KV, t]
+        # no row keeps more than this (its cap or floor), so a partial top-k ranks enough
+        most = max(min(length, opts.min_num_kv), max(1, int(length * opts.max_kv_fraction)))
+        if opts.max_num_kv is not None:
+            most = max(min(most, opts.max_num_kv), min(length, opts.min_num_kv))
+        order = rank_score.topk(min(most, length), dim=-1, sorted=True).indices  # [b, KV, t]
         return order, counts
 
     # ---- report -----------------------------------------------------------------------------
