@@ -131,6 +131,7 @@ class OffloadedLM:
             stop_token_id = self.cfg.eos_token_id
         steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
         sampler = Sampler(sampling)
+        self.engine.kv_policy.reset_stats()
         block = self.policy.block_size
         outputs: list[list[int]] = []
         logits: list[torch.Tensor] = []

@@ -153,3 +153,12 @@ def test_pool_runs_in_the_decode_path(tiny_opt):
     assert report["kv_pool_evicted_tokens"] > 0
     # with half the tokens gone, even "keep all" reads about half of the context
     assert report["kv_selected_fraction"] < 0.8
+
+
+def test_report_counts_bytes_against_full_fetching(tiny_opt):
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
+    _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
+    _, _, full_moved = _run(tiny_opt[1], policy, prompts=[PROMPTS[0]])
+    assert report["kv_bytes_fetched"] == moved["host->device"]["kv_cache"]
+    assert report["kv_bytes_full_fetch"] == full_moved["host->device"]["kv_cache"]

@@ -71,6 +71,9 @@ class KVPolicy(ABC):
     @abstractmethod
     def make_cache(self, spec: CacheSpec) -> KVCache: ...
 
+    def reset_stats(self) -> None:
+        """Called at the start of every ``generate``: counters in the report restart."""
+
     def prepare(self, lm) -> None:
         """Called once after the weights are placed (InfiniGen skews them here)."""
 

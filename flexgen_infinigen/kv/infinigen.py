@@ -77,6 +77,9 @@ class InfiniGenCache(FullCache):
         spec.tiers.track(self.partial, "device")
         self.selection = None
         self.ready = threading.Event()
+        # bytes of one token's K and V for one KV head column, as stored (compressed or not)
+        self.row_bytes = sum(self.bytes_by_tier().values()) / (
+            spec.max_len * spec.batch_size * spec.kv_heads)
         opts = policy.options
         self.pool = None
         if self.speculative and opts.kv_pool_capacity < 1:
@@ -108,7 +111,8 @@ class InfiniGenCache(FullCache):
         stats = self.policy.stats
         b, kv = self.spec.batch_size, self.spec.kv_heads
         if not self.speculative:
-            stats.add(self.spec.layer, length * b * kv, length * b * kv, length * b * kv)
+            stats.add(self.spec.layer, length * b * kv, length * b * kv, length * b * kv,
+                      self.row_bytes)
             return super().load(length)
         if not self.ready.wait(SELECTION_TIMEOUT_S):
             raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
@@ -118,7 +122,8 @@ class InfiniGenCache(FullCache):
         top = int(counts.max())  # the one host sync: the gather on the host needs the indices
         index = order[:, :, :top]  # [b, KV, top]
         rows = index.permute(2, 0, 1).reshape(top, b * kv).cpu()
-        stats.add(self.spec.layer, top * b * kv, int(counts.sum()), length * b * kv)
+        stats.add(self.spec.layer, top * b * kv, int(counts.sum()), length * b * kv,
+                  self.row_bytes)
         return self.k.gather(rows), self.v.gather(rows), counts, index
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
@@ -170,9 +175,13 @@ class FetchStats:
         self.cached = defaultdict(int)
         self.speculation_s = 0.0
         self.evicted = 0
+        self.bytes_moved = 0.0  # K and V bytes fetched for attention
+        self.bytes_full = 0.0  # what fetching every cached row would have moved
 
-    def add(self, layer: int, moved: int, selected: int, cached: int) -> None:
+    def add(self, layer: int, moved: int, selected: int, cached: int, row_bytes: float) -> None:
         with self.lock:
+            self.bytes_moved += moved * row_bytes
+            self.bytes_full += cached * row_bytes
             self.moved[layer] += moved
             self.selected[layer] += selected
             self.cached[layer] += cached
@@ -186,6 +195,9 @@ class InfiniGenPolicy(FullPolicy):
         self.stats = FetchStats()
         self.caches: dict[tuple[int, int], InfiniGenCache] = {}
         self.skew = None
+
+    def reset_stats(self) -> None:
+        self.stats = FetchStats()
 
     # ---- set-up -----------------------------------------------------------------------------
     def prepare(self, lm) -> None:
@@ -319,6 +331,8 @@ class InfiniGenPolicy(FullPolicy):
             "kv_fetch_fraction": sum(s.moved.values()) / total_cached,
             "kv_selected_fraction": sum(s.selected.values()) / total_cached,
             "kv_fetch_fraction_per_layer": [s.moved[i] / max(s.cached[i], 1) for i in layers],
+            "kv_bytes_fetched": int(s.bytes_moved),
+            "kv_bytes_full_fetch": int(s.bytes_full),
             "speculation_time_s": s.speculation_s,
             "kv_pool_capacity": self.options.kv_pool_capacity,
             "eviction": self.options.eviction,
