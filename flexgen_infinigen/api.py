@@ -33,6 +33,7 @@ class Generation:
     generated_tokens: int  # per prompt, as scheduled (the longest row)
     projected: bool = False  # decode latency extrapolated from --cut-gen-len steps
     logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [steps, vocab]
+    step_times: list[float] = field(default_factory=list)  # wall time of every iteration
 
 
 class OffloadedLM:
@@ -136,6 +137,7 @@ class OffloadedLM:
         outputs: list[list[int]] = []
         logits: list[torch.Tensor] = []
         prefill = decode = 0.0
+        step_times: list[float] = []
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
         for start in range(0, len(ids), block):
@@ -164,6 +166,7 @@ class OffloadedLM:
                 chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]),
                                        self.policy.gpu_batch_size)
             result = self.engine.run_block(batches, steps, chooser, on_tokens, keep_logits)
+            step_times += result["times"]
             prefill += result["times"][0]
             decode += sum(result["times"][1:])
             outputs += rows[:real]
@@ -177,7 +180,7 @@ class OffloadedLM:
             decode = decode / (steps - 1) * (gen_len - 1)
         texts = [self.tokenizer.decode(o) if self.tokenizer else "" for o in outputs]
         return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
-                          gen_len if projected else steps, projected, logits)
+                          gen_len if projected else steps, projected, logits, step_times)
 
     def _pad_batches(self, chunk: list[list[int]]):
         """Left-pad a block's prompts to one length and cut it into GPU batches."""

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--no-stop", action="store_true", help="ignore the end-of-sequence token")
     g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
-    g.add_argument("--verbose", action="store_true")
+    g.add_argument("--verbose", action="store_true",
+                   help="also print the memory plan per tier and the time of every step")
     return p
 
 
@@ -157,6 +158,17 @@ def check_args(a) -> None:
             check_lengths(cfg, a.prompt_len, a.gen_len)
 
 
+def _print_verbose(lm: OffloadedLM, gen) -> None:
+    from . import memory_plan
+    need = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, gen.prompt_tokens,
+                            gen.generated_tokens)
+    print("memory plan (bytes):")
+    for what in ("weights", "kv_cache", "activations", "total"):
+        print(f"  {what:<12}" + "".join(f"{t} {n / 1e9:8.3f} GB  "
+                                         for t, n in need[what].items()))
+    print("step times (s): " + " ".join(f"{t:.3f}" for t in gen.step_times))
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
@@ -184,6 +196,8 @@ def main(argv=None) -> int:
                               stop_token_id=None if a.no_stop else -1,
                               cut_gen_len=a.cut_gen_len, progress=True)
             report = build_report(lm, gen, str(lm.tiers.device))
+            if a.verbose:
+                _print_verbose(lm, gen)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
