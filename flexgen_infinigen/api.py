@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +56,8 @@ class OffloadedLM:
         start = time.perf_counter()
         policy = (policy or Policy()).validate()
         dev = resolve_device(device)
+        if policy.overlap is None:
+            policy = dataclasses.replace(policy, overlap=dev.type == "cuda")
         torch_dtype = resolve_dtype(dtype, dev)
         kv = make_kv_policy(kv_policy, **(kv_options or {}))
         cfg, source, store = find_weights(model, path, dummy, seed, progress)

@@ -22,7 +22,7 @@ class Policy:
     cache_cpu_percent: float = 0
     act_gpu_percent: float = 100
     act_cpu_percent: float = 0
-    overlap: bool = True
+    overlap: bool | None = None  # None: on with CUDA, off on a CPU-only machine
     sep_layer: bool = True
     pin_weight: bool = True
     cpu_cache_compute: bool = False

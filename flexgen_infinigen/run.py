@@ -46,7 +46,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-cache-compute", action="store_true")
     g.add_argument("--compress-weight", action="store_true")
     g.add_argument("--compress-cache", action="store_true")
-    g.add_argument("--overlap", type=str2bool, default=True)
+    g.add_argument("--overlap", type=str2bool, default=None,
+                   help="overlap transfers with compute (default: on with CUDA; off on CPU, "
+                        "where a copy thread only competes with compute for the cores)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")

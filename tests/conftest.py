@@ -53,45 +53,10 @@ def smollm2_store():
         pytest.skip(f"SmolLM2-135M could not be obtained: {e}")
 
 
-def hf_llama_from_store(store_path):
-    """transformers' LlamaForCausalLM holding exactly the store's (dequantized) weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flexgen_infinigen.weights.store import WeightStore
-
-    store = WeightStore(store_path)
-    c = store.config
-    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                         max_position_embeddings=c.max_positions, rms_norm_eps=c.norm_eps,
-                         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                         attn_implementation="eager")
-    model = LlamaForCausalLM(hf_cfg).eval()
-    ours = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-            "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-            "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
-            "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
-    state = {}
-    for name in store.tensors:
-        t = torch.from_numpy(store.load(name).copy())
-        if name == "embed.weight":
-            state["model.embed_tokens.weight"] = t
-        elif name == "final_norm.weight":
-            state["model.norm.weight"] = t
-        elif name == "lm_head.weight":
-            state["lm_head.weight"] = t
-        else:
-            _, i, part, kind = name.split(".")
-            state[f"model.layers.{i}.{ours[part]}.{kind}"] = t
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-    model.tie_weights()
-    return model
-
-
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_store):
+    from flexgen_infinigen.weights.hf_reference import hf_llama_from_store
+
     return hf_llama_from_store(smollm2_store)
 
 

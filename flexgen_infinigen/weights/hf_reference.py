@@ -1,0 +1,49 @@
+"""Hugging Face transformers models holding exactly a weight store's tensors.
+
+The independent reference for tests and benchmarks (transformers is a test-only
+dependency): the same numbers through someone else's implementation.
+"""
+from __future__ import annotations
+
+import torch
+
+from .store import WeightStore
+
+_LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+                "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+                "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                "down_proj": "mlp.down_proj"}
+
+
+def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
+    """transformers' LlamaForCausalLM with the store's (dequantized) weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    store = WeightStore(store_path)
+    c = store.config
+    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                         max_position_embeddings=c.max_positions, rms_norm_eps=c.norm_eps,
+                         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                         pad_token_id=c.pad_token_id, attn_implementation=attn_implementation)
+    model = LlamaForCausalLM(hf_cfg).eval()
+    state = {}
+    for name in store.tensors:
+        t = torch.from_numpy(store.load(name).copy())
+        if name == "embed.weight":
+            state["model.embed_tokens.weight"] = t
+        elif name == "final_norm.weight":
+            state["model.norm.weight"] = t
+        elif name == "lm_head.weight":
+            state["lm_head.weight"] = t
+        else:
+            _, i, part, kind = name.split(".")
+            state[f"model.layers.{i}.{_LLAMA_PARTS[part]}.{kind}"] = t
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or not all("lm_head" in m for m in missing):
+        raise RuntimeError(f"weight mapping is off: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
