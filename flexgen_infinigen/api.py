@@ -35,6 +35,7 @@ class Generation:
     projected: bool = False  # decode latency extrapolated from --cut-gen-len steps
     logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [steps, vocab]
     step_times: list[float] = field(default_factory=list)  # wall time of every iteration
+    prompt_texts: list[str] = field(default_factory=list)
 
 
 class OffloadedLM:
@@ -182,8 +183,10 @@ class OffloadedLM:
         if projected and steps > 1:
             decode = decode / (steps - 1) * (gen_len - 1)
         texts = [self.tokenizer.decode(o) if self.tokenizer else "" for o in outputs]
+        prompt_texts = [self.tokenizer.decode(p) if self.tokenizer else "" for p in ids]
         return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
-                          gen_len if projected else steps, projected, logits, step_times)
+                          gen_len if projected else steps, projected, logits, step_times,
+                          prompt_texts)
 
     def _pad_batches(self, chunk: list[list[int]]):
         """Left-pad a block's prompts to one length and cut it into GPU batches."""

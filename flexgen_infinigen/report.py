@@ -50,6 +50,7 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
         "bytes_moved": tiers.bytes_moved,
         "load_time_s": lm.load_time_s,
         "texts": gen.texts,
+        "prompt_texts": gen.prompt_texts,
         "token_ids": gen.token_ids,
     }
     report.update(extra or {})
@@ -104,9 +105,12 @@ def print_report(r: dict, out=sys.stdout, max_texts: int = 3) -> None:
         elif isinstance(value, float):
             value = f"{value:.4g}"
         w(f"{key}: {value}")
-    for text in r["texts"][:max_texts]:
+    prompts = r.get("prompt_texts") or [""] * len(r["texts"])
+    for prompt, text in list(zip(prompts, r["texts"]))[:max_texts]:
         if text:
             w("-" * 60)
-            w(text)
+            tail = prompt[-160:].replace("\n", " ")
+            w(f"[prompt] ...{tail}" if len(prompt) > 160 else f"[prompt] {prompt}")
+            w(f"[generated] {text}")
     if r["texts"] and any(r["texts"]):
         w("-" * 60)
