@@ -118,7 +118,11 @@ def test_compressed_cache_fetches_compressed_rows(tiny_opt):
                                       ({"partial_weight_ratio": 1.5}, "--partial-weight-ratio"),
                                       ({"max_kv_fraction": 0.0}, "--max-kv-fraction"),
                                       ({"max_num_kv": 0}, "--max-num-kv"),
-                                      ({"group_combine": "max"}, "--group-combine")])
+                                      ({"group_combine": "max"}, "--group-combine"),
+                                      ({"kv_pool_capacity": 0.0}, "--kv-pool-capacity"),
+                                      ({"kv_pool_capacity": 1.2}, "--kv-pool-capacity"),
+                                      ({"eviction": "random"}, "--eviction"),
+                                      ({"calibration": "/no/such/file.txt"}, "--calibration")])
 def test_bad_options(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         InfiniGenOptions(**kw).validate()
@@ -197,3 +201,19 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
     assert per_layer[:2] == [1.0, 1.0]
     assert all(f <= 0.2 + 1e-3 for f in per_layer[2:])
     assert report["kv_fetch_fraction"] < 0.3
+
+
+@pytest.mark.parametrize("args, flag", [(["--alpha", "-1"], "--alpha"),
+                                        (["--max-kv-fraction", "1.5"], "--max-kv-fraction"),
+                                        (["--eviction", "random"], "--eviction"),
+                                        (["--kv-pool-capacity", "0"], "--kv-pool-capacity")])
+def test_cli_rejects_bad_infinigen_flags_before_loading(capsys, monkeypatch, args, flag):
+    from flexgen_infinigen import api, run
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights were loaded before the flags were checked")
+
+    monkeypatch.setattr(api, "find_weights", no_loading)
+    assert run.main(["--kv-policy", "infinigen", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and flag in err[0]

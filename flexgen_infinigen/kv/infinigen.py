@@ -15,6 +15,7 @@ Flow per decode step, for each layer i+1 >= ``first_layer`` and GPU batch:
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import defaultdict
@@ -59,6 +60,9 @@ class InfiniGenOptions:
             raise ConfigError(f"--group-combine must be union or mean "
                               f"(got {self.group_combine!r})")
         check_pool_options(self.kv_pool_capacity, self.eviction)
+        if self.calibration is not None and not os.path.isfile(self.calibration):
+            raise ConfigError(f"--calibration {self.calibration} does not exist; give a text "
+                              "file, or drop the flag to use the store's skew")
         if self.column_score not in ("q", "qk"):
             raise ConfigError(f"--column-score must be q or qk (got {self.column_score!r})")
         return self
@@ -104,7 +108,9 @@ class InfiniGenCache(FullCache):
         self._store(self._skew(k_new), v_new, position)
 
     def select(self, order: torch.Tensor, counts: torch.Tensor) -> None:
-        self.selection = (order, counts)
+        """Hand the ranking over to the load lane (called on the compute stream)."""
+        done = torch.cuda.current_stream().record_event() if order.is_cuda else None
+        self.selection = (order, counts, done)
         self.ready.set()
 
     def load(self, length: int):
@@ -117,8 +123,13 @@ class InfiniGenCache(FullCache):
         if not self.ready.wait(SELECTION_TIMEOUT_S):
             raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
         self.ready.clear()
-        order, counts = self.selection
+        order, counts, done = self.selection
         self.selection = None
+        if done is not None:  # the load stream must see the finished speculation
+            stream = torch.cuda.current_stream()
+            stream.wait_event(done)
+            order.record_stream(stream)
+            counts.record_stream(stream)
         top = int(counts.max())  # the one host sync: the gather on the host needs the indices
         index = order[:, :, :top]  # [b, KV, top]
         rows = index.permute(2, 0, 1).reshape(top, b * kv).cpu()
