@@ -53,8 +53,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")
     g.add_argument("--offload-dir", default=None, help="folder for the disk tier (removed on exit)")
-    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen"],
+    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o"],
                    help="KV cache policy (default full)")
+    g = p.add_argument_group("H2O (with --kv-policy h2o)")
+    g.add_argument("--hh-ratio", type=float, default=0.1,
+                   help="heavy hitters kept, as a fraction of the context")
+    g.add_argument("--recent-ratio", type=float, default=0.1,
+                   help="recent tokens kept, as a fraction of the context")
     g = p.add_argument_group("InfiniGen (with --kv-policy infinigen)")
     g.add_argument("--alpha", type=float, default=None,
                    help="keep tokens whose approximate logit is above max - alpha "
@@ -82,6 +87,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def kv_options_from_args(a) -> dict:
+    if a.kv_policy == "h2o":
+        from .kv import H2OPolicy
+        H2OPolicy(a.hh_ratio, a.recent_ratio)  # checks the values before any loading
+        return {"hh_ratio": a.hh_ratio, "recent_ratio": a.recent_ratio}
     if a.kv_policy != "infinigen":
         return {}
     from .kv import InfiniGenOptions

@@ -2,9 +2,11 @@
 from ..config import ConfigError
 from .base import CacheSpec, KVCache, KVPolicy
 from .full import FullPolicy
+from .h2o import H2OPolicy
 from .infinigen import InfiniGenOptions, InfiniGenPolicy
 
-POLICIES = {"full": FullPolicy, "infinigen": InfiniGenPolicy}
+POLICIES = {"full": FullPolicy, "infinigen": InfiniGenPolicy,
+            "h2o": H2OPolicy}
 
 
 def make_kv_policy(name: str, **options) -> KVPolicy:
@@ -13,4 +15,5 @@ def make_kv_policy(name: str, **options) -> KVPolicy:
     return POLICIES[name](**options)
 
 
-__all__ = ["InfiniGenOptions", "CacheSpec", "KVCache", "KVPolicy", "make_kv_policy", "POLICIES"]
+__all__ = ["H2OPolicy", "InfiniGenOptions", "CacheSpec", "KVCache", "KVPolicy",
+           "make_kv_policy", "POLICIES"]

@@ -1,0 +1,135 @@
+"""Command line: accuracy through the real decode path.
+
+    python -m flexgen_infinigen.eval perplexity --text wiki.txt --seq-len 2048 \\
+        --prefill-len 1024 --kv-policy infinigen --json out.json
+
+Each window of ``--seq-len`` tokens: prefill the first ``--prefill-len``, then feed the rest
+one token at a time through the decode path with the KV policy active (teacher forcing)
+and score every next token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import DEFAULT_MODEL, ConfigError, get_config
+from .metrics import teacher_forced_nll
+from .run import add_model_args, add_policy_args, kv_options_from_args, policy_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="task", required=True)
+    ppl = sub.add_parser("perplexity", help="teacher-forced perplexity over text windows")
+    add_model_args(ppl)
+    add_policy_args(ppl)
+    g = ppl.add_argument_group("perplexity")
+    g.add_argument("--text", required=True, help="a UTF-8 text file")
+    g.add_argument("--seq-len", type=int, default=2048)
+    g.add_argument("--prefill-len", type=int, default=1024)
+    g.add_argument("--max-windows", type=int, default=None)
+    g.add_argument("--json", default=None, metavar="FILE")
+    return p
+
+
+def check_args(a) -> list[int]:
+    """Every check that needs no weights: the text, the lengths, and the window count."""
+    try:
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read --text {a.text}: {e.strerror}") from None
+    if not text.strip():
+        raise ConfigError(f"--text {a.text} is empty")
+    if a.prefill_len < 1:
+        raise ConfigError(f"--prefill-len must be at least 1 (got {a.prefill_len})")
+    if a.prefill_len >= a.seq_len:
+        raise ConfigError(f"--prefill-len ({a.prefill_len}) must be below --seq-len "
+                          f"({a.seq_len}) so that some tokens are decoded")
+    if a.max_windows is not None and a.max_windows < 1:
+        raise ConfigError(f"--max-windows must be at least 1 (got {a.max_windows})")
+    if a.dummy:
+        raise ConfigError("perplexity needs a tokenizer; drop --dummy")
+    if a.path:
+        from .weights.store import WeightStore
+        store_path = a.path
+        cfg = WeightStore(a.path).config
+    else:
+        cfg = get_config(a.model or DEFAULT_MODEL)
+        if cfg.name != DEFAULT_MODEL:
+            raise ConfigError(f"no weights for {cfg.name}: pass --path to a converted store")
+        from .weights.embedded import default_model_store
+        store_path = default_model_store()
+    if a.seq_len > cfg.max_positions:
+        raise ConfigError(f"--seq-len {a.seq_len} is over {cfg.name}'s maximum of "
+                          f"{cfg.max_positions} positions; lower it")
+    from .tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(store_path, cfg)
+    if tokenizer is None:
+        raise ConfigError(f"the store at {store_path} has no tokenizer; perplexity needs one")
+    ids = tokenizer.encode(text)
+    if len(ids) < a.seq_len:
+        raise ConfigError(f"--text has {len(ids)} tokens, fewer than one window of "
+                          f"--seq-len {a.seq_len}; give a longer text or a shorter window")
+    return ids
+
+
+def perplexity(a) -> dict:
+    from .api import OffloadedLM
+
+    ids = check_args(a)
+    policy = policy_from_args(a)
+    kv_options = kv_options_from_args(a)
+    lm = OffloadedLM.load(model=a.model or (None if a.path else DEFAULT_MODEL), path=a.path,
+                          policy=policy, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
+                          kv_options=kv_options, offload_dir=a.offload_dir, seed=a.seed,
+                          max_len_hint=(a.prefill_len, a.seq_len - a.prefill_len))
+    with lm:
+        count = len(ids) // a.seq_len
+        count = min(count, a.max_windows or count)
+        nll, fractions, per_layer = [], [], []
+        for w in tqdm(range(count), desc="windows", unit="window"):
+            window = ids[w * a.seq_len:(w + 1) * a.seq_len]
+            nll.append(teacher_forced_nll(lm, [window[:a.prefill_len]],
+                                          [window[a.prefill_len:]])[0])
+            report = lm.engine.kv_policy.report()
+            fractions.append(report.get("kv_fetch_fraction", 1.0))
+            per_layer.append(report.get("kv_fetch_fraction_per_layer",
+                                        [1.0] * lm.cfg.num_layers))
+        all_nll = torch.cat(nll)
+        return {
+            "perplexity": math.exp(all_nll.mean().item()),
+            "mean_nll": all_nll.mean().item(),
+            "relative_kv_size": sum(fractions) / len(fractions),
+            "relative_kv_size_per_layer": [sum(col) / len(col) for col in zip(*per_layer)],
+            "windows": count, "tokens_scored": int(all_nll.numel()),
+            "model": lm.cfg.name, "kv_policy": lm.engine.kv_policy.report(),
+            "settings": {k: v for k, v in vars(a).items() if k != "task"},
+        }
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        result = perplexity(a)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"perplexity {result['perplexity']:.3f} over {result['tokens_scored']} tokens in "
+          f"{result['windows']} windows; relative KV size {result['relative_kv_size']:.3f} "
+          f"({result['kv_policy']['kv_policy']})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

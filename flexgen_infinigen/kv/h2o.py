@@ -1,0 +1,135 @@
+"""H2O: keep the heavy hitters (most accumulated attention) and a recent window; evict the
+rest for good. Budgets are fractions of each sequence's context, per KV head.
+
+Only kept rows are fetched at decode, so ``kv_fetch_fraction`` is the kept share; the
+attention probabilities of every step are added to the kept tokens' scores.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import attend, mask_bias
+from ..config import ConfigError
+from .base import CacheSpec
+from .full import FullCache, FullPolicy, from_rows
+from .infinigen import FetchStats
+
+
+class H2OCache(FullCache):
+    def __init__(self, spec: CacheSpec, policy: "H2OPolicy"):
+        super().__init__(spec)
+        self.policy = policy
+        self.resident = False
+        cols = spec.batch_size * spec.kv_heads
+        dev = spec.tiers.device
+        self.alive = torch.zeros(cols, spec.max_len, dtype=torch.bool, device=dev)
+        self.score = torch.zeros(cols, spec.max_len, dtype=torch.float32, device=dev)
+        self.row_bytes = sum(self.bytes_by_tier().values()) / (spec.max_len * cols)
+
+    def _columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, KV, t] -> [b*KV, t]."""
+        return x.reshape(-1, x.shape[-1])
+
+    def store_prompt(self, q, k, v, valid) -> None:
+        super().store_prompt(q, k, v, valid)
+        length = k.shape[1]
+        _, probs = attend(q, k, v, mask_bias(valid, length, q.dtype), return_probs=True)
+        kv_valid = valid[:, None, :].expand(-1, self.spec.kv_heads, -1)
+        self.score[:, :length] = self._columns(probs.sum((2, 3)))
+        self.alive[:, :length] = self._columns(kv_valid)
+        self._evict(self._columns(kv_valid))
+
+    def _budget(self, n_valid: torch.Tensor):
+        """Tokens kept per column: ceil((hh + recent) x context), the newest ceil(recent x
+        context) of them by position and the rest by accumulated attention."""
+        opts = self.policy
+        n = n_valid.double()
+        keep = torch.minimum(torch.ceil(n * (opts.hh_ratio + opts.recent_ratio) - 1e-9), n)
+        recent = torch.minimum(torch.ceil(n * opts.recent_ratio - 1e-9), keep)
+        return (keep - recent).long(), recent.long()
+
+    def _evict(self, valid_cols: torch.Tensor) -> None:
+        """Keep the ``recent`` newest and the ``heavy`` highest-scoring others, per column."""
+        length = valid_cols.shape[1]
+        n_valid = valid_cols.sum(-1)
+        heavy, recent = self._budget(n_valid)
+        pos = torch.arange(length, device=valid_cols.device)
+        # rank of each valid token from the newest (0 = newest)
+        newest = torch.flip(torch.cumsum(torch.flip(valid_cols.long(), [1]), 1), [1]) - 1
+        in_recent = valid_cols & (newest < recent[:, None])
+        candidates = self.alive[:, :length] & valid_cols & ~in_recent
+        score = self.score[:, :length].masked_fill(~candidates, -math.inf)
+        order = score.argsort(dim=-1, descending=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, pos.expand_as(order).contiguous())
+        keep_heavy = candidates & (rank < heavy[:, None])
+        self.alive[:, :length] = in_recent | keep_heavy
+
+    def load(self, length: int):
+        b, kv = self.spec.batch_size, self.spec.kv_heads
+        alive = self.alive[:, :length]
+        counts = alive.sum(-1)
+        top = int(counts.max())
+        order = torch.sort(alive.float(), dim=-1, descending=True, stable=True).indices[:, :top]
+        rows = order.t().contiguous()
+        self.policy.stats.add(self.spec.layer, top * b * kv, int(counts.sum()),
+                              length * b * kv, self.row_bytes)
+        return self.k.gather(rows), self.v.gather(rows), counts, order
+
+    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+        b, kv = self.spec.batch_size, self.spec.kv_heads
+        k_sel, v_sel, counts, order = loaded
+        top = k_sel.shape[0]
+        k = torch.cat([from_rows(k_sel, b), k_new], dim=1)
+        v = torch.cat([from_rows(v_sel, b), v_new], dim=1)
+        rank = torch.arange(top, device=q.device)
+        keep = torch.cat([rank < counts[:, None],
+                          torch.ones(counts.shape[0], 1, dtype=torch.bool, device=q.device)], 1)
+        sel_bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+        sel_bias = sel_bias.masked_fill(~keep, torch.finfo(q.dtype).min).view(b, kv, 1, -1)
+        out, probs = attend(q, k, v, sel_bias, return_probs=True)
+        got = self._columns(probs.sum((2, 3)))  # [cols, top + 1]
+        length = valid.shape[1] - 1
+        self.score.scatter_add_(1, order, got[:, :top] * keep[:, :top])
+        self.score[:, length] = got[:, top]
+        self.alive[:, length] = True
+        valid_cols = valid[:, None, :].expand(-1, kv, -1).reshape(b * kv, -1)
+        self._evict(valid_cols)
+        return out
+
+
+class H2OPolicy(FullPolicy):
+    name = "h2o"
+
+    def __init__(self, hh_ratio: float = 0.1, recent_ratio: float = 0.1):
+        for flag, v in [("--hh-ratio", hh_ratio), ("--recent-ratio", recent_ratio)]:
+            if not 0 <= v <= 1:
+                raise ConfigError(f"{flag} must be in [0, 1] (got {v})")
+        if hh_ratio + recent_ratio <= 0:
+            raise ConfigError("--hh-ratio plus --recent-ratio must be above 0")
+        self.hh_ratio, self.recent_ratio = hh_ratio, recent_ratio
+        self.stats = FetchStats()
+
+    def reset_stats(self) -> None:
+        self.stats = FetchStats()
+
+    def prepare(self, lm) -> None:
+        if lm.engine.policy.cpu_cache_compute:
+            raise ConfigError("--kv-policy h2o fetches kept rows to the compute device; it "
+                              "cannot be combined with --cpu-cache-compute (drop one)")
+
+    def make_cache(self, spec: CacheSpec) -> H2OCache:
+        return H2OCache(spec, self)
+
+    def report(self) -> dict:
+        s = self.stats
+        layers = sorted(s.cached)
+        total = max(sum(s.cached.values()), 1)
+        return {"kv_policy": self.name, "hh_ratio": self.hh_ratio,
+                "recent_ratio": self.recent_ratio,
+                "kv_fetch_fraction": sum(s.moved.values()) / total,
+                "kv_selected_fraction": sum(s.selected.values()) / total,
+                "kv_fetch_fraction_per_layer": [s.moved[i] / max(s.cached[i], 1) for i in layers],
+                "kv_bytes_fetched": int(s.bytes_moved), "kv_bytes_full_fetch": int(s.bytes_full)}
