@@ -21,6 +21,24 @@ def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(s, batch, -1, d).permute(1, 0, 2, 3)
 
 
+def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_probs: bool = False):
+    """Attention over per-KV-head selected rows plus the new token.
+
+    ``k_rows``/``v_rows``: [n, b*KV, d] fetched rows; for KV head column c only the first
+    ``counts[c]`` rows are its own (the rest were fetched for a neighbour and are masked).
+    ``counts`` is [b, KV].
+    """
+    b, kv = counts.shape
+    k = torch.cat([from_rows(k_rows, b), k_new], dim=1)
+    v = torch.cat([from_rows(v_rows, b), v_new], dim=1)
+    rank = torch.arange(k_rows.shape[0], device=q.device)
+    keep = torch.cat([rank < counts[..., None],
+                      torch.ones(b, kv, 1, dtype=torch.bool, device=q.device)], -1)
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)[:, :, None, :]
+    return attend(q, k, v, bias, return_probs=return_probs)
+
+
 class FullCache(KVCache):
     def __init__(self, spec: CacheSpec):
         self.spec = spec

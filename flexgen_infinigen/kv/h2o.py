@@ -13,7 +13,7 @@ import torch
 from ..attention import attend, mask_bias
 from ..config import ConfigError
 from .base import CacheSpec
-from .full import FullCache, FullPolicy, from_rows
+from .full import FullCache, FullPolicy, attend_selected
 from .infinigen import FetchStats
 
 
@@ -82,17 +82,11 @@ class H2OCache(FullCache):
         b, kv = self.spec.batch_size, self.spec.kv_heads
         k_sel, v_sel, counts, order = loaded
         top = k_sel.shape[0]
-        k = torch.cat([from_rows(k_sel, b), k_new], dim=1)
-        v = torch.cat([from_rows(v_sel, b), v_new], dim=1)
-        rank = torch.arange(top, device=q.device)
-        keep = torch.cat([rank < counts[:, None],
-                          torch.ones(counts.shape[0], 1, dtype=torch.bool, device=q.device)], 1)
-        sel_bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
-        sel_bias = sel_bias.masked_fill(~keep, torch.finfo(q.dtype).min).view(b, kv, 1, -1)
-        out, probs = attend(q, k, v, sel_bias, return_probs=True)
-        got = self._columns(probs.sum((2, 3)))  # [cols, top + 1]
+        out, probs = attend_selected(q, k_sel, v_sel, k_new, v_new, counts.view(b, kv),
+                                     return_probs=True)
+        got = self._columns(probs.sum((2, 3)))  # [cols, top + 1]; masked rows got 0
         length = valid.shape[1] - 1
-        self.score.scatter_add_(1, order, got[:, :top] * keep[:, :top])
+        self.score.scatter_add_(1, order, got[:, :top])
         self.score[:, length] = got[:, top]
         self.alive[:, length] = True
         valid_cols = valid[:, None, :].expand(-1, kv, -1).reshape(b * kv, -1)

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend
 from ..config import ConfigError
 from .base import CacheSpec
-from .full import FullCache, FullPolicy, from_rows, to_rows
+from .full import FullCache, FullPolicy, attend_selected, to_rows
 from .pool import KVPool, check_pool_options
 
 SELECTION_TIMEOUT_S = 600
@@ -142,20 +141,10 @@ class InfiniGenCache(FullCache):
         self._write_partial(k_new, valid.shape[1] - 1)
         if not self.speculative:
             return super().attend(loaded, q, k_new, v_new, valid, bias)
-        b = self.spec.batch_size
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:
             self._update_pool(index, counts, valid)
-        top = k_sel.shape[0]
-        k = torch.cat([from_rows(k_sel, b), k_new], dim=1)
-        v = torch.cat([from_rows(v_sel, b), v_new], dim=1)
-        # per KV head: rows past its own count were fetched for a neighbour only
-        rank = torch.arange(top, device=q.device)
-        keep = torch.cat([rank < counts[..., None],
-                          torch.ones(*counts.shape, 1, dtype=torch.bool, device=q.device)], -1)
-        sel_bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
-        sel_bias = sel_bias.masked_fill(~keep, torch.finfo(q.dtype).min)[:, :, None, :]
-        return attend(q, k, v, sel_bias)
+        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
 
     def _update_pool(self, index, counts, valid) -> None:
         """Record what this step used, then evict past the budget (the new token included)."""
