@@ -48,13 +48,16 @@ def score(model, dummy, windows, prefill, name, kv, kw, extra):
         nll, fractions = [], []
         for w in windows:
             nll.append(teacher_forced_nll(lm, [w[:prefill]], [w[prefill:]])[0])
-            fractions.append(lm.engine.kv_policy.report().get("kv_fetch_fraction", 1.0))
+            report = lm.engine.kv_policy.report()
+            fractions.append(report.get("kv_fetch_fraction", 1.0))
             item = lm.engine.dtype.itemsize
     all_nll = torch.cat(nll)
     size = sum(fractions) / len(fractions)
     if extra == "compress":  # every row is read, as 4-bit codes plus a scale and min per 64
         size = (0.5 + 2 * item / 64) / item
+    report.pop("kv_fetch_fraction_per_layer", None)
     return {"method": name, "perplexity": perplexity(all_nll), "relative_kv_size": size,
+            "kv_report": report,
             "tokens": int(all_nll.numel()), "nll": all_nll}
 
 

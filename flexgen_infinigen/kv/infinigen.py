@@ -334,6 +334,8 @@ class InfiniGenPolicy(FullPolicy):
             "kv_bytes_fetched": int(s.bytes_moved),
             "kv_bytes_full_fetch": int(s.bytes_full),
             "speculation_time_s": s.speculation_s,
+            "skew_calibration": {k: self.skew.meta.get(k) for k in ("source", "tokens")}
+            if self.skew is not None else None,
             "kv_pool_capacity": self.options.kv_pool_capacity,
             "eviction": self.options.eviction,
             "kv_pool_evicted_tokens": s.evicted,
