@@ -22,7 +22,7 @@ from .policy import Policy
 from .sampling import Sampler
 from .streams import Lanes
 from .tiered import TieredTensor
-from .tiers import TIERS, Tiers
+from .tiers import Tiers
 
 
 @dataclass
@@ -117,13 +117,6 @@ class Engine:
                                  cfg.head_dim, self.dtype, p.cache_split, p.compress_cache,
                                  p.cpu_cache_compute)
                 self.caches[(j, k)] = self.kv_policy.make_cache(spec)
-
-    def cache_bytes_by_tier(self) -> dict[str, int]:
-        out = {t: 0 for t in TIERS}
-        for cache in self.caches.values():
-            for t, n in cache.bytes_by_tier().items():
-                out[t] += n
-        return out
 
     def _advance(self, tokens: list[torch.Tensor]) -> None:
         for state, new in zip(self.states, tokens):

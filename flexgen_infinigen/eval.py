@@ -10,7 +10,6 @@ and score every next token.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -19,7 +18,8 @@ from tqdm.auto import tqdm
 
 from .config import DEFAULT_MODEL, ConfigError, get_config
 from .metrics import teacher_forced_nll
-from .run import add_model_args, add_policy_args, kv_options_from_args, policy_from_args
+from .run import (add_model_args, add_policy_args, kv_options_from_args, policy_from_args,
+                  write_json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens_scored']} tokens in "
           f"{result['windows']} windows; relative KV size {result['relative_kv_size']:.3f} "
           f"({result['kv_policy']['kv_policy']})")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"written to {a.json}")
+    write_json(a.json, result)
     return 0
 
 

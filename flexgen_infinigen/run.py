@@ -213,11 +213,16 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_report(report)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"report written to {a.json}")
+    write_json(a.json, report)
     return 0
+
+
+def write_json(path: str | None, data: dict) -> None:
+    """The ``--json FILE`` output of every command."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compression
-from .tiers import DEVICE, DISK, HOST, TIERS, Tiers, nbytes
+from .tiers import DEVICE, TIERS, Tiers, nbytes
 
 
 def split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
@@ -122,6 +122,3 @@ class TieredTensor:
             else:
                 self.tiers.write(seg.data[sel], seg.tier, piece, self.kind, src_tier)
 
-
-def host_or_disk(tier: str) -> bool:
-    return tier in (HOST, DISK)
