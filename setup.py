@@ -7,7 +7,9 @@ setup(
                 "management",
     packages=find_packages(include=["flexgen_infinigen", "flexgen_infinigen.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.1", "numpy", "tqdm", "pulp", "safetensors", "tokenizers", "gguf"],
+    # PuLP 4 no longer bundles the CBC solver the optimizer uses
+    install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",
+                      "gguf"],
     extras_require={"test": ["pytest", "transformers", "ruff"],
                     "bench": ["matplotlib", "transformers"]},
     entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main"]},

@@ -20,13 +20,42 @@ def mask_bias(valid: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tens
     return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
 
 
+# Float32 scores of one query chunk are kept under this size (a long prompt's full score
+# matrix would be batch x heads x prompt^2 x 4 bytes: 23 GB for OPT-13B at batch 20, 1920).
+SCORE_CHUNK_BYTES = 256 << 20
+
+
+def score_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk so that one chunk's float32 scores stay under the limit."""
+    return max(1, SCORE_CHUNK_BYTES // (4 * batch * heads * keys))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-           return_probs: bool = False):
-    """Attention output [b, s, H*d].
+           return_key_mass: bool = False):
+    """Attention output [b, s, H*d], computed in chunks of query rows for long inputs.
 
     q: [b, s, H, d]; k, v: [b, t, KV, d] with H a multiple of KV; bias: [b, 1, s, t].
-    Scores and softmax run in float32.
+    Scores and softmax run in float32. With ``return_key_mass`` also the attention each
+    key receives, summed over query heads and query positions: [b, KV, t].
     """
+    rows = score_rows(q.shape[0], q.shape[2], k.shape[1])
+    if q.shape[1] <= rows:
+        return _attend_block(q, k, v, bias, return_key_mass)
+    outs, mass = [], None
+    for start in range(0, q.shape[1], rows):
+        part = slice(start, start + rows)
+        got = _attend_block(q[:, part], k, v, bias[:, :, part], return_key_mass)
+        if return_key_mass:
+            got, m = got
+            mass = m if mass is None else mass + m
+        outs.append(got)
+    out = torch.cat(outs, dim=1)
+    return (out, mass) if return_key_mass else out
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                  return_key_mass: bool = False):
+    """One chunk of query rows of :func:`attend`."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -38,4 +67,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(v.dtype).view(b, kv_heads, group * s, -1), v.permute(0, 2, 1, 3))
     out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
-    return (out, probs) if return_probs else out
+    return (out, probs.sum((2, 3))) if return_key_mass else out

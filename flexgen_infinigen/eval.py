@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(a) -> list[int]:
-    """Every check that needs no weights: the text, the lengths, and the window count."""
+def check_args(a) -> tuple[list[int], object]:
+    """Every check that needs no weights: the text, the lengths, and the window count.
+
+    Returns the text's token ids and the model's config."""
     try:
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
@@ -77,14 +79,14 @@ def check_args(a) -> list[int]:
     if len(ids) < a.seq_len:
         raise ConfigError(f"--text has {len(ids)} tokens, fewer than one window of "
                           f"--seq-len {a.seq_len}; give a longer text or a shorter window")
-    return ids
+    return ids, cfg
 
 
 def perplexity(a) -> dict:
     from .api import OffloadedLM
 
-    ids = check_args(a)
-    policy = policy_from_args(a)
+    ids, cfg = check_args(a)
+    policy = policy_from_args(a, cfg, (a.prefill_len, a.seq_len - a.prefill_len))
     kv_options = kv_options_from_args(a)
     lm = OffloadedLM.load(model=a.model or (None if a.path else DEFAULT_MODEL), path=a.path,
                           policy=policy, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,

@@ -12,6 +12,7 @@ import tempfile
 
 import torch
 
+from .attention import score_rows
 from .compression import GROUP_SIZE, can_compress
 from .config import ConfigError, ModelConfig
 from .models import family_of
@@ -59,13 +60,15 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     act = [n * policy.num_gpu_batches
            for n in _split_bytes(act_shape, 0, policy.act_split, item, False)]
     # working set on the device: two stages of weights in flight, one batch's full cache,
-    # prefill activations and attention scores (float32)
+    # prefill activations (the MLP's widest temporaries) and one chunk of attention scores
+    # (float32 scores, their softmax, and its cast)
     biggest_stage = max(sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
                         (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp")))
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim) * item
     working = (2 * biggest_stage + 2 * per_cache[1] + per_cache[2] * 2
-               + 4 * b * cfg.num_heads * prompt_len * prompt_len
-               + 8 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
+               + 3 * 4 * b * cfg.num_heads * prompt_len
+               * min(prompt_len, score_rows(b, cfg.num_heads, prompt_len))
+               + 4 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
                + b * cfg.vocab_size * 4)
     totals = {t: weights[i] + cache[i] + act[i] for i, t in enumerate(TIERS)}
     totals[DEVICE] += working

@@ -61,7 +61,8 @@ def _gb(n: float) -> str:
     return f"{n / GB:.3f} GB"
 
 
-def print_report(r: dict, out=sys.stdout, max_texts: int = 3) -> None:
+def print_report(r: dict, out=None, max_texts: int = 3) -> None:
+    out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     w = lambda s="": print(s, file=out)  # noqa: E731
     m = r["model"]
     w(f"model: {m['name']} ({m['family']}, {m['num_layers']} layers, hidden {m['hidden_size']}) "
@@ -88,6 +89,10 @@ def print_report(r: dict, out=sys.stdout, max_texts: int = 3) -> None:
       f"decode throughput: {r['decode_throughput']:.2f} token/s")
     w(f"total latency: {r['total_latency_s']:.3f} s, "
       f"total throughput: {r['total_throughput']:.2f} token/s")
+    plan = r.get("auto_plan")
+    if plan:
+        w(f"auto plan ({plan['hardware']} profile) predicted {plan['predicted_throughput']:.2f} "
+          f"token/s overall, decode step {plan['predicted_decode_step_s'] * 1e3:.1f} ms")
     pk = r["peak_memory_bytes"]
     w(f"peak memory: device {_gb(pk['device'])}, host {_gb(pk['host'])} "
       f"(process RSS {_gb(pk['host_process_rss'])}), disk {_gb(pk['disk'])}")

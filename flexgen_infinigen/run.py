@@ -33,14 +33,28 @@ def str2bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
+def int_or_auto(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {v!r}") from None
+
+
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("placement and schedule")
-    g.add_argument("--percent", nargs=6, type=float, default=[100, 0, 100, 0, 100, 0],
-                   metavar=("WG", "WC", "CG", "CC", "HG", "HC"),
-                   help="weights, KV cache and activations on GPU / CPU in percent; disk gets "
-                        "the rest (on a CPU-only machine 'GPU' is the compute device)")
-    g.add_argument("--gpu-batch-size", type=int, default=1)
-    g.add_argument("--num-gpu-batches", type=int, default=1)
+    g.add_argument("--percent", nargs="+", default=["100", "0", "100", "0", "100", "0"],
+                   metavar="P",
+                   help="six numbers WG WC CG CC HG HC: weights, KV cache and activations on GPU "
+                        "/ CPU in percent, disk gets the rest (on a CPU-only machine 'GPU' is the "
+                        "compute device); or 'auto' to let the optimizer choose")
+    g.add_argument("--gpu-batch-size", type=int_or_auto, default=1, metavar="N|auto")
+    g.add_argument("--num-gpu-batches", type=int_or_auto, default=None, metavar="N|auto",
+                   help="default 1, or auto when --gpu-batch-size is auto")
+    g.add_argument("--hw", default=None,
+                   help="hardware profile for auto choices: a JSON from `python -m "
+                        "flexgen_infinigen.profile` or a built-in name (default: this machine)")
     g.add_argument("--sep-layer", type=str2bool, default=True)
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
@@ -101,12 +115,59 @@ def kv_options_from_args(a) -> dict:
         kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction).validate()}
 
 
-def policy_from_args(a) -> Policy:
-    return Policy.from_percent(
-        a.percent, gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches,
-        overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
-        cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
-        compress_cache=a.compress_cache)
+def parse_percent(values: list[str]) -> list[float] | None:
+    """Six percentages, or None for ``--percent auto``."""
+    if [v.lower() for v in values] == ["auto"]:
+        return None
+    if len(values) != 6:
+        raise ConfigError(f"--percent takes six numbers (wg wc cg cc hg hc) or auto, "
+                          f"got {len(values)} values")
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        raise ConfigError(f"--percent takes six numbers or auto, got {' '.join(values)}") from None
+
+
+def wants_plan(a) -> bool:
+    return "auto" in ([v.lower() for v in a.percent] + [a.gpu_batch_size, a.num_gpu_batches])
+
+
+def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None) -> Policy:
+    """The policy the flags give; with ``auto`` anywhere, the optimizer's choice for ``cfg`` at
+    ``lengths`` = (prompt, generated) tokens (``a.plan`` then holds its prediction)."""
+    percent = parse_percent(a.percent)
+    switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
+                    cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
+                    compress_cache=a.compress_cache)
+    a.plan = None
+    if not wants_plan(a):
+        return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
+                                   num_gpu_batches=1 if a.num_gpu_batches is None
+                                   else a.num_gpu_batches, **switches)
+    if cfg is None or lengths is None:
+        raise ConfigError("auto placement needs the model and lengths; it is available in "
+                          "`run`, or use `python -m flexgen_infinigen.optimize`")
+    from .loading import resolve_device, resolve_dtype
+    from .planner.auto import default_kv_fraction, profile_for, search, summary
+
+    b = None if a.gpu_batch_size == "auto" else a.gpu_batch_size
+    n = a.num_gpu_batches
+    n = None if n == "auto" or (n is None and b is None) else (1 if n is None else n)
+    hw = profile_for(a.hw, offload_dir=a.offload_dir)
+    item = resolve_dtype(a.dtype, resolve_device(a.device)).itemsize
+    fraction = default_kv_fraction(a.kv_policy, a.max_kv_fraction, a.hh_ratio, a.recent_ratio)
+    base = Policy(**switches)
+    if percent is not None:
+        base = Policy.from_percent(percent, **switches)
+    best, _ = search(cfg, *lengths, hw, base, a.kv_policy, fraction, b, n, item,
+                     fixed_placement=percent is not None)
+    a.plan = {"hardware": hw.name, "hardware_source": hw.source, **summary(best)}
+    print(f"auto policy ({hw.name} profile): --percent {' '.join(map(str, best.percent()))} "
+          f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
+          f"{best.policy.num_gpu_batches}" + (" --cpu-cache-compute" if
+                                               best.policy.cpu_cache_compute else "")
+          + f"; predicted {best.prediction['throughput']:.2f} tokens/s")
+    return best.policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,14 +241,34 @@ def _print_verbose(lm: OffloadedLM, gen) -> None:
     print("step times (s): " + " ".join(f"{t:.3f}" for t in gen.step_times))
 
 
+def planned_policy(a, model: str) -> Policy:
+    """Run the optimizer for ``--percent auto`` / ``--gpu-batch-size auto`` before loading."""
+    from .loading import find_weights
+
+    cfg, _, store = find_weights(model, a.path, a.dummy, a.seed, progress=True)
+    prompt_len = a.prompt_len
+    if (a.prompt or a.prompt_file) and store is not None:
+        from .tokenizer import load_tokenizer
+        tok = load_tokenizer(store.path, cfg)
+        if tok is not None:
+            texts = list(a.prompt or [])
+            if a.prompt_file:
+                with open(a.prompt_file, encoding="utf-8") as f:
+                    texts.append(f.read())
+            prompt_len = max(len(tok.encode(t)) for t in texts)
+    check_lengths(cfg, prompt_len, a.gen_len)
+    return policy_from_args(a, cfg, (prompt_len, a.gen_len))
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         check_args(a)
-        policy = policy_from_args(a)
+        parse_percent(a.percent)
         kv_options = kv_options_from_args(a)
         sampling = SamplingConfig(a.temperature, a.top_p, a.seed).validate()
         model = a.model if (a.model or a.path) else DEFAULT_MODEL
+        policy = planned_policy(a, model) if wants_plan(a) else policy_from_args(a)
         hint = None if (a.prompt or a.prompt_file) else (a.prompt_len, a.gen_len)
         lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                               device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
@@ -206,7 +287,8 @@ def main(argv=None) -> int:
             gen = lm.generate(prompts, a.gen_len, sampling,
                               stop_token_id=None if a.no_stop else -1,
                               cut_gen_len=a.cut_gen_len, progress=True)
-            report = build_report(lm, gen, str(lm.tiers.device))
+            report = build_report(lm, gen, str(lm.tiers.device),
+                                  {"auto_plan": a.plan} if a.plan else None)
             if a.verbose:
                 _print_verbose(lm, gen)
     except ConfigError as e:

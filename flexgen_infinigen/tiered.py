@@ -75,6 +75,8 @@ class TieredTensor:
     def read(self, rows: slice | None = None, to: str = DEVICE) -> torch.Tensor:
         """Rows ``rows`` (along dim 0) of the whole tensor, brought to ``to`` and decompressed."""
         sel = slice(None) if rows is None else rows
+        if len(self.segments) > 1 and not self.compressed:
+            return self._read_into_place(sel, to)
         parts = []
         for seg in self.segments:
             if self.compressed:
@@ -84,6 +86,18 @@ class TieredTensor:
             else:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
+
+    def _read_into_place(self, sel: slice, to: str) -> torch.Tensor:
+        """A split tensor read into one buffer, each segment copied straight to its place
+        (joining separately moved segments afterwards would copy the whole tensor again)."""
+        first = self.segments[0].data[sel]
+        shape = list(first.shape)
+        shape[self.split_dim] = self.shape[self.split_dim]
+        out = self.tiers.empty(to, tuple(shape), self.dtype)
+        for seg in self.segments:
+            dst = out.narrow(self.split_dim, seg.start, seg.stop - seg.start)
+            self.tiers.write(dst, to, seg.data[sel], self.kind, src_tier=seg.tier)
+        return out
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         """Per-column rows: ``out[r, c] = self[index[r, c], c]`` on the compute device.

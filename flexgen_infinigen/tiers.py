@@ -151,6 +151,8 @@ class Tiers:
             self.count("device->host", kind, n)
             if tier == DISK and self.is_cuda:
                 src = src.to("cpu")
+        elif src_tier == DISK:  # disk to host memory
+            self.count("disk->host", kind, n)
         if tier == DISK:
             self.count("host->disk", kind, n)
         dst.copy_(src)

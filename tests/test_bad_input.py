@@ -133,11 +133,15 @@ def test_percent_pair_over_100(capsys, percent, what):
 
 
 def test_percent_five_numbers(capsys):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        run.main(["--model", "opt-125m", "--dummy", "--percent", "100", "0", "100", "0", "100"])
-    assert exc.value.code == 2
-    assert "--percent" in capsys.readouterr().err
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--percent", "100", "0", "100",
+                              "0", "100"])
+    assert_mentions(line, "--percent", "six numbers", "auto")
+
+
+def test_percent_not_a_number(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--percent", "100", "0", "x",
+                              "0", "100", "0"])
+    assert_mentions(line, "--percent", "six numbers")
 
 
 @pytest.mark.parametrize("flag", ["--gpu-batch-size", "--num-gpu-batches"])

@@ -21,7 +21,7 @@ def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(s, batch, -1, d).permute(1, 0, 2, 3)
 
 
-def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_probs: bool = False):
+def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bool = False):
     """Attention over per-KV-head selected rows plus the new token.
 
     ``k_rows``/``v_rows``: [n, b*KV, d] fetched rows; for KV head column c only the first
@@ -36,7 +36,7 @@ def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_probs: bool 
                       torch.ones(b, kv, 1, dtype=torch.bool, device=q.device)], -1)
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
     bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)[:, :, None, :]
-    return attend(q, k, v, bias, return_probs=return_probs)
+    return attend(q, k, v, bias, return_key_mass=return_key_mass)
 
 
 class FullCache(KVCache):

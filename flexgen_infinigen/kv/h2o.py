@@ -35,9 +35,9 @@ class H2OCache(FullCache):
     def store_prompt(self, q, k, v, valid) -> None:
         super().store_prompt(q, k, v, valid)
         length = k.shape[1]
-        _, probs = attend(q, k, v, mask_bias(valid, length, q.dtype), return_probs=True)
+        _, mass = attend(q, k, v, mask_bias(valid, length, q.dtype), return_key_mass=True)
         kv_valid = valid[:, None, :].expand(-1, self.spec.kv_heads, -1)
-        self.score[:, :length] = self._columns(probs.sum((2, 3)))
+        self.score[:, :length] = self._columns(mass)
         self.alive[:, :length] = self._columns(kv_valid)
         self._evict(self._columns(kv_valid))
 
@@ -82,9 +82,9 @@ class H2OCache(FullCache):
         b, kv = self.spec.batch_size, self.spec.kv_heads
         k_sel, v_sel, counts, order = loaded
         top = k_sel.shape[0]
-        out, probs = attend_selected(q, k_sel, v_sel, k_new, v_new, counts.view(b, kv),
-                                     return_probs=True)
-        got = self._columns(probs.sum((2, 3)))  # [cols, top + 1]; masked rows got 0
+        out, mass = attend_selected(q, k_sel, v_sel, k_new, v_new, counts.view(b, kv),
+                                    return_key_mass=True)
+        got = self._columns(mass)  # [cols, top + 1]; masked rows got 0
         length = valid.shape[1] - 1
         self.score.scatter_add_(1, order, got[:, :top])
         self.score[:, length] = got[:, top]

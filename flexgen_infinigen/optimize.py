@@ -1,0 +1,91 @@
+"""Command line: ``python -m flexgen_infinigen.optimize --model M --prompt-len P --gen-len G``.
+
+Picks the placement percentages and batch shape with the highest predicted throughput
+for a hardware profile, and prints the ``run`` command that uses them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import DEFAULT_MODEL, ConfigError, get_config
+from .planner.auto import default_kv_fraction, describe, profile_for, run_command, search, \
+    summary
+from .planner.hardware import BUILTIN
+from .policy import Policy
+from .run import int_or_auto, write_json
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flexgen_infinigen.optimize",
+        description="Choose --percent, --gpu-batch-size and --num-gpu-batches from a cost model "
+                    "of the hardware (a linear program per batch shape, solved with PuLP).")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--hw", default=None,
+                   help="a profile JSON from `python -m flexgen_infinigen.profile`, or a built-in "
+                        f"profile ({', '.join(BUILTIN)}); default: this machine")
+    p.add_argument("--gpu-mem", type=float, default=None, help="GB usable on the GPU")
+    p.add_argument("--cpu-mem", type=float, default=None, help="GB usable in CPU memory")
+    p.add_argument("--disk-mem", type=float, default=None, help="GB usable on disk")
+    p.add_argument("--offload-dir", default=None, help="the disk tier's folder (for its space)")
+    p.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o"])
+    p.add_argument("--kv-fraction", type=float, default=None,
+                   help="fraction of the context fetched (infinigen; default its cap, 0.2) or "
+                        "kept (h2o; default 0.2)")
+    p.add_argument("--gpu-batch-size", type=int_or_auto, default="auto",
+                   metavar="N|auto")
+    p.add_argument("--num-gpu-batches", type=int_or_auto, default="auto",
+                   metavar="N|auto")
+    p.add_argument("--compress-weight", action="store_true")
+    p.add_argument("--compress-cache", action="store_true")
+    p.add_argument("--cpu-cache-compute", action="store_true",
+                   help="force attention on the CPU (default: tried both ways with "
+                        "--kv-policy full)")
+    p.add_argument("--dtype-bytes", type=int, default=None, choices=[2, 4],
+                   help="bytes per value (default: the profile's, fp16 on GPUs, fp32 on CPUs)")
+    p.add_argument("--top", type=int, default=3, help="also show this many runners-up")
+    p.add_argument("--json", default=None, metavar="FILE")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        cfg = get_config(a.model)
+        hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)
+        base = Policy(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
+                      cpu_cache_compute=a.cpu_cache_compute)
+        fraction = a.kv_fraction if a.kv_fraction is not None else \
+            default_kv_fraction(a.kv_policy)
+        fixed = [None if v == "auto" else v for v in (a.gpu_batch_size, a.num_gpu_batches)]
+        best, plans = search(cfg, a.prompt_len, a.gen_len, hw, base, a.kv_policy, fraction,
+                             *fixed, a.dtype_bytes)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = run_command(best, cfg.name, a.prompt_len, a.gen_len, a.kv_policy)
+    print(f"{cfg.name}, prompt {a.prompt_len}, gen {a.gen_len}, kv policy {a.kv_policy}"
+          + (f" (fraction {fraction:g})" if a.kv_policy != "full" else "")
+          + f", hardware {hw.name}: {hw.device}")
+    print("best policy:")
+    print(describe(best, hw))
+    for i, plan in enumerate(plans[1:1 + a.top], 2):
+        print(f"#{i}:")
+        print(describe(plan, hw))
+    print(f"run it with:\n  {command}")
+    if cfg.name != DEFAULT_MODEL:
+        print("  (add --path to the weight store converted with `python -m "
+              "flexgen_infinigen.convert`, or --dummy for random weights)")
+    write_json(a.json, {"model": cfg.name, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+                        "kv_policy": a.kv_policy, "kv_fraction": fraction,
+                        "hardware": hw.to_dict(), "best": summary(best), "command": command,
+                        "candidates": [summary(p) for p in plans[:1 + a.top]],
+                        "shapes_feasible": len(plans)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Planning a policy: hardware profiles, a cost model, and the placement optimizer."""

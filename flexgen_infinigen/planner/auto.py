@@ -1,0 +1,112 @@
+"""Glue between the command lines and the optimizer: build the workload, pick the profile,
+search, and render the result as a ``run`` command."""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+from ..config import ConfigError, ModelConfig
+from ..policy import Policy
+from .workload import Workload
+from .hardware import GB, HardwareProfile, load_profile
+from .lp import BATCH_SIZES, NUM_BATCHES, Plan, optimize
+
+
+def default_kv_fraction(kv_policy: str, max_kv_fraction: float = 0.2, hh_ratio: float = 0.1,
+                        recent_ratio: float = 0.1) -> float:
+    if kv_policy == "infinigen":
+        return max_kv_fraction
+    if kv_policy == "h2o":
+        return min(1.0, hh_ratio + recent_ratio)
+    return 1.0
+
+
+def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | None = None,
+                disk_mem: float | None = None, offload_dir: str | None = None) -> HardwareProfile:
+    """The named or saved profile; for this machine's own profile, memory as free right now."""
+    prof = load_profile(hw)
+    if hw is None:
+        from ..loading import resolve_device
+        from ..memory_plan import available
+        dev = resolve_device("auto")
+        have = available(dev, offload_dir)
+        prof = dataclasses.replace(prof, gpu_mem=float(have["device"]),
+                                   cpu_mem=float(have["host"]), disk_mem=float(have["disk"]))
+    return prof.with_memory(gpu_mem, cpu_mem, disk_mem)
+
+
+def search(cfg: ModelConfig, prompt_len: int, gen_len: int, hw: HardwareProfile,
+           base: Policy, kv_policy: str = "full", kv_fraction: float | None = None,
+           gpu_batch_size: int | None = None, num_gpu_batches: int | None = None,
+           dtype_bytes: int | None = None, progress: bool = True,
+           fixed_placement: bool = False) -> tuple[Plan, list[Plan]]:
+    """Best plan with the batch shape searched where ``gpu_batch_size``/``num_gpu_batches``
+    are None and fixed where given; the placement is ``base``'s with ``fixed_placement``,
+    else chosen by the linear program."""
+    if kv_fraction is None:
+        kv_fraction = default_kv_fraction(kv_policy)
+    work = Workload(cfg, prompt_len, gen_len, dtype_bytes or hw.dtype_bytes, kv_policy,
+                    kv_fraction).validate()
+    for flag, v in (("--gpu-batch-size", gpu_batch_size), ("--num-gpu-batches", num_gpu_batches)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be at least 1 or auto (got {v})")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        def bar(shapes):
+            return tqdm(shapes, desc="optimizing", unit="shape", leave=False)
+    return optimize(work, hw, base,
+                    batch_sizes=(gpu_batch_size,) if gpu_batch_size else BATCH_SIZES,
+                    num_batches=(num_gpu_batches,) if num_gpu_batches else NUM_BATCHES,
+                    try_cpu_compute=not (base.cpu_cache_compute or fixed_placement)
+                    and kv_policy == "full", fixed_placement=fixed_placement, progress=bar)
+
+
+def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy: str,
+                extra: list[str] | None = None) -> str:
+    p = plan.policy
+    args = ["python", "-m", "flexgen_infinigen.run", "--model", model,
+            "--percent", *map(str, plan.percent()),
+            "--gpu-batch-size", str(p.gpu_batch_size), "--num-gpu-batches", str(p.num_gpu_batches),
+            "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
+    for flag, on in (("--cpu-cache-compute", p.cpu_cache_compute),
+                     ("--compress-weight", p.compress_weight),
+                     ("--compress-cache", p.compress_cache)):
+        if on:
+            args.append(flag)
+    if kv_policy != "full":
+        args += ["--kv-policy", kv_policy]
+    return " ".join(shlex.quote(a) for a in args + (extra or []))
+
+
+def summary(plan: Plan) -> dict:
+    pred, p = plan.prediction, plan.policy
+    return {"percent": plan.percent(), "gpu_batch_size": p.gpu_batch_size,
+            "num_gpu_batches": p.num_gpu_batches, "cpu_cache_compute": p.cpu_cache_compute,
+            "compress_weight": p.compress_weight, "compress_cache": p.compress_cache,
+            "predicted_throughput": pred["throughput"],
+            "predicted_decode_throughput": pred["decode_throughput"],
+            "predicted_prefill_s": pred["prefill_s"], "predicted_decode_step_s":
+                pred["decode_step_s"], "predicted_total_s": pred["total_s"],
+            "memory_bytes": pred["memory_bytes"], "decode_terms_s": pred["decode_terms_s"],
+            "lp_fractions": plan.lp_fractions}
+
+
+def describe(plan: Plan, hw: HardwareProfile) -> str:
+    pred, p = plan.prediction, plan.policy
+    mem = pred["memory_bytes"]
+    limits = {"device": hw.gpu_mem, "host": hw.cpu_mem, "disk": hw.disk_mem}
+    lines = [f"  --percent {' '.join(map(str, plan.percent()))}  --gpu-batch-size "
+             f"{p.gpu_batch_size}  --num-gpu-batches {p.num_gpu_batches}"
+             + ("  --cpu-cache-compute" if p.cpu_cache_compute else ""),
+             f"  predicted: {pred['throughput']:.2f} tokens/s overall, "
+             f"{pred['decode_throughput']:.2f} tokens/s decoding; "
+             f"prefill {pred['prefill_s']:.2f} s, decode step {pred['decode_step_s'] * 1e3:.1f} ms",
+             "  memory: " + ", ".join(f"{t} {mem[t] / GB:.2f} of {limits[t] / GB:.1f} GB"
+                                      for t in ("device", "host", "disk"))
+             + (" (device and host share one memory)" if hw.shared_memory else ""),
+             "  decode step by resource: " + ", ".join(
+                 f"{k} {v * 1e3:.1f} ms" for k, v in pred["decode_terms_s"].items() if v > 0)
+             + (" (overlapped: the largest counts)" if pred["overlapped"] else " (summed)")]
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""The cost model: predicted prefill and decode time, throughput and memory for a policy.
+
+A step's time is split by resource (host->device link, device->host, disk reads, disk
+writes, host gather, device compute, CPU compute). Each term is linear in the
+placement fractions, so the optimizer's linear program (:mod:`.lp`) minimizes the same
+terms that :func:`predict` reports. With overlap on a machine whose copies run beside
+compute a step takes as long as its slowest resource; otherwise it is their sum.
+:func:`predict` adds what is not linear in the fractions (:func:`step_costs`, and
+disk reads served from the page cache) and is what ranks the optimizer's candidates.
+"""
+from __future__ import annotations
+
+import math
+
+from ..attention import score_rows
+from ..policy import Policy
+from .hardware import HardwareProfile
+from .workload import (FULL_LAYERS, Sizes, Workload, fits, fractions, mean_context,
+                       memory_needs)
+
+def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
+    """Seconds to bring every weight tensor of one step over the host link, one copy each."""
+    return sum(hw.seconds("h2d", n) for n in sz.weight_tensors)
+
+
+def _matmul(hw: HardwareProfile, m: float, params: float, on_cpu: bool = False) -> float:
+    return 2 * m * params / hw.flops(m, on_cpu)
+
+
+def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
+                  cached: bool = False) -> dict:
+    """Seconds per resource for the prompt pass of one block (linear in the fractions ``x``)."""
+    cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
+    b, n, p, layers = policy.gpu_batch_size, policy.num_gpu_batches, work.prompt_len, \
+        work.cfg.num_layers
+    hid = n * b * p * cfg.hidden_size * item * sz.num_stages
+    kv_new = n * b * p * sz.kv_token * layers
+    off_w, off_c, off_h = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"] + x["hd"]
+    scores = 4 * b * cfg.num_heads * p * p  # bytes of float32 scores (in query chunks)
+    # norms, residuals, rotary, activation: about a dozen passes over the hidden states and
+    # four over the MLP's intermediate ones
+    passes = b * p * (12 * cfg.hidden_size + 4 * cfg.intermediate_size) * item
+    chunks = math.ceil(p / score_rows(b, cfg.num_heads, p))
+    compute = n * (layers * (_matmul(hw, b * p, sz.layer_params)
+                             + hw.seconds("prefill_attention", scores, chunks)
+                             + hw.seconds("device_copy", passes, 16)
+                             + hw.overhead(cfg.family))
+                   + _matmul(hw, b, sz.head_params))
+    if policy.compress_weight:
+        compute += sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
+                       for n in sz.weight_tensors)
+    if policy.compress_cache:
+        compute += hw.seconds("dequant", n * b * p * sz.kv_token_raw * layers, 2 * n * layers)
+    copies, kv_copies = n * sz.num_stages, 2 * n * layers
+    return {"h2d": off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
+            "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
+            + off_h * hw.seconds("d2h", hid, copies),
+            "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached)
+            + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors),
+            "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
+            "gather": 0.0, "compute": compute, "cpu_compute": 0.0}
+
+
+def _disk_read(hw: HardwareProfile, total: float, pieces: float, cached: bool) -> float:
+    if cached:
+        return hw.seconds("page_cache_read", total, pieces)
+    return total / hw.disk_read_bw
+
+
+def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
+                 context: float, cached: bool = False) -> dict:
+    """Seconds per resource for one decode step of one block at ``context`` cached tokens."""
+    cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
+    b, n, layers = policy.gpu_batch_size, policy.num_gpu_batches, cfg.num_layers
+    f = work.fetch_fraction()
+    hid = n * b * cfg.hidden_size * item * sz.num_stages
+    ctx = n * b * context * sz.kv_token * layers * f  # cached bytes read, as stored
+    ctx_raw = n * b * context * sz.kv_token_raw * layers * f
+    kv_new = n * b * sz.kv_token * layers
+    off_w, off_c, off_h = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"] + x["hd"]
+    copies, kv_copies = n * sz.num_stages, 2 * n * layers  # K and V are separate copies
+    h2d = off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies)
+    d2h = off_c * hw.seconds("d2h", kv_new, kv_copies) + off_h * hw.seconds("d2h", hid, copies)
+    compute = n * (layers * (_matmul(hw, b, sz.layer_params) + hw.overhead(cfg.family))
+                   + _matmul(hw, b, sz.head_params))
+    cpu_compute = gather = 0.0
+    if policy.cpu_cache_compute:  # q, k, v to the host, the output back, attention there
+        h2d += hw.seconds("h2d", n * layers * b * cfg.hidden_size * item, n * layers)
+        d2h += hw.seconds("d2h", n * layers * b * (cfg.hidden_size + 2 * cfg.kv_dim) * item,
+                          3 * n * layers) + x["cg"] * hw.seconds("d2h", ctx, kv_copies)
+        cpu_compute = hw.seconds("cpu_attention", ctx_raw, n * layers)
+    else:
+        h2d += off_c * hw.seconds("h2d", ctx, kv_copies)
+        compute += hw.seconds("attention", ctx_raw, n * layers)
+    if policy.compress_weight:
+        compute += sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
+                       for n in sz.weight_tensors)
+    if policy.compress_cache:
+        compute += hw.seconds("dequant", ctx_raw, kv_copies)
+    if work.kv_policy != "full":  # selected rows are gathered on the host before the link
+        gather = off_c * hw.seconds("host_gather", 2 * ctx, kv_copies)
+        compute += n * layers * hw.overhead(cfg.family, "h2o") if work.kv_policy == "h2o" \
+            else 0.0
+    if work.kv_policy == "infinigen":
+        spec_layers = max(0, layers - FULL_LAYERS)
+        r, kvh = sz.partial_dim, cfg.num_kv_heads
+        scores = b * cfg.num_heads * context * 4
+        compute += n * spec_layers * (
+            _matmul(hw, b, sz.spec_params) + hw.overhead(cfg.family, "infinigen")
+            + hw.seconds("attention", b * context * kvh * r * item + 4 * scores))
+    disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached) \
+        + x["hd"] * _disk_read(hw, hid, copies, cached) \
+        + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors)
+    return {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
+            "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
+            "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
+
+
+def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
+               context: float | None) -> float:
+    """Device seconds per decode step that switch on with a placement rather than grow with
+    it: fixed costs of offloaded reads, and copying the device part of a tensor split across
+    tiers into the buffer its other parts are read into. They are not
+    linear in the fractions, so the linear program leaves them out; :func:`predict` adds
+    them, and the optimizer's rounding compares candidates with :func:`predict`.
+    ``context`` None is the prefill, which reads no cache."""
+    cfg, sz = work.cfg, Sizes.of(work, policy)
+    n, layers = policy.num_gpu_batches, cfg.num_layers
+    w, c = policy.weight_split, policy.cache_split
+    t = 0.0
+    if w[0] < 1:
+        t += layers * hw.overhead(cfg.family, "weights_offload")
+    if sum(v > 0 for v in w) > 1:  # a split tensor is read into one buffer: the device
+        t += sum(hw.seconds("device_copy", w[0] * v) for v in sz.weight_tensors)  # part copies
+    if context is None:
+        return t
+    per = policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction() / 2
+    if c[0] < 1 or policy.cpu_cache_compute:
+        # a loaded (not resident) cache is joined with the new token's keys and values
+        t += 2 * n * layers * hw.seconds("device_copy", per)
+        if not policy.cpu_cache_compute:
+            t += n * layers * hw.overhead(cfg.family, "kv_offload")
+    if sum(v > 0 for v in c) > 1:
+        t += 2 * n * layers * hw.seconds("device_copy", c[0] * per)
+    return t
+
+
+def overlaps(policy: Policy, hw: HardwareProfile) -> bool:
+    overlap = hw.copies_overlap_compute if policy.overlap is None else policy.overlap
+    return bool(overlap and hw.copies_overlap_compute)
+
+
+def combine(terms: dict, overlapped: bool) -> float:
+    return max(terms.values()) if overlapped else sum(terms.values())
+
+
+def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
+    """Predicted times (s), throughput (tokens/s) and memory per tier (bytes) for one block."""
+    work = work.validate()
+    policy = policy.validate()
+    x = fractions(policy)
+    need = memory_needs(work, policy)
+    # offloaded files that fit in spare host memory are read back from the page cache
+    room = hw.cpu_mem if hw.page_cache_mem is None else hw.page_cache_mem
+    spare = room - need["host"] - (need["device"] if hw.shared_memory else 0)
+    cached = need["disk"] <= spare
+    overlapped = overlaps(policy, hw)
+    pre = prefill_terms(work, policy, hw, x, cached)
+    dec = decode_terms(work, policy, hw, x, mean_context(work), cached)
+    dec["compute"] += step_costs(work, policy, hw, mean_context(work))
+    pre["compute"] += step_costs(work, policy, hw, None)
+    prefill_s, step_s = combine(pre, overlapped), combine(dec, overlapped)
+    decode_s = step_s * max(work.gen_len - 1, 0)
+    tokens = policy.block_size * work.gen_len
+    layers = work.cfg.num_layers
+    return {"prefill_s": prefill_s, "decode_step_s": step_s, "decode_s": decode_s,
+            "total_s": prefill_s + decode_s,
+            "throughput": tokens / (prefill_s + decode_s),
+            "decode_throughput": policy.block_size / step_s,
+            "decode_layer_s": step_s / layers, "prefill_layer_s": prefill_s / layers,
+            "prefill_terms_s": pre, "decode_terms_s": dec, "overlapped": overlapped,
+            "disk_from_page_cache": cached and need["disk"] > 0,
+            "memory_bytes": need, "fits": fits(need, hw)}

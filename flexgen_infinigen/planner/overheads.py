@@ -1,0 +1,68 @@
+"""The engine's fixed cost per layer, measured by running a tiny model through it.
+
+A tiny model's decode step has negligible flops and bytes, so its time per layer is what
+the runtime spends regardless of size: operator dispatch and kernel launches. Running
+it again with the cache offloaded, the weights offloaded, InfiniGen or H2O gives what
+each of those adds.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..config import ModelConfig
+from ..tiers import Tiers
+
+
+def tiny_config(family: str) -> ModelConfig:
+    return ModelConfig(name=f"tiny-{family}", family=family, vocab_size=256, hidden_size=128,
+                       intermediate_size=256, num_layers=8, num_heads=4,
+                       num_kv_heads=4 if family == "opt" else 2, max_positions=512)
+
+
+def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent: list,
+               kv: str) -> float:
+    """Median decode step time of a tiny model run by the real engine."""
+    from ..api import OffloadedLM
+    from ..engine import Engine
+    from ..kv import make_kv_policy
+    from ..loading import place_weights
+    from ..policy import Policy
+    from ..sampling import Sampler, SamplingConfig
+    from ..weights.sources import DummySource
+
+    tiers = Tiers(dev)
+    policy = Policy.from_percent(percent, overlap=False)
+    try:
+        weights = place_weights(cfg, DummySource(cfg), policy, tiers, dtype, progress=False)
+        kv_policy = make_kv_policy(kv)
+        engine = Engine(cfg, weights, policy, tiers, kv_policy, dtype)
+        kv_policy.prepare(OffloadedLM(cfg, engine, None, tiers))
+        ids = torch.randint(3, cfg.vocab_size, (1, 32))
+        out = engine.run_block([(ids, torch.ones_like(ids, dtype=torch.bool))], 24,
+                               Sampler(SamplingConfig()))
+    finally:
+        tiers.close()
+    return statistics.median(out["times"][2:])
+
+
+def engine_overheads(dev: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Fixed seconds per layer and GPU batch: on the device, and what each option adds."""
+    device, cache_host, weights_host = ([100, 0, 100, 0, 100, 0], [100, 0, 0, 100, 100, 0],
+                                        [0, 100, 100, 0, 100, 0])
+    out = {}
+    for family in ("opt", "llama"):
+        cfg = tiny_config(family)
+        layers = cfg.num_layers
+        base = _tiny_step(dev, dtype, cfg, device, "full")
+        host = _tiny_step(dev, dtype, cfg, cache_host, "full")
+        got = {"layer": base / layers,
+               "kv_offload": (host - base) / layers,
+               "weights_offload": (_tiny_step(dev, dtype, cfg, weights_host, "full") - base)
+               / layers,
+               "infinigen": (_tiny_step(dev, dtype, cfg, cache_host, "infinigen") - host)
+               / (layers - 2),
+               "h2o": (_tiny_step(dev, dtype, cfg, cache_host, "h2o") - host) / layers}
+        out.update({f"{family}/{k}": max(0.0, v) for k, v in got.items()})
+    return out
