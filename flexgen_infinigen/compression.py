@@ -48,10 +48,24 @@ def compress(x: torch.Tensor, group: int = GROUP_SIZE) -> Packed:
     return Packed(codes, scale.to(x.dtype), lo.to(x.dtype), shape)
 
 
+# rows of groups decompressed at a time: the temporaries stay near 16 MB however large the
+# tensor (a 113 MB embedding table would otherwise need three full-size float temporaries)
+CHUNK_VALUES = 1 << 22
+
+
 def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     codes = p.codes
-    q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-    out = q.to(p.scale.dtype) * p.scale + p.minimum
-    lead = codes.shape[:-2]
-    out = out.reshape(*lead, -1)
+    groups, half = codes.shape[-2], codes.shape[-1]
+    out = torch.empty(*codes.shape[:-2], groups * half * 2, dtype=p.scale.dtype,
+                      device=codes.device)
+    flat_codes = codes.reshape(-1, groups, half)
+    scale, minimum = p.scale.reshape(-1, groups, 1), p.minimum.reshape(-1, groups, 1)
+    flat_out = out.view(-1, groups, 2 * half)
+    step = max(1, CHUNK_VALUES // (groups * half * 2))
+    for start in range(0, flat_codes.shape[0], step):
+        part = slice(start, start + step)
+        c = flat_codes[part]
+        q = torch.stack([c & 0x0F, c >> 4], dim=-1).flatten(-2).to(out.dtype)
+        torch.mul(q, scale[part], out=flat_out[part])
+        flat_out[part] += minimum[part]
     return out if dtype is None else out.to(dtype)

@@ -77,3 +77,17 @@ def test_compressed_model_stays_close(smollm2_store, wikitext_ids, full_score, w
     # measured: cache 0.20, weights 0.46
     rel = (logits[2] - full_logits[2]).abs().mean() / full_logits[2].std()
     assert 0 < rel < (0.3 if what == "cache" else 0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_chunked_decompression_equals_the_plain_formula(dtype, monkeypatch):
+    """Decompression in row chunks gives exactly codes * scale + minimum, element by element."""
+    from flexgen_infinigen import compression
+
+    x = (torch.randn(37, 3, 128, generator=torch.Generator().manual_seed(1))).to(dtype)
+    packed = compression.compress(x)
+    codes = packed.codes
+    q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+    plain = (q.to(dtype) * packed.scale + packed.minimum).reshape(x.shape)
+    monkeypatch.setattr(compression, "CHUNK_VALUES", 5 * 128)  # 5 rows of groups at a time
+    assert torch.equal(compression.decompress(packed), plain)
