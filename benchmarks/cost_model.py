@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from throughput import Retry, machine_info, measure  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen.config import get_config  # noqa: E402
 from flexgen_infinigen.planner.cost import predict  # noqa: E402
 from flexgen_infinigen.planner.hardware import load_profile  # noqa: E402
 from flexgen_infinigen.planner.lp import optimize  # noqa: E402
@@ -128,7 +129,6 @@ def validation(hw, names, prompt_len, gen_len, batch, retry) -> list[dict]:
         if policy.overlap is None:
             policy = dataclasses.replace(policy, overlap=hw.copies_overlap_compute)
         got = measure_policy(load, policy, kv, opts, prompt_len, gen_len, retry)
-        from flexgen_infinigen.config import get_config
         work = Workload(get_config(load["model"]), prompt_len, gen_len, hw.dtype_bytes, kv,
                         kv_fraction(kv, opts))
         pred = predict(work, policy, hw)
@@ -154,8 +154,6 @@ GRID_PERCENTS = {
 
 def grid(hw, budget_gb, prompt_len, gen_len, batches, retry) -> dict:
     """Measured grid under a memory budget, against the optimizer's measured pick."""
-    from flexgen_infinigen.config import get_config
-
     # the budget limits what the runtime places; the OS still caches offloaded files in the
     # machine's free memory, as it would for a user who sets --cpu-mem to leave room for
     # other work
@@ -188,8 +186,6 @@ def grid(hw, budget_gb, prompt_len, gen_len, batches, retry) -> dict:
 
 def paper_setting() -> dict:
     """Predictions only: OPT-13B, batch 20, prompt 1920, 128 tokens, A6000 / PCIe 3 profile."""
-    from flexgen_infinigen.config import get_config
-
     hw = load_profile("a6000-pcie3")
     cfg = get_config("opt-13b")
     paper = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=20)

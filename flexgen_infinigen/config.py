@@ -93,6 +93,19 @@ class ConfigError(ValueError):
     """A bad user input, reported as one line that names the fix."""
 
 
+def read_text(path: str, flag: str) -> str:
+    """The text of a user-given file, or one error naming ``flag`` when it is unreadable or
+    empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read {flag} {path}: {e.strerror}") from None
+    if not text.strip():
+        raise ConfigError(f"{flag} {path} is empty")
+    return text
+
+
 def get_config(name: str) -> ModelConfig:
     key = name.lower()
     if key.startswith("facebook/"):

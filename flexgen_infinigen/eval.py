@@ -16,7 +16,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from .config import DEFAULT_MODEL, ConfigError, get_config
+from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .metrics import teacher_forced_nll
 from .run import (add_model_args, add_policy_args, kv_options_from_args, policy_from_args,
                   write_json)
@@ -42,13 +42,7 @@ def check_args(a) -> tuple[list[int], object]:
     """Every check that needs no weights: the text, the lengths, and the window count.
 
     Returns the text's token ids and the model's config."""
-    try:
-        with open(a.text, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read --text {a.text}: {e.strerror}") from None
-    if not text.strip():
-        raise ConfigError(f"--text {a.text} is empty")
+    text = read_text(a.text, "--text")
     if a.prefill_len < 1:
         raise ConfigError(f"--prefill-len must be at least 1 (got {a.prefill_len})")
     if a.prefill_len >= a.seq_len:
@@ -86,7 +80,7 @@ def perplexity(a) -> dict:
     from .api import OffloadedLM
 
     ids, cfg = check_args(a)
-    policy = policy_from_args(a, cfg, (a.prefill_len, a.seq_len - a.prefill_len))
+    policy, _ = policy_from_args(a, cfg, (a.prefill_len, a.seq_len - a.prefill_len))
     kv_options = kv_options_from_args(a)
     lm = OffloadedLM.load(model=a.model or (None if a.path else DEFAULT_MODEL), path=a.path,
                           policy=policy, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,

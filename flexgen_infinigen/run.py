@@ -8,7 +8,7 @@ import sys
 import torch
 
 from .api import OffloadedLM, check_lengths
-from .config import DEFAULT_MODEL, ConfigError, get_config
+from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .policy import Policy
 from .report import build_report, print_report
 from .sampling import SamplingConfig
@@ -132,18 +132,18 @@ def wants_plan(a) -> bool:
     return "auto" in ([v.lower() for v in a.percent] + [a.gpu_batch_size, a.num_gpu_batches])
 
 
-def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None) -> Policy:
-    """The policy the flags give; with ``auto`` anywhere, the optimizer's choice for ``cfg`` at
-    ``lengths`` = (prompt, generated) tokens (``a.plan`` then holds its prediction)."""
+def policy_from_args(a, cfg=None,
+                     lengths: tuple[int, int] | None = None) -> tuple[Policy, dict | None]:
+    """(policy, plan): the policy the flags give, or with ``auto`` anywhere the optimizer's
+    choice for ``cfg`` at ``lengths`` = (prompt, generated) tokens and its prediction."""
     percent = parse_percent(a.percent)
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
                     compress_cache=a.compress_cache)
-    a.plan = None
     if not wants_plan(a):
         return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None
-                                   else a.num_gpu_batches, **switches)
+                                   else a.num_gpu_batches, **switches), None
     if cfg is None or lengths is None:
         raise ConfigError("auto placement needs the model and lengths; it is available in "
                           "`run`, or use `python -m flexgen_infinigen.optimize`")
@@ -161,13 +161,12 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None) -> Pol
         base = Policy.from_percent(percent, **switches)
     best, _ = search(cfg, *lengths, hw, base, a.kv_policy, fraction, b, n, item,
                      fixed_placement=percent is not None)
-    a.plan = {"hardware": hw.name, "hardware_source": hw.source, **summary(best)}
     print(f"auto policy ({hw.name} profile): --percent {' '.join(map(str, best.percent()))} "
           f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
           f"{best.policy.num_gpu_batches}" + (" --cpu-cache-compute" if
                                                best.policy.cpu_cache_compute else "")
           + f"; predicted {best.prediction['throughput']:.2f} tokens/s")
-    return best.policy
+    return best.policy, {"hardware": hw.name, "hardware_source": hw.source, **summary(best)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,29 +204,26 @@ def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
     return torch.randint(10, lm.cfg.vocab_size, (count, prompt_len), generator=gen).tolist()
 
 
-def check_args(a) -> None:
-    """Cheap checks that run before any weight is touched."""
+def check_args(a) -> list[str]:
+    """Cheap checks that run before any weight is touched; returns the prompt texts given
+    (``--prompt`` and ``--prompt-file``), empty when prompts are to be synthesized."""
     for flag, v in [("--gen-len", a.gen_len), ("--prompt-len", a.prompt_len),
                     ("--cut-gen-len", 1 if a.cut_gen_len is None else a.cut_gen_len)]:
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {v})")
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ConfigError(f"--num-prompts must be at least 1 (got {a.num_prompts})")
+    texts = list(a.prompt or [])
     if a.prompt_file:
-        try:
-            with open(a.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ConfigError(f"cannot read --prompt-file {a.prompt_file}: {e.strerror}") from None
-        if not text.strip():
-            raise ConfigError(f"--prompt-file {a.prompt_file} is empty")
+        texts.append(read_text(a.prompt_file, "--prompt-file"))
     if a.dummy and (a.prompt or a.prompt_file):
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
     if a.model is not None and not a.path:
         cfg = get_config(a.model)
-        if not (a.prompt or a.prompt_file):
+        if not texts:
             check_lengths(cfg, a.prompt_len, a.gen_len)
+    return texts
 
 
 def _print_verbose(lm: OffloadedLM, gen) -> None:
@@ -241,20 +237,16 @@ def _print_verbose(lm: OffloadedLM, gen) -> None:
     print("step times (s): " + " ".join(f"{t:.3f}" for t in gen.step_times))
 
 
-def planned_policy(a, model: str) -> Policy:
+def planned_policy(a, model: str, texts: list[str]) -> tuple[Policy, dict]:
     """Run the optimizer for ``--percent auto`` / ``--gpu-batch-size auto`` before loading."""
     from .loading import find_weights
 
     cfg, _, store = find_weights(model, a.path, a.dummy, a.seed, progress=True)
     prompt_len = a.prompt_len
-    if (a.prompt or a.prompt_file) and store is not None:
+    if texts and store is not None:
         from .tokenizer import load_tokenizer
         tok = load_tokenizer(store.path, cfg)
         if tok is not None:
-            texts = list(a.prompt or [])
-            if a.prompt_file:
-                with open(a.prompt_file, encoding="utf-8") as f:
-                    texts.append(f.read())
             prompt_len = max(len(tok.encode(t)) for t in texts)
     check_lengths(cfg, prompt_len, a.gen_len)
     return policy_from_args(a, cfg, (prompt_len, a.gen_len))
@@ -263,24 +255,20 @@ def planned_policy(a, model: str) -> Policy:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        check_args(a)
-        parse_percent(a.percent)
+        texts = check_args(a)
+        parse_percent(a.percent)  # a bad --percent is reported before the model is found
         kv_options = kv_options_from_args(a)
         sampling = SamplingConfig(a.temperature, a.top_p, a.seed).validate()
         model = a.model if (a.model or a.path) else DEFAULT_MODEL
-        policy = planned_policy(a, model) if wants_plan(a) else policy_from_args(a)
-        hint = None if (a.prompt or a.prompt_file) else (a.prompt_len, a.gen_len)
+        policy, plan = planned_policy(a, model, texts) if wants_plan(a) else policy_from_args(a)
+        hint = None if texts else (a.prompt_len, a.gen_len)
         lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                               device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
                               kv_options=kv_options,
                               offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
         with lm:
-            if a.prompt or a.prompt_file:
-                prompts = list(a.prompt or [])
-                if a.prompt_file:
-                    with open(a.prompt_file, encoding="utf-8") as f:
-                        prompts.append(f.read())
-                prompts = lm.encode(prompts)
+            if texts:
+                prompts = lm.encode(texts)
             else:
                 count = a.num_prompts or policy.block_size
                 prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
@@ -288,7 +276,7 @@ def main(argv=None) -> int:
                               stop_token_id=None if a.no_stop else -1,
                               cut_gen_len=a.cut_gen_len, progress=True)
             report = build_report(lm, gen, str(lm.tiers.device),
-                                  {"auto_plan": a.plan} if a.plan else None)
+                                  {"auto_plan": plan} if plan else None)
             if a.verbose:
                 _print_verbose(lm, gen)
     except ConfigError as e:

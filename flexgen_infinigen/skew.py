@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError
+from .config import ConfigError, read_text
 
 
 def main(argv=None) -> int:
@@ -29,16 +29,7 @@ def main(argv=None) -> int:
     try:
         if a.max_tokens < 8:
             raise ConfigError(f"--max-tokens must be at least 8 (got {a.max_tokens})")
-        text = None
-        if a.calibration:
-            try:
-                with open(a.calibration, encoding="utf-8") as f:
-                    text = f.read()
-            except OSError as e:
-                raise ConfigError(f"cannot read --calibration {a.calibration}: "
-                                  f"{e.strerror}") from None
-            if not text.strip():
-                raise ConfigError(f"--calibration {a.calibration} is empty")
+        text = read_text(a.calibration, "--calibration") if a.calibration else None
         from .api import OffloadedLM
         from .infinigen.skew import calibrate
         from .policy import Policy

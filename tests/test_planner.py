@@ -13,7 +13,7 @@ import json
 import pytest
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.config import ConfigError, ModelConfig, get_config
+from flexgen_infinigen.config import ConfigError, get_config
 from flexgen_infinigen.planner import cost, lp, workload
 from flexgen_infinigen.planner.cost import predict
 from flexgen_infinigen.planner.workload import Workload
@@ -245,9 +245,14 @@ def test_run_auto_rejects_bad_values_before_loading(capsys):
     assert "six numbers" in capsys.readouterr().err
 
 
-def test_tiny_config_is_a_valid_model():
-    from flexgen_infinigen.planner.overheads import tiny_config
+def test_engine_overheads_run_the_real_engine():
+    """The profile's fixed costs come from tiny models run by the engine with every option."""
+    import torch
 
-    for family in ("opt", "llama"):
-        cfg = tiny_config(family)
-        assert isinstance(cfg, ModelConfig) and cfg.hidden_size % cfg.num_heads == 0
+    from flexgen_infinigen.planner.overheads import engine_overheads
+
+    got = engine_overheads(torch.device("cpu"), torch.float32)
+    assert set(got) == {f"{f}/{w}" for f in ("opt", "llama")
+                        for w in ("layer", "kv_offload", "weights_offload", "infinigen", "h2o")}
+    assert all(0 <= v < 0.1 for v in got.values())
+    assert got["opt/layer"] > 0 and got["llama/layer"] > 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError
+from ..config import ConfigError, read_text
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, attend_selected, to_rows
 from .pool import KVPool, check_pool_options
@@ -214,10 +214,7 @@ class InfiniGenPolicy(FullPolicy):
         store = getattr(lm, "store_path", None)
         skew = None if opts.calibration or store is None else Skew.load(store)
         if skew is None:
-            text = None
-            if opts.calibration:
-                with open(opts.calibration, encoding="utf-8") as f:
-                    text = f.read()
+            text = read_text(opts.calibration, "--calibration") if opts.calibration else None
             skew = calibrate(lm, text, column_score=opts.column_score)
         self.skew = skew
         self.family = engine.family

@@ -59,12 +59,10 @@ def search(cfg: ModelConfig, prompt_len: int, gen_len: int, hw: HardwareProfile,
     return optimize(work, hw, base,
                     batch_sizes=(gpu_batch_size,) if gpu_batch_size else BATCH_SIZES,
                     num_batches=(num_gpu_batches,) if num_gpu_batches else NUM_BATCHES,
-                    try_cpu_compute=not (base.cpu_cache_compute or fixed_placement)
-                    and kv_policy == "full", fixed_placement=fixed_placement, progress=bar)
+                    fixed_placement=fixed_placement, progress=bar)
 
 
-def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy: str,
-                extra: list[str] | None = None) -> str:
+def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy: str) -> str:
     p = plan.policy
     args = ["python", "-m", "flexgen_infinigen.run", "--model", model,
             "--percent", *map(str, plan.percent()),
@@ -77,7 +75,7 @@ def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy
             args.append(flag)
     if kv_policy != "full":
         args += ["--kv-policy", kv_policy]
-    return " ".join(shlex.quote(a) for a in args + (extra or []))
+    return " ".join(shlex.quote(a) for a in args)
 
 
 def summary(plan: Plan) -> dict:

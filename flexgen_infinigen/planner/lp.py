@@ -10,6 +10,7 @@ and is scored by :func:`~.cost.predict`; the best scored shape wins.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ def _coefficients(work: Workload, policy: Policy) -> dict[str, float]:
             "fixed": need["working_set_device"] + extra_device_bytes(work, policy)}
 
 
+@functools.lru_cache(maxsize=1)
 def solver():
     """CBC: PuLP's bundled binary (PuLP < 4), else a CBC found on the system."""
     with warnings.catch_warnings():
@@ -186,10 +188,11 @@ def check_capacity(work: Workload, hw: HardwareProfile, base: Policy) -> None:
 
 
 def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
-             batch_sizes=BATCH_SIZES, num_batches=NUM_BATCHES, try_cpu_compute: bool = True,
-             fixed_placement: bool = False, progress=None) -> tuple[Plan, list[Plan]]:
+             batch_sizes=BATCH_SIZES, num_batches=NUM_BATCHES, fixed_placement: bool = False,
+             progress=None) -> tuple[Plan, list[Plan]]:
     """The predicted-fastest policy, and every feasible candidate scored (best first).
 
+    With the full cache, attention on the CPU (``--cpu-cache-compute``) is tried as well.
     With ``fixed_placement`` only the batch shape is searched and ``base``'s percentages
     are kept (``--percent`` given with ``--gpu-batch-size auto``).
     """
@@ -197,7 +200,7 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
     base = base or Policy()
     check_capacity(work, hw, base)
     flags = [base.cpu_cache_compute]
-    if try_cpu_compute and work.kv_policy == "full" and not base.cpu_cache_compute:
+    if work.kv_policy == "full" and not (base.cpu_cache_compute or fixed_placement):
         flags.append(True)
     shapes = [(b, n, ccc) for b in batch_sizes for n in num_batches for ccc in flags]
     plans = []
