@@ -37,9 +37,7 @@ def prompt_ids(lm, length: int, text_file: Path | None):
 def measure(lm, prompts, gen_len: int) -> dict:
     lm.generate(prompts, 2, stop_token_id=None)  # warm-up
     policy = lm.engine.kv_policy
-    if hasattr(policy, "stats"):
-        from flexgen_infinigen.kv.infinigen import FetchStats
-        policy.stats = FetchStats()
+    policy.reset_stats()
     lm.tiers.reset_counters()
     out = lm.generate(prompts, gen_len, stop_token_id=None)
     moved = lm.tiers.bytes_moved

@@ -68,3 +68,25 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     out = torch.matmul(probs.to(v.dtype).view(b, kv_heads, group * s, -1), v.permute(0, 2, 1, 3))
     out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
     return (out, probs.sum((2, 3))) if return_key_mass else out
+
+
+def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bias: torch.Tensor,
+                return_key_mass: bool = False):
+    """Decode attention of one new token over keys and values kept token-major, as the cache
+    stores them, without reordering them first.
+
+    q: [b, 1, H, d]; k_rows, v_rows: [t, b*KV, d]; bias: additive, broadcastable to
+    [b, KV, 1, t]. Returns [b, 1, H*d] (and with ``return_key_mass`` the attention each key
+    receives summed over the group's query heads, [b, KV, t]).
+    """
+    b, _, heads, d = q.shape
+    t, cols, _ = k_rows.shape
+    kv_heads = cols // b
+    group = heads // kv_heads
+    qc = q.reshape(cols, group, d)
+    scores = torch.bmm(qc, k_rows.permute(1, 2, 0)).float() * (1.0 / math.sqrt(d))
+    scores = scores.view(b, kv_heads, group, t) + bias.float()
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.to(v_rows.dtype).view(cols, group, t), v_rows.permute(1, 0, 2))
+    out = out.view(b, 1, heads * d)
+    return (out, probs.sum(2)) if return_key_mass else out

@@ -95,14 +95,21 @@ def perplexity(a) -> dict:
             nll.append(teacher_forced_nll(lm, [window[:a.prefill_len]],
                                           [window[a.prefill_len:]])[0])
             report = lm.engine.kv_policy.report()
-            fractions.append(report.get("kv_fetch_fraction", 1.0))
-            per_layer.append(report.get("kv_fetch_fraction_per_layer",
+            fractions.append((report.get("relative_kv_size", 1.0),
+                              report.get("relative_kv_size_speculative"),
+                              report.get("kv_fetch_fraction", 1.0)))
+            per_layer.append(report.get("kv_selected_fraction_per_layer",
                                         [1.0] * lm.cfg.num_layers))
         all_nll = torch.cat(nll)
         return {
             "perplexity": math.exp(all_nll.mean().item()),
             "mean_nll": all_nll.mean().item(),
-            "relative_kv_size": sum(fractions) / len(fractions),
+            # rows attention used over rows cached: all layers (those reading everything at
+            # 1.0), the selecting layers only (the InfiniGen paper's count), rows moved
+            "relative_kv_size": sum(f[0] for f in fractions) / len(fractions),
+            "relative_kv_size_speculative": None if fractions[0][1] is None
+            else sum(f[1] for f in fractions) / len(fractions),
+            "kv_fetch_fraction": sum(f[2] for f in fractions) / len(fractions),
             "relative_kv_size_per_layer": [sum(col) / len(col) for col in zip(*per_layer)],
             "windows": count, "tokens_scored": int(all_nll.numel()),
             "model": lm.cfg.name, "kv_policy": lm.engine.kv_policy.report(),

@@ -9,6 +9,7 @@ import torch
 
 from .api import OffloadedLM, check_lengths
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
+from .kv.options import DEFAULT_KV_FRACTION
 from .policy import Policy
 from .report import build_report, print_report
 from .sampling import SamplingConfig
@@ -67,29 +68,47 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")
     g.add_argument("--offload-dir", default=None, help="folder for the disk tier (removed on exit)")
-    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o"],
-                   help="KV cache policy (default full)")
+    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o", "oracle"],
+                   help="KV cache policy (default full). oracle: exact top tokens by true "
+                        "attention at the same budget; it reads the whole cache to score it, "
+                        "so it is an accuracy upper bound for evaluation, not a fast path")
     g = p.add_argument_group("H2O (with --kv-policy h2o)")
     g.add_argument("--hh-ratio", type=float, default=0.1,
                    help="heavy hitters kept, as a fraction of the context")
     g.add_argument("--recent-ratio", type=float, default=0.1,
                    help="recent tokens kept, as a fraction of the context")
-    g = p.add_argument_group("InfiniGen (with --kv-policy infinigen)")
+    g = p.add_argument_group("token selection (with --kv-policy infinigen or oracle)")
+    g.add_argument("--selection", default=None,
+                   help="rule turning scores into rows: mass (default: the most softmax mass "
+                        "summed over the group's query heads), cap, margin, artifact, head-union")
     g.add_argument("--alpha", type=float, default=None,
-                   help="keep tokens whose approximate logit is above max - alpha "
-                        "(default 4 for OPT, 5 for Llama; inf keeps all)")
-    g.add_argument("--partial-weight-ratio", type=float, default=0.3,
-                   help="fraction of head_dim columns used to rehearse attention")
-    g.add_argument("--max-kv-fraction", type=float, default=0.2,
-                   help="cap on fetched tokens, as a fraction of the context")
-    g.add_argument("--max-num-kv", type=int, default=None, help="cap on fetched tokens")
+                   help="a token counts when its (approximate) logit is above max - alpha "
+                        "(default 4 for OPT, 5 for Llama; inf keeps all up to the cap)")
+    g.add_argument("--max-kv-fraction", type=float, default=DEFAULT_KV_FRACTION,
+                   help="cap on tokens read per KV head, as a fraction of the context")
+    g.add_argument("--max-num-kv", type=int, default=None, help="cap on tokens read")
+    g.add_argument("--keep-sink", type=int, default=0,
+                   help="always read the first N tokens of each sequence (inside the cap)")
+    g.add_argument("--keep-recent", type=int, default=0,
+                   help="always read the newest N cached tokens (inside the cap)")
+    g = p.add_argument_group("InfiniGen (with --kv-policy infinigen)")
+    g.add_argument("--speculation-keys", default="int4",
+                   help="the device copy of the keys that speculation scores against: every "
+                        "skewed column quantized to 4 (default) or 2 bits, or the paper's partial "
+                        "columns in the runtime dtype")
+    g.add_argument("--partial-weight-ratio", type=float, default=None,
+                   help="fraction of head_dim skewed columns used to rehearse attention "
+                        "(default 0.3 for partial keys, 1.0 for quantized keys)")
     g.add_argument("--calibration", default=None,
                    help="text file for skewing (default: the store's skew, else built-in text)")
+    g.add_argument("--prompt-skew", type=str2bool, default=False,
+                   help="blend each prompt's own query statistics into its skew (measured worse "
+                        "than the built-in calibration; default false)")
+    g.add_argument("--column-score", default="q",
+                   help="rank skewed columns by query energy, or query times key energy")
     g.add_argument("--kv-pool-capacity", type=float, default=1.0,
                    help="fraction of each head's context kept in the host pool")
     g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
-    g.add_argument("--group-combine", default="union", choices=["union", "mean"],
-                   help="how the query heads sharing a KV head combine their selections")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,13 +124,17 @@ def kv_options_from_args(a) -> dict:
         from .kv import H2OPolicy
         H2OPolicy(a.hh_ratio, a.recent_ratio)  # checks the values before any loading
         return {"hh_ratio": a.hh_ratio, "recent_ratio": a.recent_ratio}
-    if a.kv_policy != "infinigen":
+    if a.kv_policy not in ("infinigen", "oracle"):
         return {}
-    from .kv import InfiniGenOptions
+    from .kv import InfiniGenOptions, SelectionOptions
+    selection = dict(selection=a.selection, alpha=a.alpha, max_kv_fraction=a.max_kv_fraction,
+                     max_num_kv=a.max_num_kv, keep_sink=a.keep_sink, keep_recent=a.keep_recent)
+    if a.kv_policy == "oracle":
+        return {"options": SelectionOptions(**selection).validate()}
     return {"options": InfiniGenOptions(
-        alpha=a.alpha, partial_weight_ratio=a.partial_weight_ratio,
-        max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
-        calibration=a.calibration, group_combine=a.group_combine,
+        **selection, partial_weight_ratio=a.partial_weight_ratio,
+        speculation_keys=a.speculation_keys, calibration=a.calibration,
+        prompt_skew=a.prompt_skew, column_score=a.column_score,
         kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction).validate()}
 
 

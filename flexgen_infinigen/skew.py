@@ -21,9 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--path", default=None, help="the weight store to skew")
     p.add_argument("--calibration", default=None,
                    help="calibration text file (default: built-in English prose)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="calibration tokens used")
-    p.add_argument("--column-score", default="q", choices=["q", "qk"],
-                   help="rank skewed columns by summed |q| (default) or |q| + |k|")
+    p.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens used")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     a = p.parse_args(argv)
     try:
@@ -38,12 +36,12 @@ def main(argv=None) -> int:
         with lm:
             if lm.store_path is None:
                 raise ConfigError("skewing is stored with a weight store; pass --path")
-            skew = calibrate(lm, text, a.max_tokens, a.column_score)
+            skew = calibrate(lm, text, a.max_tokens)
             dest = skew.save(lm.store_path)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"skewing matrices ({skew.meta['tokens']} calibration tokens, {skew.meta['source']}) "
+    print(f"skew statistics ({skew.meta['tokens']} calibration tokens, {skew.meta['source']}) "
           f"written to {dest}")
     return 0
 

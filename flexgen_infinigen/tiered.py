@@ -72,11 +72,16 @@ class TieredTensor:
             return self.tiers.to_compute(t, tier, self.kind)
         return self.tiers.to_host(t, tier, self.kind)
 
-    def read(self, rows: slice | None = None, to: str = DEVICE) -> torch.Tensor:
-        """Rows ``rows`` (along dim 0) of the whole tensor, brought to ``to`` and decompressed."""
+    def read(self, rows: slice | None = None, to: str = DEVICE,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``rows`` (along dim 0) of the whole tensor, brought to ``to`` and decompressed;
+        into ``out`` (a buffer in ``to``) when given."""
         sel = slice(None) if rows is None else rows
-        if len(self.segments) > 1 and not self.compressed:
-            return self._read_into_place(sel, to)
+        if out is not None and self.compressed:
+            out.copy_(self.read(rows, to))
+            return out
+        if out is not None or (len(self.segments) > 1 and not self.compressed):
+            return self._read_into_place(sel, to, out)
         parts = []
         for seg in self.segments:
             if self.compressed:
@@ -87,13 +92,14 @@ class TieredTensor:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
 
-    def _read_into_place(self, sel: slice, to: str) -> torch.Tensor:
+    def _read_into_place(self, sel: slice, to: str, out: torch.Tensor | None) -> torch.Tensor:
         """A split tensor read into one buffer, each segment copied straight to its place
         (joining separately moved segments afterwards would copy the whole tensor again)."""
-        first = self.segments[0].data[sel]
-        shape = list(first.shape)
-        shape[self.split_dim] = self.shape[self.split_dim]
-        out = self.tiers.empty(to, tuple(shape), self.dtype)
+        if out is None:
+            first = self.segments[0].data[sel]
+            shape = list(first.shape)
+            shape[self.split_dim] = self.shape[self.split_dim]
+            out = self.tiers.empty(to, tuple(shape), self.dtype)
         for seg in self.segments:
             dst = out.narrow(self.split_dim, seg.start, seg.stop - seg.start)
             self.tiers.write(dst, to, seg.data[sel], self.kind, src_tier=seg.tier)
@@ -123,6 +129,31 @@ class TieredTensor:
             else:
                 parts.append(moved[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def take(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``out[n] = self[rows[n], cols[n]]`` on the compute device, for (row, column) pairs
+        sorted by column (a tensor split along dim 1, like the KV cache); exactly those
+        entries cross the links. ``rows`` and ``cols`` are CPU long tensors."""
+        assert self.split_dim == 1
+        parts = []
+        for seg in self.segments:
+            lo, hi = torch.searchsorted(cols, torch.tensor([seg.start, seg.stop])).tolist()
+            if hi == lo:
+                continue
+            width = seg.stop - seg.start
+            flat = rows[lo:hi] * width + (cols[lo:hi] - seg.start)
+            flat = flat.to(self.tiers.device if seg.tier == DEVICE else "cpu")
+            tensors = seg.data.parts if self.compressed else (seg.data,)
+            moved = [self.tiers.take_to_compute(t.reshape(-1, *t.shape[2:]), seg.tier, flat,
+                                                self.kind) for t in tensors]
+            if self.compressed:
+                shape = (hi - lo, *self.shape[2:])
+                parts.append(compression.decompress(compression.Packed(*moved, shape)))
+            else:
+                parts.append(moved[0])
+        if not parts:
+            return torch.empty((0, *self.shape[2:]), dtype=self.dtype, device=self.tiers.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def write(self, src: torch.Tensor, rows: slice | None = None, src_tier: str = DEVICE) -> None:
         """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import tempfile
 import uuid
 import weakref
@@ -44,6 +45,8 @@ class Tiers:
             link: {kind: 0 for kind in KINDS} for link in LINKS}
         self.held = defaultdict(int)
         self.peak = defaultdict(int)
+        self._scratch: dict[str, list] = {}
+        self._scratch_lock = threading.Lock()
 
     # ---- accounting -------------------------------------------------------------------------
     def count(self, link: str, kind: str, n: int) -> None:
@@ -87,6 +90,30 @@ class Tiers:
             t = torch.from_numpy(arr)[:count].view(dtype).view(shape)
         return self.track(t, tier)
 
+    SCRATCH_SLOTS = 3  # buffers in flight per tag: the one computing, the next load, a spare
+
+    def scratch(self, tag: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized compute-device buffer for data read again at every decode step.
+
+        On CUDA a plain allocation (the caching allocator reuses its blocks). On a CPU each
+        tag cycles through a few buffers kept between steps: a fresh large allocation there
+        is new memory from the kernel, whose page faults cost as much as the copy into it.
+        """
+        if self.is_cuda:
+            return self.track(torch.empty(shape, dtype=dtype, device=self.device), DEVICE)
+        numel = int(np.prod(shape))
+        with self._scratch_lock:
+            ring = self._scratch.setdefault(tag, [0])
+            ring[0] = (ring[0] + 1) % self.SCRATCH_SLOTS
+            slot = 1 + ring[0]
+            while len(ring) <= slot:
+                ring.append(None)
+            buf = ring[slot]
+            if buf is None or buf.dtype != dtype or buf.numel() < numel:
+                buf = self.track(torch.empty(numel, dtype=dtype, device=self.device), DEVICE)
+                ring[slot] = buf
+        return buf[:numel].view(shape)
+
     def close(self) -> None:
         if self._disk_dir is not None:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
@@ -118,6 +145,25 @@ class Tiers:
             return src.gather(0, index)
         staged = torch.empty(index.shape, dtype=src.dtype, pin_memory=self.pin_host)
         torch.gather(src, 0, index, out=staged)
+        if tier == DISK:
+            self.count("disk->host", kind, nbytes(staged))
+        out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
+        out.copy_(staged, non_blocking=self.is_cuda)
+        self.count("host->device", kind, nbytes(staged))
+        return self.track(out, DEVICE)
+
+    def take_to_compute(self, src: torch.Tensor, tier: str, index: torch.Tensor,
+                        kind: str) -> torch.Tensor:
+        """``src[index]`` (rows along dim 0) on the compute device; only those rows move.
+
+        Off the device the rows are gathered on the host into a (pinned) staging buffer and
+        copied from there; ``index`` must then live on the CPU.
+        """
+        if tier == DEVICE:
+            return src.index_select(0, index)
+        staged = torch.empty((index.shape[0], *src.shape[1:]), dtype=src.dtype,
+                             pin_memory=self.pin_host)
+        torch.index_select(src, 0, index, out=staged)
         if tier == DISK:
             self.count("disk->host", kind, nbytes(staged))
         out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)

@@ -118,7 +118,12 @@ def test_compressed_cache_fetches_compressed_rows(tiny_opt):
                                       ({"partial_weight_ratio": 1.5}, "--partial-weight-ratio"),
                                       ({"max_kv_fraction": 0.0}, "--max-kv-fraction"),
                                       ({"max_num_kv": 0}, "--max-num-kv"),
-                                      ({"group_combine": "max"}, "--group-combine"),
+                                      ({"selection": "best"}, "--selection"),
+                                      ({"speculation_keys": "int3"}, "--speculation-keys"),
+                                      ({"keep_sink": -1}, "--keep-sink"),
+                                      ({"keep_recent": -2}, "--keep-recent"),
+                                      ({"column_score": "k"}, "--column-score"),
+                                      ({"first_layer": 0}, "first_layer"),
                                       ({"kv_pool_capacity": 0.0}, "--kv-pool-capacity"),
                                       ({"kv_pool_capacity": 1.2}, "--kv-pool-capacity"),
                                       ({"eviction": "random"}, "--eviction"),
@@ -204,16 +209,88 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
 
 
 @pytest.mark.parametrize("args, flag", [(["--alpha", "-1"], "--alpha"),
+                                        (["--selection", "best"], "--selection"),
+                                        (["--speculation-keys", "int3"], "--speculation-keys"),
+                                        (["--partial-weight-ratio", "0"],
+                                         "--partial-weight-ratio"),
+                                        (["--keep-sink", "-1"], "--keep-sink"),
+                                        (["--keep-recent", "-1"], "--keep-recent"),
+                                        (["--column-score", "k"], "--column-score"),
                                         (["--max-kv-fraction", "1.5"], "--max-kv-fraction"),
                                         (["--eviction", "random"], "--eviction"),
                                         (["--kv-pool-capacity", "0"], "--kv-pool-capacity")])
-def test_cli_rejects_bad_infinigen_flags_before_loading(capsys, monkeypatch, args, flag):
+@pytest.mark.parametrize("policy", ["infinigen", "oracle"])
+def test_cli_rejects_bad_infinigen_flags_before_loading(capsys, monkeypatch, args, flag, policy):
+    if policy == "oracle" and flag in ("--speculation-keys", "--partial-weight-ratio",
+                                       "--column-score", "--eviction", "--kv-pool-capacity"):
+        pytest.skip("an InfiniGen-only flag")
     from flexgen_infinigen import api, run
 
     def no_loading(*a, **k):
         raise AssertionError("weights were loaded before the flags were checked")
 
     monkeypatch.setattr(api, "find_weights", no_loading)
-    assert run.main(["--kv-policy", "infinigen", *args]) == 2
+    assert run.main(["--kv-policy", policy, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and flag in err[0]
+
+
+@pytest.mark.parametrize("rule", ["margin", "cap", "artifact", "head-union", "mass"])
+@pytest.mark.parametrize("keys, prompt_skew", [("int4", False), ("partial", True),
+                                               ("int2", False)])
+def test_every_rule_keeping_everything_equals_full(tiny_opt, full_outputs, rule, keys,
+                                                   prompt_skew):
+    options = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
+                               selection=rule, speculation_keys=keys, prompt_skew=prompt_skew)
+    out, report, _ = _run(tiny_opt[1], SCHEDULES["cache-on-cpu"], "infinigen", options)
+    _assert_same(out, full_outputs)
+    assert report["selection"] == rule and report["speculation_keys"] == keys
+
+
+def test_oracle_at_full_budget_equals_full(tiny_opt, full_outputs):
+    from flexgen_infinigen.kv import SelectionOptions
+
+    for name in ("all-on-device", "cache-on-disk-weights-split"):
+        out, report, _ = _run(tiny_opt[1], SCHEDULES[name], "oracle",
+                              SelectionOptions(max_kv_fraction=1.0, first_layer=1))
+        _assert_same(out, full_outputs)
+        assert report["relative_kv_size"] > 0.8  # all but the left padding of short prompts
+
+
+def test_oracle_and_infinigen_keep_llama_exact_at_full_budget(smollm2_store):
+    from flexgen_infinigen.kv import SelectionOptions
+
+    prompts = [[1, 504, 3458, 282, 4649, 314, 2114, 30, 1848, 7]]
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    full = _run(smollm2_store, policy, prompts=prompts)[0]
+    oracle = _run(smollm2_store, policy, "oracle", SelectionOptions(max_kv_fraction=1.0),
+                  prompts=prompts)[0]
+    infinigen = _run(smollm2_store, policy, "infinigen",
+                     InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0), prompts=prompts)[0]
+    _assert_same(oracle, full, tol=2e-3)
+    _assert_same(infinigen, full, tol=2e-3)
+
+
+def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
+    """Bytes host->device for the KV cache = layers that read everything + exactly the rows
+    the selection chose (counted here from the selection itself, not from the report)."""
+    from flexgen_infinigen.kv import infinigen as module
+
+    chosen = []
+    real_select = module.select
+
+    def recording_select(*args, **kwargs):
+        order, counts = real_select(*args, **kwargs)
+        chosen.append(int(counts.sum()))
+        return order, counts
+
+    monkeypatch.setattr(module, "select", recording_select)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    options = InfiniGenOptions(max_kv_fraction=0.3, first_layer=1)
+    _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
+    d, kv, item = 32, 4, 4  # tiny OPT: head_dim 32, 4 heads, float32
+    row = 2 * d * item  # one token's K and V for one KV head
+    prompt = len(PROMPTS[0])
+    layer0 = sum(prompt + i for i in range(STEPS - 1)) * kv * row  # decode steps 1..STEPS-1
+    assert moved["host->device"]["kv_cache"] == layer0 + sum(chosen) * row
+    assert report["kv_fetch_fraction"] == report["kv_selected_fraction"]  # moved == used

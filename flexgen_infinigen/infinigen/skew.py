@@ -4,8 +4,13 @@ For a head with calibration queries Q (tokens x head_dim), Q = U S V^T and A = V
 Q A = U S puts most of each query's magnitude in the first columns, while
 (q A)(k A)^T = q k^T leaves attention unchanged. Grouped-query heads share one A
 per KV head (computed from the stacked queries of the group), since q and k must
-be skewed alike. The column importance used to pick the partial columns is kept
-beside A, so the ratio can be chosen at load time.
+be skewed alike. V is also the eigenvector basis of Q^T Q, so what is stored is the
+query Gram matrix (and the key Gram matrix, for ranking columns by q and k together); the
+skew, the ranking and the partial columns follow from it at load time, and a prompt's own
+Gram matrix can be blended in per request (``--calibration prompt``).
+
+Only the speculation uses the skew: the partial keys are ``k A[:, cols]`` and the partial
+query ``q A[:, cols]``; the KV cache itself holds the model's own keys.
 """
 from __future__ import annotations
 
@@ -21,53 +26,58 @@ import torch
 
 from ..kv.base import CacheSpec, KVCache, KVPolicy
 
+from .calibration_text import TEXT as DEFAULT_CALIBRATION
+
 SKEW_DIR = "infinigen"
 
-# The default calibration text (written for this project): plain English prose, so that
-# no external file is needed. A real corpus (--calibration FILE) is better.
-DEFAULT_CALIBRATION = (
-    "The river town woke slowly in the grey light of early spring. Bakers were the first to "
-    "stir, pulling trays of bread from ovens that had burned since before dawn, and the smell "
-    "drifted down the narrow streets toward the water. By seven the ferry had made its first "
-    "crossing, carrying farmers with crates of eggs, a schoolteacher reading a newspaper, and "
-    "two boys who should have been in class. The mayor, a careful man who kept a ledger of "
-    "every promise he had ever made, walked along the quay and counted the boats. There were "
-    "fewer than last year. The fishing had been poor, the prices low, and several families had "
-    "moved to the city, where the factories paid in cash every Friday. In the library, an old "
-    "woman named Marta sorted letters that had arrived from abroad. Some were from former "
-    "residents who wrote about their new lives: the size of the buildings, the noise of the "
-    "trains, the strange food, and the loneliness of crowded places. Others asked for news of "
-    "relatives or for copies of records that had been lost in the flood of 1921. Marta "
-    "answered each one by hand. She believed that a town was held together less by its roads "
-    "and bridges than by the stories its people told about it, and she meant to keep those "
-    "stories alive. In the afternoon the wind turned, clouds gathered over the hills, and the "
-    "first rain of the season fell on the roofs. Children ran home from school holding their "
-    "coats over their heads. The ferryman tied his boat to the post, lit his pipe, and "
-    "watched the river rise. Scientists have long studied how rivers shape the land around "
-    "them. Water carries sediment from the mountains to the sea, depositing it where the "
-    "current slows, and over thousands of years these deposits build fertile plains. "
-    "Engineers, meanwhile, try to control floods with levees and dams, but every structure "
-    "changes the river in ways that are hard to predict. A dam that protects one town may "
-    "starve another of the silt its fields depend on. Economists add another layer: the cost "
-    "of protection must be weighed against the value of what is protected, and those values "
-    "change as people move. The questions are technical, political and moral at once, which "
-    "is why they are rarely settled for long. "
-)
+
+def query_gram(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Mean q q^T per KV head ``[..., KV, d, d]`` from queries ``[..., n, H, d]`` (the query
+    heads of a group pooled, since a group shares one projection)."""
+    *lead, n, h, d = q.shape
+    g = q.reshape(*lead, n, kv_heads, h // kv_heads, d).transpose(-3, -4)
+    g = g.reshape(*lead, kv_heads, n * (h // kv_heads), d).double()
+    return g.transpose(-1, -2) @ g / max(g.shape[-2], 1)
+
+
+def key_gram(k: torch.Tensor) -> torch.Tensor:
+    """Mean k k^T per KV head ``[..., KV, d, d]`` from keys ``[..., n, KV, d]``."""
+    g = k.transpose(-2, -3).double()
+    return g.transpose(-1, -2) @ g / max(g.shape[-2], 1)
+
+
+def projection(gram_q: torch.Tensor, gram_k: torch.Tensor | None, ratio: float,
+               column_score: str = "q") -> torch.Tensor:
+    """The skewed columns kept for speculation, as a projection ``[..., d, r]``.
+
+    The skew A is the eigenvector basis of the query Gram matrix (the right singular vectors
+    of the queries), so q A concentrates each query's magnitude in few columns. Columns are
+    ranked by the query energy they carry (``q``), or by query energy times key energy along
+    the same direction (``qk``: what a score q.k loses when the column is dropped).
+    """
+    d = gram_q.shape[-1]
+    r = max(1, round(ratio * d))
+    energy, basis = torch.linalg.eigh(gram_q.double())  # ascending
+    score = energy.clamp(min=0)
+    if column_score == "qk" and gram_k is not None:
+        key_energy = ((gram_k.double() @ basis) * basis).sum(-2).clamp(min=0)
+        score = score * key_energy
+    keep = score.topk(r, dim=-1).indices.sort(-1).values  # [..., r]
+    return basis.gather(-1, keep[..., None, :].expand(*basis.shape[:-1], r)).float()
 
 
 @dataclass
 class Skew:
-    """``matrices`` [L, KV, d, d] (orthogonal) and ``column_scores`` [L, KV, d]."""
+    """Per layer and KV head, the calibration queries' and keys' Gram matrices
+    ``gram_q``, ``gram_k`` [L, KV, d, d], from which skew and partial columns follow."""
 
-    matrices: torch.Tensor
-    column_scores: torch.Tensor
+    gram_q: torch.Tensor
+    gram_k: torch.Tensor
     meta: dict
 
-    def columns(self, ratio: float) -> torch.Tensor:
-        """Indices [L, KV, r] of the ``ratio * head_dim`` most important skewed columns."""
-        d = self.column_scores.shape[-1]
-        r = max(1, round(ratio * d))
-        return self.column_scores.topk(r, dim=-1).indices.sort(-1).values
+    def projections(self, ratio: float, column_score: str = "q") -> torch.Tensor:
+        """``[L, KV, d, r]``: the kept skewed columns of each layer and KV head."""
+        return projection(self.gram_q, self.gram_k, ratio, column_score)
 
     def save(self, store_path: str | os.PathLike) -> Path:
         """Write next to a weight store, atomically (temporary folder, then rename)."""
@@ -75,9 +85,8 @@ class Skew:
         tmp = Path(store_path) / f".{SKEW_DIR}.partial-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            np.save(tmp / "matrices.npy", self.matrices.float().numpy(), allow_pickle=False)
-            np.save(tmp / "column_scores.npy", self.column_scores.float().numpy(),
-                    allow_pickle=False)
+            np.save(tmp / "gram_q.npy", self.gram_q.double().numpy(), allow_pickle=False)
+            np.save(tmp / "gram_k.npy", self.gram_k.double().numpy(), allow_pickle=False)
             (tmp / "meta.json").write_text(json.dumps(self.meta, indent=1))
             if dest.exists():
                 shutil.rmtree(dest)
@@ -88,11 +97,12 @@ class Skew:
 
     @classmethod
     def load(cls, store_path: str | os.PathLike) -> "Skew | None":
+        """The stored skew, or None (none stored, or one written by an older version)."""
         folder = Path(store_path) / SKEW_DIR
-        if not (folder / "meta.json").is_file():
+        if not all((folder / n).is_file() for n in ("meta.json", "gram_q.npy", "gram_k.npy")):
             return None
         read = lambda n: torch.from_numpy(np.load(folder / n, allow_pickle=False))  # noqa: E731
-        return cls(read("matrices.npy"), read("column_scores.npy"),
+        return cls(read("gram_q.npy"), read("gram_k.npy"),
                    json.loads((folder / "meta.json").read_text()))
 
 
@@ -123,32 +133,18 @@ class CalibrationPolicy(KVPolicy):
         return _Recorder(spec, self.records)
 
 
-def compute_skew(records: dict[int, list], num_layers: int, num_heads: int, kv_heads: int,
-                 column_score: str = "q") -> Skew:
-    """SVD of each KV head's stacked calibration queries -> A, and column importance.
-
-    ``column_score``: "q" ranks skewed columns by summed |qA| (what the paper's code does);
-    "qk" adds summed |kA| as well.
-    """
-    group = num_heads // kv_heads
-    mats, scores = [], []
+def compute_skew(records: dict[int, list], num_layers: int, kv_heads: int) -> Skew:
+    """Query and key Gram matrices of every layer from the recorded prompt tokens."""
+    gq, gk = [], []
     for layer in range(num_layers):
         q = torch.cat([r[0] for r in records[layer]])  # [n, H, d]
         k = torch.cat([r[1] for r in records[layer]])  # [n, KV, d]
-        n, _, d = q.shape
-        q = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
-        _, _, vh = torch.linalg.svd(q.double(), full_matrices=False)
-        a = vh.transpose(-1, -2).float()  # [KV, d, d], columns = right singular vectors
-        score = (q @ a).abs().sum(1)
-        if column_score == "qk":
-            score = score + (k.permute(1, 0, 2) @ a).abs().sum(1)
-        mats.append(a)
-        scores.append(score)
-    return Skew(torch.stack(mats), torch.stack(scores), {"column_score": column_score})
+        gq.append(query_gram(q, kv_heads))
+        gk.append(key_gram(k))
+    return Skew(torch.stack(gq), torch.stack(gk), {})
 
 
-def calibrate(lm, text: str | None = None, max_tokens: int = 1024,
-              column_score: str = "q") -> Skew:
+def calibrate(lm, text: str | None = None, max_tokens: int = 4096) -> Skew:
     """Run the model's prefill on calibration text and compute the skew (weights unchanged)."""
     cfg = lm.cfg
     if lm.tokenizer is not None:
@@ -167,7 +163,6 @@ def calibrate(lm, text: str | None = None, max_tokens: int = 1024,
         lm.generate([ids], 1, stop_token_id=None)
     finally:
         engine.kv_policy = saved
-    skew = compute_skew(recorder.records, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                        column_score)
+    skew = compute_skew(recorder.records, cfg.num_layers, cfg.num_kv_heads)
     skew.meta.update({"source": source, "tokens": len(ids), "model": cfg.name})
     return skew

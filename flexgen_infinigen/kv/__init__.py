@@ -3,10 +3,12 @@ from ..config import ConfigError
 from .base import CacheSpec, KVCache, KVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
-from .infinigen import InfiniGenOptions, InfiniGenPolicy
+from .infinigen import InfiniGenPolicy
+from .options import InfiniGenOptions, SelectionOptions
+from .oracle import OraclePolicy
 
 POLICIES = {"full": FullPolicy, "infinigen": InfiniGenPolicy,
-            "h2o": H2OPolicy}
+            "h2o": H2OPolicy, "oracle": OraclePolicy}
 
 
 def make_kv_policy(name: str, **options) -> KVPolicy:
@@ -15,5 +17,5 @@ def make_kv_policy(name: str, **options) -> KVPolicy:
     return POLICIES[name](**options)
 
 
-__all__ = ["H2OPolicy", "InfiniGenOptions", "CacheSpec", "KVCache", "KVPolicy",
-           "make_kv_policy", "POLICIES"]
+__all__ = ["H2OPolicy", "InfiniGenOptions", "SelectionOptions", "CacheSpec", "KVCache",
+           "KVPolicy", "OraclePolicy", "make_kv_policy", "POLICIES"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attend
+from ..attention import attend_rows
 from ..tiered import TieredTensor
 from ..tiers import DEVICE, HOST
 from .base import CacheSpec, KVCache, KVPolicy
@@ -24,19 +24,26 @@ def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
 def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bool = False):
     """Attention over per-KV-head selected rows plus the new token.
 
-    ``k_rows``/``v_rows``: [n, b*KV, d] fetched rows; for KV head column c only the first
-    ``counts[c]`` rows are its own (the rest were fetched for a neighbour and are masked).
-    ``counts`` is [b, KV].
+    ``k_rows``/``v_rows``: [n + 1, b*KV, d] buffers of fetched rows with the last row free for
+    the new token (written here); for KV head column c only the first ``counts[c]`` rows are
+    its own (the rest belong to a neighbour, or are zero, and are masked). ``counts``: [b, KV].
     """
-    b, kv = counts.shape
-    k = torch.cat([from_rows(k_rows, b), k_new], dim=1)
-    v = torch.cat([from_rows(v_rows, b), v_new], dim=1)
-    rank = torch.arange(k_rows.shape[0], device=q.device)
-    keep = torch.cat([rank < counts[..., None],
-                      torch.ones(b, kv, 1, dtype=torch.bool, device=q.device)], -1)
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)[:, :, None, :]
-    return attend(q, k, v, bias, return_key_mass=return_key_mass)
+    top = k_rows.shape[0] - 1
+    k_rows[top] = to_rows(k_new)[0]
+    v_rows[top] = to_rows(v_new)[0]
+    rank = torch.arange(top + 1, device=q.device)
+    keep = (rank < counts[..., None]) | (rank == top)  # [b, KV, n + 1]
+    bias = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
+    bias = bias.masked_fill(~keep, torch.finfo(torch.float32).min)[:, :, None, :]
+    return attend_rows(q, k_rows, v_rows, bias, return_key_mass=return_key_mass)
+
+
+def row_buffers(spec: CacheSpec, rows: int, tag: str, to: str = DEVICE):
+    """K and V buffers [rows, b*KV, d] for one decode step (reused between steps)."""
+    shape = (rows, spec.batch_size * spec.kv_heads, spec.head_dim)
+    if to == HOST:
+        return torch.empty(shape, dtype=spec.dtype), torch.empty(shape, dtype=spec.dtype)
+    return tuple(spec.tiers.scratch(f"{tag}.{part}", shape, spec.dtype) for part in "kv")
 
 
 class FullCache(KVCache):
@@ -54,29 +61,34 @@ class FullCache(KVCache):
         self.k.write(to_rows(k), slice(0, k.shape[1]))
         self.v.write(to_rows(v), slice(0, v.shape[1]))
 
+    def _read_rows(self, length: int, to: str = DEVICE):
+        """The first ``length`` rows of K and V in buffers with one more row, for the new token."""
+        k, v = row_buffers(self.spec, length + 1, "kv", to)
+        rows = slice(0, length)
+        self.k.read(rows, to=to, out=k[:length])
+        self.v.read(rows, to=to, out=v[:length])
+        return k, v
+
     def load(self, length: int):
         if self.cpu_compute or self.resident:
             return None
-        rows = slice(0, length)
-        return self.k.read(rows), self.v.read(rows)
+        return self._read_rows(length)
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
-        b = self.spec.batch_size
         length = valid.shape[1] - q.shape[1]
         if self.resident:
             self._store(k_new, v_new, length)
             rows = slice(0, length + q.shape[1])
-            k, v = from_rows(self.k.read(rows), b), from_rows(self.v.read(rows), b)
-            return attend(q, k, v, bias)
+            return attend_rows(q, self.k.read(rows), self.v.read(rows), bias)
         tiers = self.spec.tiers
         if self.cpu_compute:
             q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))
-            rows = slice(0, length)
-            loaded = self.k.read(rows, to=HOST), self.v.read(rows, to=HOST)
+            loaded = self._read_rows(length, to=HOST)
             bias = bias.cpu()
-        k = torch.cat([from_rows(loaded[0], b), k_new], dim=1)
-        v = torch.cat([from_rows(loaded[1], b), v_new], dim=1)
-        out = attend(q, k, v, bias)
+        k, v = loaded
+        k[length] = to_rows(k_new)[0]
+        v[length] = to_rows(v_new)[0]
+        out = attend_rows(q, k, v, bias)
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")
         return out

@@ -14,7 +14,8 @@ from ..attention import attend, mask_bias
 from ..config import ConfigError
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, attend_selected
-from .infinigen import FetchStats
+from .infinigen import fetch_selected
+from .stats import FetchStats
 
 
 class H2OCache(FullCache):
@@ -73,15 +74,15 @@ class H2OCache(FullCache):
         counts = alive.sum(-1)
         top = int(counts.max())
         order = torch.sort(alive.float(), dim=-1, descending=True, stable=True).indices[:, :top]
-        rows = order.t().contiguous()
-        self.policy.stats.add(self.spec.layer, top * b * kv, int(counts.sum()),
-                              length * b * kv, self.row_bytes)
-        return self.k.gather(rows), self.v.gather(rows), counts, order
+        k_sel, v_sel, moved = fetch_selected(self, order.view(b, kv, top).cpu(),
+                                             counts.view(b, kv).cpu())
+        self.policy.stats.add(self.spec.layer, moved, moved, length * b * kv, self.row_bytes)
+        return k_sel, v_sel, counts, order
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         k_sel, v_sel, counts, order = loaded
-        top = k_sel.shape[0]
+        top = k_sel.shape[0] - 1  # the last row is the new token's
         out, mass = attend_selected(q, k_sel, v_sel, k_new, v_new, counts.view(b, kv),
                                     return_key_mass=True)
         got = self._columns(mass)  # [cols, top + 1]; masked rows got 0
@@ -118,12 +119,5 @@ class H2OPolicy(FullPolicy):
         return H2OCache(spec, self)
 
     def report(self) -> dict:
-        s = self.stats
-        layers = sorted(s.cached)
-        total = max(sum(s.cached.values()), 1)
         return {"kv_policy": self.name, "hh_ratio": self.hh_ratio,
-                "recent_ratio": self.recent_ratio,
-                "kv_fetch_fraction": sum(s.moved.values()) / total,
-                "kv_selected_fraction": sum(s.selected.values()) / total,
-                "kv_fetch_fraction_per_layer": [s.moved[i] / max(s.cached[i], 1) for i in layers],
-                "kv_bytes_fetched": int(s.bytes_moved), "kv_bytes_full_fetch": int(s.bytes_full)}
+                "recent_ratio": self.recent_ratio, **self.stats.report()}

@@ -6,14 +6,15 @@ import dataclasses
 import shlex
 
 from ..config import ConfigError, ModelConfig
+from ..kv.options import DEFAULT_KV_FRACTION
 from ..policy import Policy
 from .workload import Workload
 from .hardware import GB, HardwareProfile, load_profile
 from .lp import BATCH_SIZES, NUM_BATCHES, Plan, optimize
 
 
-def default_kv_fraction(kv_policy: str, max_kv_fraction: float = 0.2, hh_ratio: float = 0.1,
-                        recent_ratio: float = 0.1) -> float:
+def default_kv_fraction(kv_policy: str, max_kv_fraction: float = DEFAULT_KV_FRACTION,
+                        hh_ratio: float = 0.1, recent_ratio: float = 0.1) -> float:
     if kv_policy == "infinigen":
         return max_kv_fraction
     if kv_policy == "h2o":

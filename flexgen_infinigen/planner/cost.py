@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..attention import score_rows
+from ..kv.spec_keys import bytes_per_key
 from ..policy import Policy
 from .hardware import HardwareProfile
 from .workload import (FULL_LAYERS, Sizes, Workload, fits, fractions, mean_context,
@@ -107,7 +108,8 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
         scores = b * cfg.num_heads * context * 4
         compute += n * spec_layers * (
             _matmul(hw, b, sz.spec_params) + hw.overhead(cfg.family, "infinigen")
-            + hw.seconds("attention", b * context * kvh * r * item + 4 * scores))
+            + hw.seconds("attention", b * context * kvh
+                         * bytes_per_key(work.speculation_keys, r, item) + 4 * scores))
     disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached) \
         + x["hd"] * _disk_read(hw, hid, copies, cached) \
         + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors)

@@ -11,6 +11,7 @@ from .. import memory_plan
 from ..compression import GROUP_SIZE, can_compress
 from ..config import ConfigError, ModelConfig
 from ..engine import build_stages
+from ..kv.spec_keys import bytes_per_key
 from ..models import family_of
 from ..policy import Policy
 from .hardware import HardwareProfile
@@ -31,7 +32,8 @@ class Workload:
     # infinigen: fraction of the context fetched in each speculative layer (its cap, which binds
     # on most layers); h2o: hh + recent ratio kept
     kv_fraction: float = 1.0
-    partial_weight_ratio: float = 0.3
+    partial_weight_ratio: float = 1.0  # skewed key columns kept for speculation
+    speculation_keys: str = "int4"
 
     def validate(self) -> "Workload":
         if self.kv_policy not in KV_POLICIES:
@@ -134,8 +136,8 @@ def extra_device_bytes(work: Workload, policy: Policy) -> float:
     cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
     max_len = work.prompt_len + work.gen_len
     keys = policy.num_gpu_batches * cfg.num_layers * policy.gpu_batch_size * max_len \
-        * cfg.num_kv_heads * sz.partial_dim * item
-    skew = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim ** 2 * item
+        * cfg.num_kv_heads * bytes_per_key(work.speculation_keys, sz.partial_dim, item)
+    skew = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * sz.partial_dim * 4  # projections
     partial_w = cfg.num_layers * cfg.hidden_size * cfg.num_heads * sz.partial_dim * item \
         if family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS else 0
     return keys + skew + partial_w

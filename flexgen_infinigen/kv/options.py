@@ -1,0 +1,94 @@
+"""Options of the selective KV policies (InfiniGen and the oracle), checked before loading."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..config import ConfigError
+from .pool import check_pool_options
+from .selection import RULES, Budget
+from .spec_keys import KINDS
+
+
+# Per selecting layer; with the two layers that read everything, SmolLM2 (30 layers) then reads
+# 0.235 of its cache and OPT-13B (40 layers) 0.22 (see benchmarks/results/accuracy_sweep.md).
+DEFAULT_KV_FRACTION = 0.18
+
+
+@dataclass(frozen=True)
+class SelectionOptions:
+    """Which cached tokens each KV head reads at a decode step."""
+
+    selection: str | None = None  # a rule of kv.selection.RULES; None: the policy's default
+    alpha: float | None = None  # None: 4 for OPT, 5 for Llama (the paper's defaults)
+    max_kv_fraction: float = DEFAULT_KV_FRACTION
+    max_num_kv: int | None = None
+    min_num_kv: int = 4
+    keep_sink: int = 0  # the first tokens of each sequence, always read
+    keep_recent: int = 0  # the newest cached tokens, always read
+    first_layer: int = 2  # layers below this read the whole cache
+
+    def validate(self):
+        if self.selection is not None and self.selection not in RULES:
+            raise ConfigError(f"--selection must be one of {', '.join(RULES)} "
+                              f"(got {self.selection!r})")
+        if self.alpha is not None and not self.alpha >= 0:
+            raise ConfigError(f"--alpha must be >= 0 (got {self.alpha}); use inf to keep all")
+        if not 0 < self.max_kv_fraction <= 1:
+            raise ConfigError(f"--max-kv-fraction must be in (0, 1] (got {self.max_kv_fraction})")
+        if self.max_num_kv is not None and self.max_num_kv < 1:
+            raise ConfigError(f"--max-num-kv must be at least 1 (got {self.max_num_kv})")
+        for flag, v in [("--keep-sink", self.keep_sink), ("--keep-recent", self.keep_recent),
+                        ("min_num_kv", self.min_num_kv)]:
+            if v < 0:
+                raise ConfigError(f"{flag} must be 0 or more (got {v})")
+        if self.first_layer < 1:
+            raise ConfigError(f"first_layer must be at least 1 (got {self.first_layer}): layer 0 "
+                              "has no previous layer to speculate from")
+        return self
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.max_kv_fraction, self.max_num_kv, self.min_num_kv, self.keep_sink,
+                      self.keep_recent)
+
+    def with_defaults(self, family: str, rule: str):
+        alpha = self.alpha if self.alpha is not None else (4.0 if family == "opt" else 5.0)
+        return replace(self, alpha=alpha, selection=self.selection or rule)
+
+
+@dataclass(frozen=True)
+class InfiniGenOptions(SelectionOptions):
+    partial_weight_ratio: float | None = None  # None: the default of the speculation keys
+    speculation_keys: str = "int4"
+    column_score: str = "q"
+    calibration: str | None = None  # text file; default: the store's skew, else built-in text
+    prompt_skew: bool = False  # blend each prompt's own query statistics into its skew
+    kv_pool_capacity: float = 1.0  # fraction of each head's context kept on the host
+    eviction: str = "fifo"
+
+    def validate(self) -> "InfiniGenOptions":
+        super().validate()
+        r = self.partial_weight_ratio
+        if r is not None and not 0 < r <= 1:
+            raise ConfigError(f"--partial-weight-ratio must be in (0, 1] (got {r})")
+        if self.speculation_keys not in KINDS:
+            raise ConfigError(f"--speculation-keys must be one of {', '.join(KINDS)} "
+                              f"(got {self.speculation_keys!r})")
+        check_pool_options(self.kv_pool_capacity, self.eviction)
+        if self.calibration is not None and not os.path.isfile(self.calibration):
+            raise ConfigError(f"--calibration {self.calibration} does not exist; give a text "
+                              "file, or drop the flag to use the store's skew")
+        if self.column_score not in ("q", "qk"):
+            raise ConfigError(f"--column-score must be q or qk (got {self.column_score!r})")
+        return self
+
+    @property
+    def ratio(self) -> float:
+        if self.partial_weight_ratio is not None:
+            return self.partial_weight_ratio
+        return DEFAULT_RATIO[self.speculation_keys]
+
+
+# partial-weight ratio by speculation key kind when none is given
+DEFAULT_RATIO = {"partial": 0.3, "int4": 1.0, "int2": 1.0}

@@ -1,0 +1,97 @@
+"""The speculation key cache: a small copy of every cached key, kept on the compute device.
+
+InfiniGen scores layer i+1's cached tokens during layer i without reading the KV cache, from
+a cheap copy of the keys. Two kinds (``--speculation-keys``):
+
+* ``partial``: the ``r`` kept skewed columns of each key in the runtime dtype (the paper's);
+* ``int4`` / ``int2``: the same projected key quantized per token and KV head (asymmetric,
+  min and scale in the runtime dtype), so all ``head_dim`` columns fit where a few did.
+
+Rows are preallocated for the whole sequence and written in place.
+"""
+from __future__ import annotations
+
+import torch
+
+KINDS = {"partial": None, "int4": 4, "int2": 2}
+
+
+def bytes_per_key(kind: str, columns: int, item: int) -> float:
+    """Device bytes per cached token and KV head (what equal-memory comparisons use)."""
+    bits = KINDS[kind]
+    if bits is None:
+        return columns * item
+    return -(-columns * bits // 8) + 2 * item  # packed codes, plus a minimum and a scale
+
+
+class SpeculationKeys:
+    def __init__(self, kind: str, max_len: int, columns: int, width: int, dtype: torch.dtype,
+                 tiers):
+        self.kind, self.bits, self.width, self.dtype = kind, KINDS[kind], width, dtype
+        dev = tiers.device
+        if self.bits is None:
+            self.data = tiers.track(torch.zeros(max_len, columns, width, dtype=dtype,
+                                                device=dev), "device")
+            return
+        self.per_byte = 8 // self.bits
+        packed = -(-width // self.per_byte)
+        self.codes = tiers.track(torch.zeros(max_len, columns, packed, dtype=torch.uint8,
+                                             device=dev), "device")
+        self.lo = tiers.track(torch.zeros(max_len, columns, 1, dtype=dtype, device=dev),
+                              "device")
+        self.scale = tiers.track(torch.zeros(max_len, columns, 1, dtype=dtype, device=dev),
+                                 "device")
+
+    def write(self, rows: torch.Tensor, start: int) -> None:
+        """Projected keys ``[s, columns, width]`` for positions ``start..start+s``."""
+        end = start + rows.shape[0]
+        if self.bits is None:
+            self.data[start:end] = rows
+            return
+        levels = (1 << self.bits) - 1
+        x = rows.float()
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        scale = ((hi - lo) / levels).clamp(min=1e-8)
+        q = torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8)
+        pad = (-q.shape[-1]) % self.per_byte
+        if pad:
+            q = torch.nn.functional.pad(q, (0, pad))
+        q = q.view(*q.shape[:-1], -1, self.per_byte)
+        shifts = torch.arange(self.per_byte, device=q.device, dtype=torch.uint8) * self.bits
+        self.codes[start:end] = (q << shifts).sum(-1, dtype=torch.uint8)
+        self.lo[start:end] = lo.to(self.dtype)
+        self.scale[start:end] = scale.to(self.dtype)
+
+    def keys(self, length: int) -> torch.Tensor:
+        """The first ``length`` rows ``[length, columns, width]`` in the runtime dtype."""
+        if self.bits is None:
+            return self.data[:length]
+        codes = self.codes[:length]
+        shifts = torch.arange(self.per_byte, device=codes.device, dtype=torch.uint8) * self.bits
+        mask = (1 << self.bits) - 1
+        q = ((codes[..., None] >> shifts) & mask).flatten(-2)[..., :self.width]
+        return (q.to(self.dtype) * self.scale[:length] + self.lo[:length])
+
+    def scores(self, pq: torch.Tensor, length: int) -> torch.Tensor:
+        """Approximate logits ``[b, KV, G, length]`` of partial queries ``pq [b, KV, G, w]``.
+
+        Quantized keys are never expanded: q.k = scale (q.codes) + min (sum of q), and q.codes
+        is summed over the code slots of each byte, one matmul per slot."""
+        b, kv, g, w = pq.shape
+        if self.bits is None:
+            pk = self.data[:length].view(length, b, kv, w).permute(1, 2, 3, 0)
+            return torch.matmul(pq.to(pk.dtype), pk).float()
+        codes = self.codes[:length].view(length, b, kv, -1).permute(1, 2, 3, 0)  # [b,KV,n,t]
+        q = pq.to(self.dtype)
+        pad = codes.shape[2] * self.per_byte - w
+        if pad:
+            q = torch.nn.functional.pad(q, (0, pad))
+        mask = (1 << self.bits) - 1
+        dot = None
+        for slot in range(self.per_byte):
+            part = ((codes >> (slot * self.bits)) & mask).to(self.dtype)
+            term = torch.matmul(q[..., slot::self.per_byte], part)
+            dot = term if dot is None else dot + term
+        scale = self.scale[:length].view(length, b, kv).permute(1, 2, 0)[:, :, None]
+        lo = self.lo[:length].view(length, b, kv).permute(1, 2, 0)[:, :, None]
+        return (dot * scale + q.sum(-1, keepdim=True) * lo).float()

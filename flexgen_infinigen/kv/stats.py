@@ -1,0 +1,62 @@
+"""What a selective KV policy read: rows moved, rows used and rows cached, per layer."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+
+class FetchStats:
+    """Thread-safe counters, summed over decode steps, GPU batches and KV head columns.
+
+    ``moved``: rows that crossed to the compute device; ``selected``: rows attention used;
+    ``cached``: rows a full fetch would have read. ``speculative`` marks the layers whose
+    rows are chosen (the others read everything).
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.moved = defaultdict(int)
+        self.selected = defaultdict(int)
+        self.cached = defaultdict(int)
+        self.speculative: set[int] = set()
+        self.speculation_s = 0.0
+        self.evicted = 0
+        self.bytes_moved = 0.0  # K and V bytes fetched for attention
+        self.bytes_full = 0.0  # what fetching every cached row would have moved
+
+    def add(self, layer: int, moved: int, selected: int, cached: int, row_bytes: float,
+            speculative: bool = True) -> None:
+        with self.lock:
+            self.bytes_moved += moved * row_bytes
+            self.bytes_full += cached * row_bytes
+            self.moved[layer] += moved
+            self.selected[layer] += selected
+            self.cached[layer] += cached
+            if speculative:
+                self.speculative.add(layer)
+
+    def report(self) -> dict:
+        """The fractions every selective policy reports.
+
+        ``relative_kv_size``: rows attention used over rows cached, all layers counted (the
+        ones that read everything at 1.0); ``relative_kv_size_speculative``: the same over the
+        selecting layers only, as the InfiniGen paper counts it; ``kv_fetch_fraction``: rows
+        moved over rows cached (equal to the used share when only used rows move).
+        """
+        layers = sorted(self.cached)
+        total = max(sum(self.cached.values()), 1)
+        spec = [i for i in layers if i in self.speculative]
+        spec_total = max(sum(self.cached[i] for i in spec), 1)
+        return {
+            "relative_kv_size": sum(self.selected.values()) / total,
+            "relative_kv_size_speculative": sum(self.selected[i] for i in spec) / spec_total
+            if spec else None,
+            "kv_fetch_fraction": sum(self.moved.values()) / total,
+            "kv_selected_fraction": sum(self.selected.values()) / total,
+            "kv_fetch_fraction_per_layer": [self.moved[i] / max(self.cached[i], 1)
+                                            for i in layers],
+            "kv_selected_fraction_per_layer": [self.selected[i] / max(self.cached[i], 1)
+                                               for i in layers],
+            "kv_bytes_fetched": int(self.bytes_moved),
+            "kv_bytes_full_fetch": int(self.bytes_full),
+        }
