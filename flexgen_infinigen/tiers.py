@@ -161,14 +161,17 @@ class Tiers:
         """
         if tier == DEVICE:
             return src.index_select(0, index)
-        staged = torch.empty((index.shape[0], *src.shape[1:]), dtype=src.dtype,
-                             pin_memory=self.pin_host)
-        torch.index_select(src, 0, index, out=staged)
+        shape = (index.shape[0], *src.shape[1:])
+        n = int(np.prod(shape)) * src.element_size()
         if tier == DISK:
-            self.count("disk->host", kind, nbytes(staged))
-        out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
-        out.copy_(staged, non_blocking=self.is_cuda)
-        self.count("host->device", kind, nbytes(staged))
+            self.count("disk->host", kind, n)
+        self.count("host->device", kind, n)
+        if not self.is_cuda:  # the compute device is host memory: gather straight into place
+            return self.track(torch.index_select(src, 0, index), DEVICE)
+        staged = torch.empty(shape, dtype=src.dtype, pin_memory=self.pin_host)
+        torch.index_select(src, 0, index, out=staged)
+        out = torch.empty(shape, dtype=src.dtype, device=self.device)
+        out.copy_(staged, non_blocking=True)
         return self.track(out, DEVICE)
 
     def to_host(self, src: torch.Tensor, tier: str, kind: str) -> torch.Tensor:

@@ -1,0 +1,220 @@
+"""How well each speculation choice picks the tokens layer i+1 attends to (a fast diagnostic).
+
+    python benchmarks/selection_recall.py              # SmolLM2, 2 wikitext windows, ~4 minutes
+    python benchmarks/selection_recall.py --windows 4
+
+One full-cache forward pass per window (teacher forcing with the full cache, so every
+variant is judged on the same hidden states) records each layer's attention input, query,
+keys and values. Then, for every decode position past the prefill and every layer that
+selects, the variant speculates as the runtime does (layer i's attention input through layer
+i+1's query weights, projected on the kept skewed columns, scored against the speculation
+keys, turned into rows by the selection rule), and is scored against the exact attention:
+
+* ``recall``: the share of the true attention mass (query heads averaged) on the chosen
+  tokens plus the new one;
+* ``output_error``: relative L2 error of the attention output over the chosen tokens.
+
+It does not replace the perplexity sweep (``accuracy_sweep.py``), which runs the real decode
+path where errors compound; it ranks variants in seconds instead of minutes each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flexgen_infinigen import OffloadedLM
+from flexgen_infinigen.attention import attend, mask_bias
+from flexgen_infinigen.infinigen.skew import (DEFAULT_CALIBRATION, key_gram, projection,
+                                              query_gram)
+from flexgen_infinigen.kv.selection import Budget, select
+from flexgen_infinigen.kv.spec_keys import SpeculationKeys, bytes_per_key
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
+PARAGRAPH = ROOT / "benchmarks" / "data" / "calibration_paragraph.txt"
+OUT = ROOT / "benchmarks" / "results" / "selection_recall"
+DEFAULT = dict(rule="mass", alpha=math.inf, fraction=0.18, keys="int4", ratio=1.0,
+               calibration="built-in", prompt_skew=False, column_score="q", sink=0, recent=0)
+VARIANTS = [
+    ("defaults (int4 keys, mass, built-in text)", {}),
+    ("oracle (exact scores, mass)", dict(exact=True)),
+    ("first rule: margin, alpha 5, partial 0.3, paragraph",
+     dict(rule="margin", alpha=5.0, keys="partial", ratio=0.3, calibration="paragraph")),
+    ("selection=cap", dict(rule="cap")),
+    ("selection=margin alpha 5", dict(rule="margin", alpha=5.0)),
+    ("selection=artifact alpha 5", dict(rule="artifact", alpha=5.0)),
+    ("selection=head-union", dict(rule="head-union")),
+    ("keys=partial ratio=0.1", dict(keys="partial", ratio=0.1)),
+    ("keys=partial ratio=0.2", dict(keys="partial", ratio=0.2)),
+    ("keys=partial ratio=0.3", dict(keys="partial", ratio=0.3)),
+    ("keys=partial ratio=0.5", dict(keys="partial", ratio=0.5)),
+    ("keys=partial ratio=1.0", dict(keys="partial", ratio=1.0)),
+    ("keys=int4 ratio=0.5", dict(ratio=0.5)),
+    ("keys=int2", dict(keys="int2")),
+    ("keys=partial 0.3, calibration=paragraph", dict(keys="partial", ratio=0.3,
+                                                     calibration="paragraph")),
+    ("keys=partial 0.3, calibration=corpus", dict(keys="partial", ratio=0.3,
+                                                  calibration="corpus")),
+    ("keys=partial 0.3, calibration=built-in+prompt", dict(keys="partial", ratio=0.3,
+                                                           prompt_skew=True)),
+    ("keys=partial 0.3, column-score=qk", dict(keys="partial", ratio=0.3, column_score="qk")),
+    ("calibration=paragraph", dict(calibration="paragraph")),
+    ("sink=4 recent=16", dict(sink=4, recent=16)),
+    ("fraction=0.085", dict(fraction=0.085)),
+    ("oracle, fraction=0.085", dict(fraction=0.085, exact=True)),
+]
+
+
+class Recorder:
+    """Runs the model's stages on one sequence and keeps what the speculation needs."""
+
+    def __init__(self, lm):
+        self.lm, self.cfg, self.engine = lm, lm.cfg, lm.engine
+        self.fam = self.engine.family
+        self.weights = [self.engine._load_weights(j) for j in range(len(self.engine.stages))]
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int]):
+        cfg, fam = self.cfg, self.fam
+        x_ids = torch.tensor([ids])
+        n = x_ids.shape[1]
+        pos = torch.arange(n)[None]
+        rope = fam.encode_positions(cfg, pos)
+        bias = mask_bias(torch.ones(1, n, dtype=torch.bool), n, torch.float32)
+        rec, h = {}, None
+        for stage, w in zip(self.engine.stages, self.weights):
+            if stage.kind == "embed":
+                h = fam.embed(cfg, w, x_ids, pos)
+            elif stage.kind == "attn":
+                x = fam.attn_input(cfg, w, h)
+                q, k, v = fam.attn_qkv(cfg, w, x, rope)
+                rec[stage.layer] = dict(x=x[0], q=q[0], k=k[0], v=v[0], w=w)
+                h = fam.attn_out(cfg, w, h, attend(q, k, v, bias))
+            elif stage.kind == "mlp":
+                h = fam.mlp(cfg, w, h)
+        return rec, rope
+
+
+def grams(records, cfg):
+    return (torch.stack([query_gram(records[i]["q"].double(), cfg.num_kv_heads)
+                         for i in range(cfg.num_layers)]),
+            torch.stack([key_gram(records[i]["k"].double()) for i in range(cfg.num_layers)]))
+
+
+class _Tiers:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def track(t, tier):
+        return t
+
+
+@torch.no_grad()
+def evaluate(rec_windows, cfg, fam, calib: dict, prefill: int, exact=False, **over) -> dict:
+    o = {**DEFAULT, **over}
+    kv, heads, d = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    group = heads // kv
+    budget = Budget(o["fraction"], None, 4, o["sink"], o["recent"])
+    recall, err, chosen_share = [], [], []
+    for rec, rope in rec_windows:
+        for layer in range(2, cfg.num_layers):
+            r = rec[layer]
+            q, k, v = r["q"], r["k"], r["v"]
+            n = q.shape[0]
+            pos = torch.arange(prefill, n)
+            gq, gk = calib[o["calibration"]]
+            gq, gk = gq[layer], gk[layer]
+            if o["prompt_skew"]:
+                gq = (query_gram(q[:prefill].double(), kv) * prefill * group + 64 * gq) / (
+                    prefill * group + 64)
+            proj = projection(gq, gk, o["ratio"] if not exact else 1.0,
+                              o["column_score"]).float()
+            if exact:
+                qs = q[pos]
+            else:  # layer i's attention input through layer i+1's query weights
+                step_rope = tuple(t[0, pos][:, None] for t in rope) if rope else None
+                qs = fam.query(cfg, r["w"], rec[layer - 1]["x"][pos][:, None], step_rope)[:, 0]
+            pq = torch.einsum("nkgd,kdr->nkgr", qs.reshape(-1, kv, group, d), proj)
+            keys = SpeculationKeys("partial" if exact else o["keys"], n, kv, proj.shape[-1],
+                                   torch.float32, _Tiers())
+            keys.write(torch.einsum("skd,kdr->skr", k, proj), 0)
+            approx = torch.einsum("nkgr,skr->nkgs", pq, keys.keys(n)) / math.sqrt(d)
+            t = torch.arange(n)
+            cached = t[None, :] < pos[:, None]
+            order, counts = select(approx, cached, o["rule"], o["alpha"], budget)
+            pick = torch.zeros(len(pos), kv, n, dtype=torch.bool)
+            pick.scatter_(2, order, torch.arange(order.shape[-1]) < counts[..., None])
+            keep = (pick & cached[:, None]) | (t[None, :] == pos[:, None])[:, None]
+            scores = torch.einsum("nkgd,skd->nkgs", q[pos].view(-1, kv, group, d), k) / math.sqrt(d)
+            scores = scores.masked_fill(~(t[None, :] <= pos[:, None])[:, None, None], -math.inf)
+            probs = torch.softmax(scores, -1)
+            recall.append((probs * keep[:, :, None]).sum(-1).mean().item())
+            full = torch.einsum("nkgs,skd->nkgd", probs, v)
+            part = torch.einsum("nkgs,skd->nkgd", torch.softmax(
+                scores.masked_fill(~keep[:, :, None], -math.inf), -1), v)
+            err.append(((part - full).norm(dim=-1) / full.norm(dim=-1)).mean().item())
+            chosen_share.append((counts.sum() / (cached.sum() * kv)).item())
+    share = sum(chosen_share) / len(chosen_share)
+    layers = cfg.num_layers
+    return {"recall": sum(recall) / len(recall), "output_error": sum(err) / len(err),
+            "relative_kv_size_speculative": share,
+            "relative_kv_size": (2 + (layers - 2) * share) / layers,
+            "speculation_key_bytes_fp16": None if exact else bytes_per_key(
+                o["keys"], max(1, round(o["ratio"] * d)), 2),
+            "settings": {**o, "exact": exact}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", default=str(TEXT))
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--prefill-len", type=int, default=256)
+    p.add_argument("--out", default=str(OUT))
+    a = p.parse_args(argv)
+    if not Path(a.text).is_file():
+        print(f"error: {a.text} is absent; pass --text (wikitext-2 test split)", file=sys.stderr)
+        return 2
+    lm = OffloadedLM.load(progress=False)
+    with lm:
+        record = Recorder(lm)
+        ids = lm.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))
+        stride = (len(ids) - 2048) // 4  # the accuracy sweep's windows; its tail calibrates
+        windows = [record(ids[i * stride:i * stride + a.seq_len]) for i in range(a.windows)]
+        calib = {"built-in": grams(record(lm.tokenizer.encode(DEFAULT_CALIBRATION))[0], lm.cfg),
+                 "paragraph": grams(record(lm.tokenizer.encode(PARAGRAPH.read_text()))[0],
+                                    lm.cfg),
+                 "corpus": grams(record(ids[-1024:])[0], lm.cfg)}
+        rows = {}
+        for name, over in VARIANTS:
+            start = time.perf_counter()
+            rows[name] = evaluate(windows, lm.cfg, record.fam, calib, a.prefill_len, **over)
+            r = rows[name]
+            print(f"{name:52s} recall {r['recall']:.4f}  error {r['output_error']:.4f}  "
+                  f"kv {r['relative_kv_size']:.3f}  {time.perf_counter() - start:.0f}s",
+                  flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"settings": vars(a), "variants": rows},
+                                                   indent=1))
+    lines = [f"# Selection recall: SmolLM2-135M, {a.windows} wikitext-2 windows of {a.seq_len} "
+             f"tokens, decode positions {a.prefill_len}+, layers 2-29", "",
+             "| variant | attention mass recall | output error | relative KV size | "
+             "speculation key bytes (fp16) |", "|---|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        kb = r["speculation_key_bytes_fp16"]
+        lines.append(f"| {name} | {r['recall']:.4f} | {r['output_error']:.4f} | "
+                     f"{r['relative_kv_size']:.3f} | {'' if kb is None else kb} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
