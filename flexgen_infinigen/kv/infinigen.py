@@ -87,12 +87,13 @@ class InfiniGenCache(FullCache):
     def _write_keys(self, k: torch.Tensor, start: int) -> None:
         """Project keys ``[b, s, KV, d]`` on the kept columns into the speculation keys."""
         if self.keys is not None:
-            rows = torch.einsum("bskd,bkdr->sbkr", k, self.projection.to(k.dtype))
+            rows = torch.einsum("bskd,bkdr->sbkr", k, self.projection)
             self.keys.write(rows.reshape(rows.shape[0], -1, rows.shape[-1]), start)
 
     def store_prompt(self, q, k, v, valid) -> None:
         if self.speculative:
-            self.projection = self.policy.prompt_projection(self.spec, q, valid)
+            # in the runtime dtype once, not converted again at every decode step
+            self.projection = self.policy.prompt_projection(self.spec, q, valid).to(k.dtype)
         self._write_keys(k, 0)
         super().store_prompt(q, k, v, valid)
 
@@ -245,7 +246,7 @@ class InfiniGenPolicy(FullPolicy):
         else:
             q = self.family.query(cfg, w, x, state.pos_enc)  # [b, 1, H, d]
             pq = torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv, group, cfg.head_dim),
-                              cache.projection.to(q.dtype))
+                              cache.projection)
         length = state.valid.shape[1] - 1  # cached tokens (the new one is always attended)
         scores = cache.keys.scores(pq, length) / math.sqrt(cfg.head_dim)  # [b, KV, G, t]
         allowed = None
