@@ -64,7 +64,7 @@ class OffloadedLM:
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
-        need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)))
+        need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
         tiers = Tiers(dev, offload_dir)
         try:
@@ -137,6 +137,7 @@ class OffloadedLM:
         steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
         sampler = Sampler(sampling)
         self.engine.kv_policy.reset_stats()
+        self.tiers.reset_peak()  # the run's peaks, not loading's or calibration's
         block = self.policy.block_size
         outputs: list[list[int]] = []
         logits: list[torch.Tensor] = []

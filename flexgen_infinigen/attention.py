@@ -35,8 +35,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     """Attention output [b, s, H*d], computed in chunks of query rows for long inputs.
 
     q: [b, s, H, d]; k, v: [b, t, KV, d] with H a multiple of KV; bias: [b, 1, s, t].
-    Scores and softmax run in float32. With ``return_key_mass`` also the attention each
-    key receives, summed over query heads and query positions: [b, KV, t].
+    Queries are scaled before the product (no fp16 overflow); softmax runs in float32.
+    With ``return_key_mass`` also the attention each key receives, summed over query heads
+    and query positions: [b, KV, t].
     """
     rows = score_rows(q.shape[0], q.shape[2], k.shape[1])
     if q.shape[1] <= rows:
@@ -62,7 +63,8 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     # [b, KV, group*s, d] so that one matmul serves every query head of a KV head
     qg = q.view(b, s, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * s, d)
     kt = k.permute(0, 2, 3, 1)  # [b, KV, d, t]
-    scores = torch.matmul(qg, kt).float() * (1.0 / math.sqrt(d))
+    # scaled before the product: q.k of a large model can pass fp16's range, q.k / sqrt(d) not
+    scores = torch.matmul(qg * (1.0 / math.sqrt(d)), kt).float()
     scores = scores.view(b, kv_heads, group, s, -1) + bias[:, :, None].float()
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(v.dtype).view(b, kv_heads, group * s, -1), v.permute(0, 2, 1, 3))
@@ -84,7 +86,7 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bia
     kv_heads = cols // b
     group = heads // kv_heads
     qc = q.reshape(cols, group, d)
-    scores = torch.bmm(qc, k_rows.permute(1, 2, 0)).float() * (1.0 / math.sqrt(d))
+    scores = torch.bmm(qc * (1.0 / math.sqrt(d)), k_rows.permute(1, 2, 0)).float()
     scores = scores.view(b, kv_heads, group, t) + bias.float()
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs.to(v_rows.dtype).view(cols, group, t), v_rows.permute(1, 0, 2))

@@ -68,6 +68,9 @@ class Engine:
         self.stages = build_stages(cfg, policy.sep_layer)
         self.states: list[BatchState] = []
         self.caches: dict[tuple[int, int], object] = {}
+        self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
+        # debug statistics of the last block: host synchronizations of each iteration
+        self.debug: dict[str, list] = {"host_syncs_per_step": []}
 
     # ---- one block --------------------------------------------------------------------------
     def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
@@ -87,23 +90,31 @@ class Engine:
         self._make_caches(len(batches[0][0]), prompt_len + steps)
         lanes = Lanes(dev, self.policy.overlap)
         times, logits, tokens = [], [], []
+        syncs = self.debug["host_syncs_per_step"] = []
         try:
             for i in range(steps):
-                start = time.perf_counter()
+                start, before = time.perf_counter(), self.tiers.host_syncs
                 if i > 0:
                     self._advance(tokens)
                 self._iteration(i, lanes)
-                tokens = [sampler(s.logits, i, k) for k, s in enumerate(self.states)]
+                host = [self.tiers.host_values(s.logits)[0] for s in self.states]
+                tokens = [sampler(x, i, k) for k, x in enumerate(host)]
                 if keep_logits:
-                    logits.append([s.logits.float().cpu() for s in self.states])
+                    logits.append([x.float() for x in host])
                 if self.tiers.is_cuda:
                     torch.cuda.synchronize()
+                    self.tiers.count_sync()
                 times.append(time.perf_counter() - start)
+                syncs.append(self.tiers.host_syncs - before)
                 if on_tokens is not None and on_tokens(i, tokens):
                     break
+        except BaseException:
+            self.kv_policy.abort()  # wake loads waiting for a speculation that will not come
+            raise
         finally:
             lanes.close()
             self.caches.clear()
+            self._activations.clear()
         return {"times": times, "logits": logits}
 
     def _make_caches(self, batch_size: int, max_len: int) -> None:
@@ -141,8 +152,9 @@ class Engine:
             return None
         return self.caches[(j, k)].load(self.states[k].valid.shape[1] - 1)
 
-    def _store_cache(self, i: int, j: int, k: int) -> None:
-        new = self.states[k].new_kv.pop(j, None)
+    def _store_cache(self, i: int, j: int, k: int, new) -> None:
+        """Keep ``new`` = (q, k, v, valid) of stage ``j``, batch ``k`` (popped by the caller on
+        the compute side, so that a store lane receives, and marks, the tensors it reads)."""
         if new is None:
             return
         q, key, value, valid = new
@@ -160,7 +172,7 @@ class Engine:
                 weights = self._load_weights(j)
                 for k in range(num_batches):
                     self._compute(i, j, k, weights, self._load_cache(i, j, k))
-                    self._store_cache(i, j, k)
+                    self._store_cache(i, j, k, self._new_kv(j, k))
             return
         weight_loads = {0: self._submit_weights(lanes, 0)}
         cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, i, 0, 0)
@@ -173,21 +185,25 @@ class Engine:
                 next_load = self._submit_cache(lanes, "cache_load", self._load_cache, i,
                                                *steps[n + 1])
             if previous is not None:
-                self._submit_cache(lanes, "cache_store", self._store_cache, i, *previous)
+                self._submit_cache(lanes, "cache_store", self._store_cache, i, *previous,
+                                   self._new_kv(*previous))
             self._compute(i, j, k, lanes.result(weight_loads[j]), lanes.result(cache_load))
-            lanes.sync()
+            lanes.sync()  # the cache lanes only: a weight load is waited for where it is used
             if k == num_batches - 1:
                 del weight_loads[j]
             cache_load, previous = next_load, (j, k)
-        self._store_cache(i, *previous)
+        self._store_cache(i, *previous, self._new_kv(*previous))
+
+    def _new_kv(self, j: int, k: int):
+        return self.states[k].new_kv.pop(j, None)
 
     def _submit_weights(self, lanes: Lanes, j: int):
         resident = all(self.weights[n].resident for n in self.stages[j].weights.values())
-        return lanes.submit("weights", self._load_weights, j, inline=resident)
+        return lanes.submit("weights", self._load_weights, j, inline=resident, track=False)
 
-    def _submit_cache(self, lanes: Lanes, lane: str, fn, i: int, j: int, k: int):
+    def _submit_cache(self, lanes: Lanes, lane: str, fn, i: int, j: int, k: int, *extra):
         cache = self.caches.get((j, k))
-        return lanes.submit(lane, fn, i, j, k, inline=cache is None or cache.resident)
+        return lanes.submit(lane, fn, i, j, k, *extra, inline=cache is None or cache.resident)
 
     # ---- compute ----------------------------------------------------------------------------
     def _compute(self, i: int, j: int, k: int, w: dict, loaded) -> None:
@@ -204,7 +220,7 @@ class Engine:
         if stage.kind == "head":
             state.logits = fam.head(cfg, w, h[:, -1:, :])[:, -1]
             h = None
-        state.hidden = self._keep_hidden(h)
+        state.hidden = self._keep_hidden(k, h)
 
     def _attention(self, i: int, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, self.states[k_batch]
@@ -219,10 +235,16 @@ class Engine:
         state.new_kv[j] = (q, k, v, state.valid)
         return fam.attn_out(cfg, w, h, out)
 
-    def _keep_hidden(self, h):
+    def _keep_hidden(self, k: int, h):
+        """Offload batch ``k``'s hidden state as the policy says, into one buffer per batch and
+        shape (the previous stage's copy has been read back by then)."""
         split = self.policy.act_split
         if h is None or split[0] == 1.0:
             return h
-        held = TieredTensor(self.tiers, tuple(h.shape), h.dtype, split, "activations")
+        key = (k, tuple(h.shape), h.dtype)
+        held = self._activations.get(key)
+        if held is None:
+            held = TieredTensor(self.tiers, tuple(h.shape), h.dtype, split, "activations")
+            self._activations[key] = held
         held.write(h)
         return held

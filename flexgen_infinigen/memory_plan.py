@@ -41,9 +41,17 @@ def _split_bytes(shape, split_dim: int, fractions, itemsize: int, compress: bool
     return out
 
 
+ALLOCATOR_HEADROOM = 0.05  # of the device total: blocks the per-stream caching pools hold
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
-         gen_len: int) -> dict[str, dict[str, int]]:
-    """Bytes per tier for weights, KV cache, activations, and the device's working set."""
+         gen_len: int, kv=None) -> dict[str, dict[str, int]]:
+    """Bytes per tier for weights, KV cache, activations, the device's working set and what
+    the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device."""
     item = torch.tensor([], dtype=dtype).element_size()
     shapes = family_of(cfg).weight_shapes(cfg)
     weights = [0, 0, 0]
@@ -59,21 +67,36 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     act_shape = (b, prompt_len, cfg.hidden_size)
     act = [n * policy.num_gpu_batches
            for n in _split_bytes(act_shape, 0, policy.act_split, item, False)]
-    # working set on the device: two stages of weights in flight, one batch's full cache,
-    # prefill activations (the MLP's widest temporaries) and one chunk of attention scores
-    # (float32 scores, their softmax, and its cast)
-    biggest_stage = max(sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
-                        (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp")))
+    # working set on the device: two stages of weights in flight (a stage is attention and MLP
+    # together without --sep-layer), the loaded K and V of the batch computing and of the
+    # next (prefetched) one when any of the cache is off the device, prefill activations (the
+    # MLP's widest temporaries) and one chunk of attention scores (float32 scores, their
+    # softmax, and its cast)
+    per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
+                (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
+    biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim) * item
-    working = (2 * biggest_stage + 2 * per_cache[1] + per_cache[2] * 2
+    cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
+    loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
+    working = (2 * biggest_stage + loads
                + 3 * 4 * b * cfg.num_heads * prompt_len
                * min(prompt_len, score_rows(b, cfg.num_heads, prompt_len))
                + 4 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
                + b * cfg.vocab_size * 4)
+    kv_terms = kv.device_bytes(cfg, policy, item, max_len) if kv is not None else {}
+    # host staging for what is read from disk (a stage's weights or a cache's disk part, the
+    # one in use and the next), from the pinned caching allocator, which rounds to a power of 2
+    disk_read = max(biggest_stage * policy.weight_split[2], 2 * per_cache[2])
+    staging = 2 * _pow2(math.ceil(disk_read)) if disk_read else 0
     totals = {t: weights[i] + cache[i] + act[i] for i, t in enumerate(TIERS)}
-    totals[DEVICE] += working
+    totals[DEVICE] += working + sum(kv_terms.values())
+    # checked by ``check_fit`` on top of the totals (the placement optimizer's linear
+    # program cannot express a power of two or a share of the total)
+    headroom = int(ALLOCATOR_HEADROOM * totals[DEVICE])
     return {"weights": dict(zip(TIERS, weights)), "kv_cache": dict(zip(TIERS, cache)),
             "activations": dict(zip(TIERS, act)), "working_set_device": working,
+            "kv_policy_device": kv_terms, "allocator_headroom_device": headroom,
+            "staging_host": staging,
             "total": totals}
 
 
@@ -100,7 +123,9 @@ def _host_available() -> int:
 
 
 def check_fit(need: dict, have: dict[str, int], device: torch.device) -> None:
-    total = need["total"]
+    total = dict(need["total"])
+    total[DEVICE] += need.get("allocator_headroom_device", 0)
+    total[HOST] += need.get("staging_host", 0)
     shared = device.type != "cuda"
     checks = [(DEVICE, total[DEVICE] + (total[HOST] if shared else 0)), (DISK, total[DISK])]
     if not shared:

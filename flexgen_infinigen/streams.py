@@ -1,9 +1,12 @@
 """Asynchronous lanes for the overlapped schedule.
 
 Each lane (weight loads, cache loads, cache stores) is one worker thread; on
-CUDA it also owns a CUDA stream. Work submitted to a lane first waits for what
-the compute stream has issued so far (so a store sees the values it stores),
-and the compute stream waits for the lane's work before using its results.
+CUDA it also owns a CUDA stream. Work submitted to a cache lane first waits for
+what the compute stream has issued so far (so a store sees the values it
+stores); weight loads depend on nothing computed and do not wait. The compute
+stream waits for a lane's work only where it uses the result. Tensors handed to
+a lane are marked as used on its stream, so the caching allocator cannot give
+their memory to later compute kernels before the lane's copies have read them.
 With ``enabled=False`` work runs inline, in program order.
 """
 from __future__ import annotations
@@ -43,24 +46,30 @@ class Lanes:
             if enabled and self.cuda else {}
         self.outstanding: list[Pending] = []
 
-    def submit(self, lane: str, fn, *args, inline: bool = False) -> Pending:
-        """Run ``fn(*args)`` on ``lane``; ``inline`` work (nothing to move) runs right here."""
+    def submit(self, lane: str, fn, *args, inline: bool = False, track: bool = True) -> Pending:
+        """Run ``fn(*args)`` on ``lane``; ``inline`` work (nothing to move) runs right here.
+
+        ``track``: :meth:`sync` waits for it (cache lanes); untracked work (weight loads) is
+        waited for only by :meth:`result`, where it is used."""
         if not self.enabled or inline:
             return Pending(value=fn(*args))
         if not self.cuda:
             pending = Pending(self.pools[lane].submit(fn, *args))
         else:
-            ready = torch.cuda.current_stream().record_event()
+            ready = None if lane == "weights" else torch.cuda.current_stream().record_event()
             stream = self.streams[lane]
+            _record_on(args, stream)
 
             def run():
-                stream.wait_event(ready)
+                if ready is not None:
+                    stream.wait_event(ready)
                 with torch.cuda.stream(stream):
                     value = fn(*args)
                     return value, stream.record_event()
 
             pending = Pending(self.pools[lane].submit(run))
-        self.outstanding.append(pending)
+        if track:
+            self.outstanding.append(pending)
         return pending
 
     def result(self, pending: Pending):
@@ -83,5 +92,6 @@ class Lanes:
         self.outstanding.clear()
 
     def close(self) -> None:
+        """Stop the lanes: queued work is dropped, running work finishes."""
         for pool in self.pools.values():
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True, cancel_futures=True)

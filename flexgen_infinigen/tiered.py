@@ -142,7 +142,7 @@ class TieredTensor:
                 continue
             width = seg.stop - seg.start
             flat = rows[lo:hi] * width + (cols[lo:hi] - seg.start)
-            flat = flat.to(self.tiers.device if seg.tier == DEVICE else "cpu")
+            flat = self.tiers.index_to_device(flat) if seg.tier == DEVICE else flat
             tensors = seg.data.parts if self.compressed else (seg.data,)
             moved = [self.tiers.take_to_compute(t.reshape(-1, *t.shape[2:]), seg.tier, flat,
                                                 self.kind) for t in tensors]

@@ -7,6 +7,7 @@ tier holds so that the report can give a peak per tier.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -22,6 +23,12 @@ DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
 LINKS = ("disk->host", "host->device", "device->host", "host->disk")
 KINDS = ("weights", "kv_cache", "activations")
+
+PAGE = 4096
+# long-lived host buffers at least this large are allocated at their exact size and pinned in
+# place; smaller ones come from PyTorch's caching host allocator (which rounds up to a power
+# of two: a few bytes here, 1.7x the plan for the large segments of a big model)
+EXACT_PIN_BYTES = 1 << 20
 
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
                   torch.bfloat16: np.int16, torch.uint8: np.uint8, torch.int64: np.int64}
@@ -45,17 +52,67 @@ class Tiers:
             link: {kind: 0 for kind in KINDS} for link in LINKS}
         self.held = defaultdict(int)
         self.peak = defaultdict(int)
+        self.host_syncs = 0  # reads of compute-device values by the host (syncs on a GPU)
+        self.pinned_bytes = 0  # host bytes pinned at their exact size
         self._scratch: dict[str, list] = {}
         self._scratch_lock = threading.Lock()
+        self._lock = threading.Lock()  # the ledger is updated from the lanes' threads too
 
     # ---- accounting -------------------------------------------------------------------------
     def count(self, link: str, kind: str, n: int) -> None:
-        self.bytes_moved[link][kind] += n
+        with self._lock:
+            self.bytes_moved[link][kind] += n
 
     def _hold(self, tier: str, n: int) -> None:
-        self.held[tier] += n
-        if self.held[tier] > self.peak[tier]:
-            self.peak[tier] = self.held[tier]
+        with self._lock:
+            self.held[tier] += n
+            if self.held[tier] > self.peak[tier]:
+                self.peak[tier] = self.held[tier]
+
+    def reset_peak(self) -> None:
+        """Peaks restart from what is held now (a run's peak leaves out loading)."""
+        with self._lock:
+            for tier in TIERS:
+                self.peak[tier] = self.held[tier]
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def host_values(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Compute-device tensors read by the host: one synchronization on a GPU, counted
+        (``host_syncs``) so that the syncs of a decode step can be asserted, on a CPU too."""
+        with self._lock:
+            self.host_syncs += 1
+        return [t.cpu() for t in tensors]
+
+    def host_values_async(self, *tensors: torch.Tensor):
+        """Start copying compute-device tensors to the host on the current stream; returns a
+        function that waits for them (the one counted sync) and gives the host copies."""
+        if not self.is_cuda:
+            done, host = None, list(tensors)
+        else:
+            host = [self.host_empty(t.shape, t.dtype, staging=True).copy_(t, non_blocking=True)
+                    for t in tensors]
+            done = torch.cuda.current_stream().record_event()
+
+        def wait() -> list[torch.Tensor]:
+            if done is not None:
+                done.synchronize()
+            self.count_sync()
+            return host
+        return wait
+
+    def index_to_device(self, index: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (indices) on the compute device, through pinned memory and
+        without a host wait."""
+        if not self.is_cuda or index.is_cuda:
+            return index
+        staged = self.host_empty(index.shape, index.dtype, staging=True).copy_(index)
+        return staged.to(self.device, non_blocking=True)
+
+    def count_sync(self) -> None:
+        """A synchronization made elsewhere (an event wait, a device synchronize)."""
+        with self._lock:
+            self.host_syncs += 1
 
     def track(self, t: torch.Tensor, tier: str) -> torch.Tensor:
         """Count ``t`` as held by ``tier`` until it is garbage collected."""
@@ -82,13 +139,47 @@ class Tiers:
         if tier == DEVICE:
             t = torch.empty(shape, dtype=dtype, device=self.device)
         elif tier == HOST:
-            t = torch.empty(shape, dtype=dtype, pin_memory=self.pin_host and pin)
+            t = self.host_empty(shape, dtype, pinned=pin)
         else:
             path = os.path.join(self.disk_dir, uuid.uuid4().hex + ".bin")
             count = int(np.prod(shape)) if len(shape) else 1
             arr = np.memmap(path, dtype=_NUMPY_STORAGE[dtype], mode="w+", shape=(max(count, 1),))
             t = torch.from_numpy(arr)[:count].view(dtype).view(shape)
         return self.track(t, tier)
+
+    def host_empty(self, shape, dtype: torch.dtype, pinned: bool = True,
+                   staging: bool = False) -> torch.Tensor:
+        """A host tensor, page-locked when the compute device is a GPU and ``pinned``.
+
+        Long-lived buffers of ``EXACT_PIN_BYTES`` or more are allocated at their exact size
+        and registered with CUDA (their own pages only); ``staging`` buffers (short-lived,
+        reused) and small ones come from PyTorch's caching host allocator.
+        """
+        if not (self.pin_host and pinned):
+            return torch.empty(shape, dtype=dtype)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if staging or n < EXACT_PIN_BYTES:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return self._pinned_exact(shape, dtype, n)
+
+    def _pinned_exact(self, shape, dtype: torch.dtype, n: int) -> torch.Tensor:
+        raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
+        offset = -raw.data_ptr() % PAGE
+        size = -(-n // PAGE) * PAGE  # whole pages, all inside ``raw``: no page is shared
+        cudart = torch.cuda.cudart()
+        ptr = raw.data_ptr() + offset
+        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        t = raw[offset:offset + n].view(dtype).view(shape)
+        with self._lock:
+            self.pinned_bytes += size
+        weakref.finalize(t, self._unpin, cudart, ptr, size)
+        return t
+
+    def _unpin(self, cudart, ptr: int, size: int) -> None:
+        cudart.cudaHostUnregister(ptr)
+        with self._lock:
+            self.pinned_bytes -= size
 
     SCRATCH_SLOTS = 3  # buffers in flight per tag: the one computing, the next load, a spare
 
@@ -125,7 +216,7 @@ class Tiers:
         if tier == DEVICE:
             return src
         if tier == DISK:
-            staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin_host)
+            staged = self.host_empty(src.shape, src.dtype, staging=True)
             staged.copy_(src)
             self.count("disk->host", kind, nbytes(src))
             src = staged
@@ -143,7 +234,7 @@ class Tiers:
         """
         if tier == DEVICE:
             return src.gather(0, index)
-        staged = torch.empty(index.shape, dtype=src.dtype, pin_memory=self.pin_host)
+        staged = self.host_empty(index.shape, src.dtype, staging=True)
         torch.gather(src, 0, index, out=staged)
         if tier == DISK:
             self.count("disk->host", kind, nbytes(staged))
@@ -168,7 +259,7 @@ class Tiers:
         self.count("host->device", kind, n)
         if not self.is_cuda:  # the compute device is host memory: gather straight into place
             return self.track(torch.index_select(src, 0, index), DEVICE)
-        staged = torch.empty(shape, dtype=src.dtype, pin_memory=self.pin_host)
+        staged = self.host_empty(shape, src.dtype, staging=True)
         torch.index_select(src, 0, index, out=staged)
         out = torch.empty(shape, dtype=src.dtype, device=self.device)
         out.copy_(staged, non_blocking=True)
@@ -178,7 +269,7 @@ class Tiers:
         """Bring a tensor held in ``tier`` to host memory (for compute on the CPU)."""
         if tier == HOST:
             return src
-        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin_host)
+        out = self.host_empty(src.shape, src.dtype, staging=True)
         out.copy_(src)
         self.count("disk->host" if tier == DISK else "device->host", kind, nbytes(src))
         return out
@@ -190,16 +281,28 @@ class Tiers:
         if tier == src_tier:
             dst.copy_(src)
             return
-        if tier == DEVICE:  # from host (or disk, through host)
+        if tier == DEVICE:  # from host (or disk, through a pinned staging buffer)
             if src_tier == DISK:
                 self.count("disk->host", kind, n)
+                if self.is_cuda:
+                    staged = self.host_empty(src.shape, src.dtype, staging=True)
+                    src = staged.copy_(src)
             dst.copy_(src, non_blocking=self.is_cuda)
             self.count("host->device", kind, n)
             return
         if src_tier == DEVICE:
             self.count("device->host", kind, n)
-            if tier == DISK and self.is_cuda:
-                src = src.to("cpu")
+            if self.is_cuda and tier == DISK:  # through pinned memory; the file needs the host
+                staged = self.host_empty(src.shape, src.dtype, staging=True)
+                staged.copy_(src, non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                self.count_sync()
+                src = staged
+            elif self.is_cuda and kind == "activations" and dst.is_pinned():
+                # only read back by a copy to the device on the same stream: no host wait
+                # (KV rows are read by the host, in gathers: their copies stay blocking)
+                dst.copy_(src, non_blocking=True)
+                return
         elif src_tier == DISK:  # disk to host memory
             self.count("disk->host", kind, n)
         if tier == DISK:

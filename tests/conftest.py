@@ -43,6 +43,24 @@ def tiny_opt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(HF model, converted store path) for a small Llama with grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flexgen_infinigen.weights.hf_convert import convert_hf
+
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(vocab_size=512, hidden_size=128, num_hidden_layers=4,
+                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(hf_cfg).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    store = convert_hf(folder, folder / "store", "tiny-llama")
+    return model, store
+
+
+@pytest.fixture(scope="session")
 def smollm2_store():
     from flexgen_infinigen.config import ConfigError
     from flexgen_infinigen.weights.embedded import default_model_store

@@ -81,5 +81,13 @@ class KVPolicy(ABC):
         """Decode only: layer ``layer``'s normalized attention input ``x`` for GPU batch
         ``batch`` (``state`` has ``pos_enc``, ``valid``), before its attention runs."""
 
+    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+        """Compute-device bytes this policy allocates besides the KV cache, by term, for an
+        engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens."""
+        return {}
+
+    def abort(self) -> None:
+        """The block failed: wake anything that waits on work the engine will not do."""
+
     def report(self) -> dict:
         return {"kv_policy": self.name}

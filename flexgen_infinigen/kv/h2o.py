@@ -14,8 +14,13 @@ from ..attention import attend, mask_bias
 from ..config import ConfigError
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, attend_selected
-from .infinigen import fetch_selected
+from .infinigen import fetch_selected, gather_on_device
 from .stats import FetchStats
+
+
+def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
+    """``[cols, top]``: each column's kept positions first, in position order."""
+    return torch.sort(alive.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :top]
 
 
 class H2OCache(FullCache):
@@ -70,14 +75,24 @@ class H2OCache(FullCache):
 
     def load(self, length: int):
         b, kv = self.spec.batch_size, self.spec.kv_heads
-        alive = self.alive[:, :length]
+        tiers = self.spec.tiers
+        if self.k.resident:  # on the device: gather there, padded to the budget, no sync
+            alive = self.alive[:, :length]
+            top = min(length, math.ceil(length * (self.policy.hh_ratio
+                                                   + self.policy.recent_ratio)) + 1)
+            order = _alive_first(alive, top)
+            counts = alive.sum(-1)
+            k_sel, v_sel = gather_on_device(self, order.view(b, kv, top))
+            self.policy.stats.add(self.spec.layer, counts.sum(), counts.sum(), length * b * kv,
+                                  self.row_bytes)
+            return k_sel, v_sel, counts, order
+        alive = tiers.host_values(self.alive[:, :length])[0]  # the one sync of the step
         counts = alive.sum(-1)
         top = int(counts.max())
-        order = torch.sort(alive.float(), dim=-1, descending=True, stable=True).indices[:, :top]
-        k_sel, v_sel, moved = fetch_selected(self, order.view(b, kv, top).cpu(),
-                                             counts.view(b, kv).cpu())
+        order = _alive_first(alive, top)
+        k_sel, v_sel, moved = fetch_selected(self, order.view(b, kv, top), counts.view(b, kv))
         self.policy.stats.add(self.spec.layer, moved, moved, length * b * kv, self.row_bytes)
-        return k_sel, v_sel, counts, order
+        return k_sel, v_sel, tiers.index_to_device(counts), tiers.index_to_device(order)
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
@@ -114,6 +129,13 @@ class H2OPolicy(FullPolicy):
         if lm.engine.policy.cpu_cache_compute:
             raise ConfigError("--kv-policy h2o fetches kept rows to the compute device; it "
                               "cannot be combined with --cpu-cache-compute (drop one)")
+
+    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+        caches = cfg.num_layers * policy.num_gpu_batches
+        cols = policy.gpu_batch_size * cfg.num_kv_heads
+        top = min(max_len, math.ceil(max_len * (self.hh_ratio + self.recent_ratio)) + 1)
+        return {"h2o_scores_and_masks": caches * cols * max_len * (1 + 4),  # bool + float32
+                "selected_rows": 2 * 2 * (top + 1) * cols * cfg.head_dim * item}
 
     def make_cache(self, spec: CacheSpec) -> H2OCache:
         return H2OCache(spec, self)

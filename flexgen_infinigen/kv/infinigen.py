@@ -51,13 +51,25 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
     use = rank[None, :] < counts[:, None]  # [cols, n]
     rows = order.reshape(cols, n)[use]
     col = torch.arange(cols)[:, None].expand(cols, n)[use]
-    dev = cache.spec.tiers.device
-    place_rank, place_col = rank[None, :].expand(cols, n)[use].to(dev), col.to(dev)
+    tiers = cache.spec.tiers
+    place = tiers.index_to_device(torch.stack([rank[None, :].expand(cols, n)[use], col]))
     buffers = row_buffers(cache.spec, top + 1, "selected")
     for tensor, buf in zip((cache.k, cache.v), buffers):
         buf.zero_()
-        buf[place_rank, place_col] = tensor.take(rows, col)
+        buf[place[0], place[1]] = tensor.take(rows, col)
     return buffers[0], buffers[1], int(rows.shape[0])
+
+
+def gather_on_device(cache: FullCache, order: torch.Tensor):
+    """A cache held whole on the compute device: the ranked rows gathered there, no host round
+    trip. Buffers ``[n + 1, b*KV, d]`` with every head padded to ``order``'s width ``n`` (rows
+    past a head's count are masked by attention)."""
+    b, kv, n = order.shape
+    index = order.reshape(b * kv, n).t()[..., None].expand(n, b * kv, cache.spec.head_dim)
+    buffers = row_buffers(cache.spec, n + 1, "selected")
+    for tensor, buf in zip((cache.k, cache.v), buffers):
+        torch.gather(tensor.segments[0].data, 0, index, out=buf[:n])
+    return buffers
 
 
 class InfiniGenCache(FullCache):
@@ -76,6 +88,7 @@ class InfiniGenCache(FullCache):
                                         spec.tiers)
         self.selection = None
         self.ready = threading.Event()
+        self.aborted = False
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
             spec.max_len * spec.batch_size * spec.kv_heads)
@@ -101,9 +114,13 @@ class InfiniGenCache(FullCache):
         self._store(k_new, v_new, position)
 
     def select(self, order: torch.Tensor, counts: torch.Tensor) -> None:
-        """Hand the ranking over to the load lane (called on the compute stream)."""
-        done = torch.cuda.current_stream().record_event() if order.is_cuda else None
-        self.selection = (order, counts, done)
+        """Hand the ranking over to the load lane (called on the compute stream). Unless the
+        cache is on the device, its copy to the host starts here, without a wait."""
+        if self.k.resident:
+            done = torch.cuda.current_stream().record_event() if order.is_cuda else None
+            self.selection = (order, counts, done)
+        else:
+            self.selection = (order, counts, self.spec.tiers.host_values_async(order, counts))
         self.ready.set()
 
     def load(self, length: int):
@@ -115,14 +132,20 @@ class InfiniGenCache(FullCache):
             return super().load(length)
         if not self.ready.wait(SELECTION_TIMEOUT_S):
             raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
+        if self.aborted:
+            raise RuntimeError("generation stopped by an error elsewhere")
         self.ready.clear()
-        order, counts, done = self.selection
+        order, counts, pending = self.selection
         self.selection = None
-        if done is not None:  # the load stream must see the finished speculation
-            stream = torch.cuda.current_stream()
-            stream.wait_event(done)
+        if self.k.resident:  # gathered where it lives, no sync
+            if pending is not None:  # the load stream must see the finished speculation
+                torch.cuda.current_stream().wait_event(pending)
+            k_sel, v_sel = gather_on_device(self, order)
+            used = counts.sum()
+            stats.add(self.spec.layer, used, used, length * b * kv, self.row_bytes)
+            return k_sel, v_sel, counts, order
         # the one host sync: the gather on the host needs the indices
-        order_host, counts_host = order.cpu(), counts.cpu()
+        order_host, counts_host = pending()
         k_sel, v_sel, moved = fetch_selected(self, order_host, counts_host)
         stats.add(self.spec.layer, moved, moved, length * b * kv, self.row_bytes)
         return k_sel, v_sel, counts, order[:, :, :k_sel.shape[0] - 1]
@@ -175,7 +198,8 @@ class InfiniGenPolicy(FullPolicy):
             skew = calibrate(lm, text)
         self.skew, self.family, self.cfg = skew, engine.family, cfg
         dev = engine.tiers.device
-        self.projections = skew.projections(opts.ratio, opts.column_score).to(dev)  # [L,KV,d,r]
+        # [L, KV, d, r] in the runtime dtype: one copy, shared (as views) by every cache
+        self.projections = skew.projections(opts.ratio, opts.column_score).to(dev, engine.dtype)
         self.gram_q = skew.gram_q.to(dev) if opts.prompt_skew else None
         self.gram_k = skew.gram_k.to(dev) if opts.prompt_skew else None
         # a query that is an affine map of the input (no rotary) takes a static projection in
@@ -221,6 +245,40 @@ class InfiniGenPolicy(FullPolicy):
         return projection(blended, self.gram_k[spec.layer], self.options.ratio,
                           self.options.column_score)
 
+    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+        """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
+        W_Q per head where the projection folds into them, else the whole W_Q per layer),
+        the projections, the KV pool's state and the selected rows in flight."""
+        from ..models import family_of
+        from .spec_keys import bytes_per_key
+        o = self.options.with_defaults(cfg.family, self.default_rule)
+        d = cfg.head_dim
+        r = max(1, round(o.ratio * d))
+        layers = max(0, cfg.num_layers - o.first_layer)
+        caches = layers * policy.num_gpu_batches
+        cols = policy.gpu_batch_size * cfg.num_kv_heads
+        rows = cfg.num_heads * (r if family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS and not o.prompt_skew
+                                else d)
+        bias = rows if "layers.0.q_proj.bias" in family_of(cfg).weight_shapes(cfg) else 0
+        terms = {
+            "speculation_keys": round(caches * max_len * cols * bytes_per_key(
+                o.speculation_keys, r, item)),
+            "speculation_weights": layers * (rows * cfg.hidden_size + bias) * item,
+            "projections": cfg.num_layers * cfg.num_kv_heads * d * r * item
+            + (caches * cols * d * r * item if o.prompt_skew else 0),
+            "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,
+        }
+        if o.prompt_skew:
+            terms["gram_matrices"] = 2 * cfg.num_layers * cfg.num_kv_heads * d * d * 4
+        if o.kv_pool_capacity < 1:
+            terms["kv_pool"] = caches * cols * max_len * (1 + 8 + 8)  # bool, 2 x int64
+        return terms
+
+    def abort(self) -> None:
+        for cache in self.caches.values():
+            cache.aborted = True
+            cache.ready.set()
+
     def make_cache(self, spec: CacheSpec) -> InfiniGenCache:
         cache = InfiniGenCache(spec, self)
         self.caches[(spec.layer, spec.batch)] = cache
@@ -231,10 +289,19 @@ class InfiniGenPolicy(FullPolicy):
         target = self.caches.get((layer + 1, batch))
         if target is None or not target.speculative:
             return
-        start = time.perf_counter()
+        if x.is_cuda:  # kernels run later than they are launched: time them with events
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
         order, counts = self._speculate(target, x, state)
         target.select(order, counts)
-        self.stats.speculation_s += time.perf_counter() - start
+        if x.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.speculation_events.append((start, end))
+        else:
+            self.stats.speculation_s += time.perf_counter() - start
 
     def _speculate(self, cache: InfiniGenCache, x: torch.Tensor, state):
         cfg, opts, spec = self.cfg, self.options, cache.spec
@@ -248,7 +315,8 @@ class InfiniGenPolicy(FullPolicy):
             pq = torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv, group, cfg.head_dim),
                               cache.projection)
         length = state.valid.shape[1] - 1  # cached tokens (the new one is always attended)
-        scores = cache.keys.scores(pq, length) / math.sqrt(cfg.head_dim)  # [b, KV, G, t]
+        # scaled first: the product stays in fp16's range (see attention.py)
+        scores = cache.keys.scores(pq * (1.0 / math.sqrt(cfg.head_dim)), length)  # [b,KV,G,t]
         allowed = None
         if cache.pool is not None:  # evicted tokens are never selected again
             allowed = cache.pool.alive[:, :length].view(b, kv, length)

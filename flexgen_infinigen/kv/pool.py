@@ -26,42 +26,38 @@ class KVPool:
         self.evicted = 0
 
     def record_fetch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
-        """``index`` [cols, n] fetched token positions, of which the first ``counts`` were used."""
+        """``index`` [cols, n] fetched token positions (distinct per column), of which the
+        first ``counts`` were used. No host sync."""
         self.step += 1
         used = torch.arange(index.shape[1], device=index.device) < counts[:, None]
-        pos = index.masked_select(used)
-        col = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(index)
-        col = col.masked_select(used)
-        self.last_used[col, pos] = self.step
-        self.uses[col, pos] += 1
+        now = torch.where(used, self.step, self.last_used.gather(1, index))
+        self.last_used.scatter_(1, index, now)
+        self.uses.scatter_add_(1, index, used.long())
 
     def evict(self, valid: torch.Tensor) -> None:
-        """Enforce the budget over the first ``length`` rows; ``valid`` is [cols, length]."""
+        """Enforce the budget over the first ``length`` rows; ``valid`` is [cols, length].
+        Every column ranks all its tokens (no host sync to learn how many must go)."""
         length = valid.shape[1]
         alive = self.alive[:, :length] & valid
         held = alive.sum(-1)
         budget = torch.ceil(valid.sum(-1).float() * self.capacity).long()
         excess = (held - budget).clamp(min=0)
-        top = int(excess.max())
-        if top == 0:
-            return
-        window = min(self.window, max(1, int(budget.min()) // 2))
+        window = (budget // 2).clamp(min=1, max=self.window)[:, None]  # [cols, 1]
         pos = torch.arange(length, device=valid.device)
         eligible = alive & (pos < length - window)
         if self.eviction == "fifo":
-            priority = pos.expand_as(alive).clone()
+            priority = pos.expand_as(alive)
         elif self.eviction == "lru":
             priority = self.last_used[:, :length] * length + pos
         else:  # counter: least often fetched among the older half (the newer half only if short)
             newer = pos >= (length - window) // 2
             priority = self.uses[:, :length] * length + pos + newer * (BIG // 2)
         priority = priority.masked_fill(~eligible, BIG)
-        worst = priority.topk(min(top, length), dim=-1, largest=False)
-        drop = (torch.arange(worst.indices.shape[1], device=valid.device) < excess[:, None])
-        drop &= worst.values < BIG
-        rows = torch.arange(alive.shape[0], device=valid.device)[:, None].expand_as(drop)
-        self.alive[rows[drop], worst.indices[drop]] = False
-        self.evicted += int(drop.sum())
+        ranked = priority.sort(dim=-1, stable=True)
+        drop = (pos < excess[:, None]) & (ranked.values < BIG)
+        rank_drop = torch.zeros_like(drop).scatter_(1, ranked.indices, drop)
+        self.alive[:, :length] &= ~rank_drop
+        self.evicted = self.evicted + drop.sum()
 
 
 def check_pool_options(capacity: float, eviction: str) -> None:

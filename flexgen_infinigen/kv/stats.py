@@ -20,6 +20,7 @@ class FetchStats:
         self.cached = defaultdict(int)
         self.speculative: set[int] = set()
         self.speculation_s = 0.0
+        self.speculation_events: list = []  # (start, end) CUDA events of each speculation
         self.evicted = 0
         self.bytes_moved = 0.0  # K and V bytes fetched for attention
         self.bytes_full = 0.0  # what fetching every cached row would have moved
@@ -35,6 +36,18 @@ class FetchStats:
             if speculative:
                 self.speculative.add(layer)
 
+    def _settle(self) -> None:
+        """Counts kept on the device (no sync while decoding) become numbers."""
+        for table in (self.moved, self.selected, self.cached):
+            for layer, n in table.items():
+                table[layer] = int(n)
+        self.bytes_moved, self.bytes_full = float(self.bytes_moved), float(self.bytes_full)
+        self.evicted = int(self.evicted)
+        for start, end in self.speculation_events:
+            end.synchronize()
+            self.speculation_s += start.elapsed_time(end) / 1e3
+        self.speculation_events.clear()
+
     def report(self) -> dict:
         """The fractions every selective policy reports.
 
@@ -43,6 +56,7 @@ class FetchStats:
         selecting layers only, as the InfiniGen paper counts it; ``kv_fetch_fraction``: rows
         moved over rows cached (equal to the used share when only used rows move).
         """
+        self._settle()
         layers = sorted(self.cached)
         total = max(sum(self.cached.values()), 1)
         spec = [i for i in layers if i in self.speculative]

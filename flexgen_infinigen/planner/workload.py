@@ -11,7 +11,6 @@ from .. import memory_plan
 from ..compression import GROUP_SIZE, can_compress
 from ..config import ConfigError, ModelConfig
 from ..engine import build_stages
-from ..kv.spec_keys import bytes_per_key
 from ..models import family_of
 from ..policy import Policy
 from .hardware import HardwareProfile
@@ -130,17 +129,25 @@ def mean_context(work: Workload) -> float:
 
 
 def extra_device_bytes(work: Workload, policy: Policy) -> float:
-    """Device memory a KV policy adds to the memory plan (InfiniGen: partial keys and weights)."""
-    if work.kv_policy != "infinigen":
+    """Device memory a KV policy adds to the memory plan (the policy's own count)."""
+    kv = _kv_policy(work)
+    if kv is None:
         return 0.0
-    cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
     max_len = work.prompt_len + work.gen_len
-    keys = policy.num_gpu_batches * cfg.num_layers * policy.gpu_batch_size * max_len \
-        * cfg.num_kv_heads * bytes_per_key(work.speculation_keys, sz.partial_dim, item)
-    skew = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * sz.partial_dim * 4  # projections
-    partial_w = cfg.num_layers * cfg.hidden_size * cfg.num_heads * sz.partial_dim * item \
-        if family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS else 0
-    return keys + skew + partial_w
+    return float(sum(kv.device_bytes(work.cfg, policy, work.dtype_bytes, max_len).values()))
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_policy(work: Workload):
+    from ..kv import make_kv_policy
+    if work.kv_policy == "infinigen":
+        return make_kv_policy("infinigen", speculation_keys=work.speculation_keys,
+                              partial_weight_ratio=work.partial_weight_ratio,
+                              max_kv_fraction=work.kv_fraction)
+    if work.kv_policy == "h2o":
+        return make_kv_policy("h2o", hh_ratio=work.kv_fraction / 2,
+                              recent_ratio=work.kv_fraction / 2)
+    return None
 
 
 def memory_needs(work: Workload, policy: Policy) -> dict[str, float]:

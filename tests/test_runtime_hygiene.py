@@ -1,0 +1,198 @@
+"""CPU-visible parts of the CUDA path's fixes: no hang on errors, host syncs per decode step,
+reused activation buffers, the device memory plan against real allocations, fp16 range."""
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import pytest
+import torch
+
+from flexgen_infinigen import OffloadedLM, Policy, memory_plan
+from flexgen_infinigen.attention import attend, attend_rows
+
+PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 40] * 3, [9, 8, 7, 6, 5, 4, 3] * 4]
+STEPS = 6
+CACHE_ON_HOST = [100, 0, 0, 100, 100, 0]
+
+
+def _load(store, percent=CACHE_ON_HOST, kv="full", kv_options=None, **policy):
+    policy.setdefault("overlap", True)
+    return OffloadedLM.load(path=store, dtype="float32", kv_policy=kv, kv_options=kv_options,
+                            policy=Policy.from_percent(percent, **policy), progress=False)
+
+
+class _Patched:
+    """A model family with some functions replaced."""
+
+    def __init__(self, family, **replace):
+        self._family, self._replace = family, replace
+
+    def __getattr__(self, name):
+        return self._replace.get(name, getattr(self._family, name))
+
+
+@pytest.mark.parametrize("kv", ["infinigen", "h2o", "full"])
+def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
+    """InfiniGen's load lane waits for a speculation: when compute fails it must not wait
+    (it used to wait 600 s); the error itself reaches the caller."""
+    _, store = tiny_llama
+    lm = _load(store, kv=kv)
+    family, calls = lm.engine.family, {"n": 0}
+
+    def failing_mlp(cfg, w, h):
+        calls["n"] += 1
+        if calls["n"] > lm.cfg.num_layers + 1:  # in the first decode step, after speculation
+            raise MemoryError("simulated out of memory")
+        return family.mlp(cfg, w, h)
+
+    lm.engine.family = _Patched(family, mlp=failing_mlp)
+    outcome = {}
+
+    def run():
+        try:
+            lm.generate([PROMPTS[0]], STEPS, stop_token_id=None)
+        except MemoryError as e:
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "generation hung after an error in compute"
+    assert "simulated" in str(outcome.get("error"))
+    lm.engine.family = family  # the engine still works afterwards
+    assert len(lm.generate([PROMPTS[0]], 2, stop_token_id=None).token_ids[0]) == 2
+    lm.close()
+
+
+@pytest.mark.parametrize("kv,percent,batches,per_layer", [
+    ("full", CACHE_ON_HOST, 2, 0),
+    ("infinigen", CACHE_ON_HOST, 2, 1),  # one wait for the selection's indices
+    ("infinigen", [100, 0, 100, 0, 100, 0], 1, 0),  # cache on the device: gathered there
+    ("h2o", CACHE_ON_HOST, 2, 1),  # one read of the kept-token mask
+    ("h2o", [100, 0, 100, 0, 100, 0], 1, 0),
+])
+def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer):
+    """The engine counts every read of device values by the host; a decode step makes one per
+    GPU batch for sampling plus ``per_layer`` per selecting layer and batch (none in the KV
+    pool's eviction)."""
+    _, store = tiny_llama
+    opts = {"kv_pool_capacity": 0.5} if kv == "infinigen" else None
+    prompts = PROMPTS * batches
+    with _load(store, percent, kv, opts, gpu_batch_size=2, num_gpu_batches=batches) as lm:
+        lm.generate(prompts, STEPS, stop_token_id=None)
+        syncs = lm.engine.debug["host_syncs_per_step"]
+        layers = lm.cfg.num_layers - (2 if kv == "infinigen" else 0)
+    assert len(syncs) == STEPS
+    assert syncs[1:] == [batches * (1 + per_layer * layers)] * (STEPS - 1)
+
+
+def test_offloaded_activations_reuse_one_buffer_per_batch_and_shape(tiny_opt, tmp_path):
+    """Hidden states on disk: one file per (GPU batch, shape), not one per stage and step;
+    outputs equal the run that keeps them on the device."""
+    _, store = tiny_opt
+    outs = []
+    for percent in ([100, 0, 100, 0, 100, 0], [100, 0, 100, 0, 0, 0]):
+        policy = Policy.from_percent(percent, gpu_batch_size=2, num_gpu_batches=2)
+        with OffloadedLM.load(path=store, dtype="float32", policy=policy, progress=False,
+                              offload_dir=str(tmp_path)) as lm:
+            outs.append(lm.generate(PROMPTS * 2, STEPS, stop_token_id=None, keep_logits=True))
+            files = os.listdir(lm.tiers.disk_dir) if lm.tiers._disk_dir else []
+            moved = lm.tiers.bytes_moved["host->disk"]["activations"]
+    assert len(files) == 2 * 2  # 2 GPU batches x (prefill shape, decode shape)
+    assert moved > 0
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert torch.equal(a, b)
+
+
+def _cache_tensors(lm, batch_size: int, max_len: int):
+    engine = lm.engine
+    engine.states = [None] * lm.policy.num_gpu_batches
+    engine._make_caches(batch_size, max_len)
+    caches = list(engine.caches.values())
+    engine.caches.clear()
+    return caches
+
+
+def _bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_opt", "tiny_llama"])
+def test_device_plan_counts_what_infinigen_allocates(fixture, request):
+    _, store = request.getfixturevalue(fixture)
+    b, prompt, gen = 2, 40, 8
+    opts = {"kv_pool_capacity": 0.5, "speculation_keys": "partial"}
+    with _load(store, [100, 0, 0, 100, 100, 0], "infinigen", opts, gpu_batch_size=b,
+               num_gpu_batches=2) as lm:
+        kv = lm.engine.kv_policy
+        terms = memory_plan.plan(lm.cfg, lm.policy, torch.float32, prompt, gen,
+                                 kv=kv)["kv_policy_device"]
+        caches = _cache_tensors(lm, b, prompt + gen)
+        keys = [c.keys for c in caches if c.keys is not None]
+        pools = [c.pool for c in caches if c.pool is not None]
+        weights = [t for w in kv.spec_weights for t in w.values()]
+    assert len(keys) == 2 * (lm.cfg.num_layers - 2)  # layers 0-1 keep no speculation keys
+    assert terms["speculation_keys"] == _bytes(*(k.data for k in keys))
+    assert terms["speculation_weights"] == _bytes(*weights)
+    assert terms["projections"] == _bytes(kv.projections)
+    assert terms["kv_pool"] == _bytes(*(t for p in pools for t in (p.alive, p.last_used, p.uses)))
+
+
+def test_device_plan_counts_what_h2o_allocates(tiny_llama):
+    _, store = tiny_llama
+    b, prompt, gen = 2, 40, 8
+    with _load(store, [100, 0, 0, 100, 100, 0], "h2o", gpu_batch_size=b) as lm:
+        terms = memory_plan.plan(lm.cfg, lm.policy, torch.float32, prompt, gen,
+                                 kv=lm.engine.kv_policy)["kv_policy_device"]
+        caches = _cache_tensors(lm, b, prompt + gen)
+    assert terms["h2o_scores_and_masks"] == _bytes(*(t for c in caches
+                                                     for t in (c.alive, c.score)))
+
+
+def test_device_plan_counts_attention_and_mlp_together_without_sep_layer(tiny_llama):
+    _, store = tiny_llama
+    with _load(store) as lm:
+        cfg = lm.cfg
+    plans = [memory_plan.plan(cfg, Policy(sep_layer=sep), torch.float16, 64, 8)
+             for sep in (True, False)]
+    h, kv_dim = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    attn = (2 * h * h + 2 * h * kv_dim + h) * 2  # q, o, k, v and the norm, in fp16
+    mlp = (3 * h * cfg.intermediate_size + h) * 2
+    assert mlp > max(attn, cfg.vocab_size * h * 2)  # the MLP is the biggest stage alone
+    # two stages in flight, each now attention and MLP together
+    assert plans[1]["working_set_device"] - plans[0]["working_set_device"] == 2 * attn
+
+
+def test_peak_memory_leaves_out_loading(tiny_opt):
+    _, store = tiny_opt
+    with _load(store, [100, 0, 100, 0, 100, 0]) as lm:
+        big = lm.tiers.empty("device", (64 << 20,), torch.uint8)  # 64 MiB held, then freed
+        del big
+        lm.generate([PROMPTS[0]], 2, stop_token_id=None)
+        assert lm.tiers.peak["device"] < 64 << 20
+
+
+@pytest.mark.parametrize("fn", ["attend", "attend_rows"])
+def test_half_precision_scores_do_not_overflow(fn):
+    """q.k above fp16's range whose scaled value fits: the output matches float32."""
+    torch.manual_seed(0)
+    b, heads, d, t = 1, 2, 64, 5
+    q = torch.full((b, 1, heads, d), 40.0) + torch.randn(b, 1, heads, d)
+    k = torch.full((b, t, heads, d), 40.0) + torch.randn(b, t, heads, d)
+    v = torch.randn(b, t, heads, d)
+    assert (q[0, 0, 0] * k[0, 0, 0]).sum() > torch.finfo(torch.float16).max
+    bias = torch.zeros(b, 1, 1, t)
+
+    def run(dtype):
+        args = [x.to(dtype) for x in (q, k, v)]
+        if fn == "attend":
+            return attend(*args, bias.to(dtype)).float()
+        rows = [x.permute(1, 0, 2, 3).reshape(t, b * heads, d) for x in args[1:]]
+        return attend_rows(args[0], *rows, bias.to(dtype)).float()
+
+    half, full = run(torch.float16), run(torch.float32)
+    assert torch.isfinite(half).all()
+    assert (half - full).abs().max() < 0.05 * math.sqrt(d)
