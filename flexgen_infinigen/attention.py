@@ -6,16 +6,36 @@ import math
 import torch
 
 
-def mask_bias(valid: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
+def in_window(q_len: int, k_len: int, window: int, device=None) -> torch.Tensor:
+    """[q_len, k_len] True where the key is among the ``window`` newest the query may see.
+
+    The last ``q_len`` keys are the queries themselves. Real tokens sit contiguously after
+    left padding, so a distance in columns is a distance in positions."""
+    q_col = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    return q_col - torch.arange(k_len, device=device)[None, :] < window
+
+
+def visible(valid: torch.Tensor, window: int) -> torch.Tensor:
+    """``valid`` [b, k_len] narrowed to what the newest token may attend to (the newest
+    ``window`` keys, itself included); unchanged when ``window`` is 0 (no sliding window)."""
+    if not window or window >= valid.shape[1]:
+        return valid
+    return valid & in_window(1, valid.shape[1], window, valid.device)
+
+
+def mask_bias(valid: torch.Tensor, q_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
     """Additive bias [b, 1, q_len, k_len] from ``valid`` [b, k_len] (True = a real token).
 
-    The last ``q_len`` keys are the queries themselves, so the bias is causal among them.
+    The last ``q_len`` keys are the queries themselves, so the bias is causal among them;
+    with a sliding ``window`` each query also sees only the newest ``window`` keys.
     """
     k_len = valid.shape[1]
     allowed = valid[:, None, None, :].clone()
     if q_len > 1:
         causal = torch.ones(q_len, k_len, dtype=torch.bool, device=valid.device).tril(k_len - q_len)
         allowed = allowed & causal
+    if window and window < k_len:
+        allowed = allowed & in_window(q_len, k_len, window, valid.device)
     neg = torch.finfo(dtype).min
     return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
 

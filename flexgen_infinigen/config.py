@@ -28,10 +28,34 @@ class ModelConfig:
     word_embed_proj_dim: int = 0
     # OPT only: pre-LayerNorm (True for every OPT except opt-350m)
     do_layer_norm_before: bool = True
+    # Llama-family variants (Llama 3.x, Mistral, Qwen 2/2.5/3); defaults are plain Llama
+    attn_head_dim: int = 0  # width of one head when a config says so (Qwen3); 0: hidden/heads
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    o_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int = 0  # each token sees only the newest this many keys (Mistral); 0: all
+    # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
+    rope_scaling: tuple = ()
+
+    def __post_init__(self):
+        if self.attn_head_dim * self.num_heads == self.hidden_size:
+            object.__setattr__(self, "attn_head_dim", 0)  # one way to say the usual width
+        # a dict, or pairs as JSON gives them back (lists), become sorted tuples
+        scaling = dict(self.rope_scaling or ())
+        object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
+
+    @property
+    def rope(self) -> dict:
+        """The RoPE scaling parameters as a dict (empty: no scaling)."""
+        return dict(self.rope_scaling)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attn_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -59,12 +83,22 @@ def _opt(name, hidden, layers, heads, ffn=None, **kw) -> ModelConfig:
 
 
 def _llama(name, hidden, layers, heads, kv_heads, ffn, vocab=32000, max_pos=4096,
-           theta=10000.0, tie=False, bos=1, eos=2, pad=0) -> ModelConfig:
+           theta=10000.0, tie=False, bos=1, eos=2, pad=0, eps=1e-5, **kw) -> ModelConfig:
     return ModelConfig(
         name=name, family="llama", vocab_size=vocab, hidden_size=hidden,
         intermediate_size=ffn, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-        max_positions=max_pos, rope_theta=theta, tie_word_embeddings=tie,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+        max_positions=max_pos, norm_eps=eps, rope_theta=theta, tie_word_embeddings=tie,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, **kw)
+
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_L31 = dict(vocab=128256, max_pos=131072, theta=500000.0, bos=128000, eos=128001, pad=128001,
+            rope_scaling=_LLAMA31_ROPE)
+_QWEN25 = dict(vocab=152064, max_pos=32768, theta=1000000.0, bos=151643, eos=151643,
+               pad=151643, eps=1e-6, qkv_bias=True)
+_QWEN3 = dict(vocab=151936, max_pos=40960, theta=1000000.0, bos=151643, eos=151645, pad=151645,
+              eps=1e-6, qk_norm=True, attn_head_dim=128)
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -84,6 +118,13 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
     _llama("llama-2-70b", 8192, 80, 64, 8, 28672),
     _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab=128256, max_pos=8192, theta=500000.0,
            bos=128000, eos=128001, pad=128001),
+    _llama("llama-3.1-8b", 4096, 32, 32, 8, 14336, **_L31),
+    _llama("llama-3.1-70b", 8192, 80, 64, 8, 28672, **_L31),
+    _llama("mistral-7b", 4096, 32, 32, 8, 14336, max_pos=32768, pad=2, sliding_window=4096),
+    _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, **_QWEN25),
+    _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, **_QWEN25),
+    _llama("qwen3-8b", 4096, 36, 32, 8, 12288, **_QWEN3),
+    _llama("qwen3-32b", 5120, 64, 64, 8, 25600, **_QWEN3),
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab=49152, max_pos=8192, theta=100000.0,
            tie=True, bos=1, eos=2, pad=2),
 ]}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import attend, mask_bias
+from .attention import attend, mask_bias, visible
 from .config import ModelConfig
 from .kv.base import CacheSpec, KVPolicy
 from .models import family_of
@@ -54,6 +54,7 @@ class BatchState:
     positions: torch.Tensor  # [b, s] position ids of the inputs
     pos_enc: object = None  # the family's encoding of ``positions`` (rotary cos/sin)
     bias: torch.Tensor | None = None  # additive attention mask [b, 1, s, length]
+    visible: torch.Tensor | None = None  # [b, length]: keys the newest token may see
     hidden: object = None
     logits: torch.Tensor | None = None
     new_kv: dict = field(default_factory=dict)  # stage index -> values waiting to be stored
@@ -126,7 +127,7 @@ class Engine:
             for k in range(len(self.states)):
                 spec = CacheSpec(self.tiers, stage.layer, k, batch_size, max_len, cfg.num_kv_heads,
                                  cfg.head_dim, self.dtype, p.cache_split, p.compress_cache,
-                                 p.cpu_cache_compute)
+                                 p.cpu_cache_compute, cfg.sliding_window)
                 self.caches[(j, k)] = self.kv_policy.make_cache(spec)
 
     def _advance(self, tokens: list[torch.Tensor]) -> None:
@@ -140,7 +141,10 @@ class Engine:
     def _prepare(self, state: BatchState) -> BatchState:
         """What every layer of this iteration shares: position encodings and the mask bias."""
         state.pos_enc = self.family.encode_positions(self.cfg, state.positions)
-        state.bias = mask_bias(state.valid, state.ids.shape[1], self.dtype)
+        state.bias = mask_bias(state.valid, state.ids.shape[1], self.dtype,
+                               self.cfg.sliding_window)
+        # what the newest token may attend to (the KV policies select among these only)
+        state.visible = visible(state.valid, self.cfg.sliding_window)
         return state
 
     # ---- the schedule -----------------------------------------------------------------------
@@ -231,7 +235,7 @@ class Engine:
         if i == 0:
             out = attend(q, k, v, state.bias)
         else:
-            out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.valid, state.bias)
+            out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)
         state.new_kv[j] = (q, k, v, state.valid)
         return fam.attn_out(cfg, w, h, out)
 

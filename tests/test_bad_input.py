@@ -296,11 +296,11 @@ def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_
     real_add = StoreWriter.add
     calls = []
 
-    def add_then_fail(self, name, array):
+    def add_then_fail(self, name, array, dtype=None):
         if len(calls) == 5:
             raise exc_type("interrupted")
         calls.append(name)
-        real_add(self, name, array)
+        real_add(self, name, array, dtype)
 
     monkeypatch.setattr(StoreWriter, "add", add_then_fail)
     out = tmp_path / "out"

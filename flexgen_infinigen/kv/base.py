@@ -11,7 +11,8 @@ overlapped schedule may run on different streams:
 
 ``store_prompt`` keeps the prompt's keys and values after prefill.
 Shapes: q ``[b, s, H, d]``; k, v ``[b, s, KV, d]``; ``valid`` ``[b, length + s]``
-(True for real tokens, False for left padding); ``bias`` is the matching additive mask
+(True for the keys the new token may see: real tokens, not left padding, and inside the
+sliding window if the model has one); ``bias`` is the matching additive mask
 ``[b, 1, s, length + s]``.
 """
 from __future__ import annotations
@@ -39,6 +40,11 @@ class CacheSpec:
     fractions: tuple[float, float, float]
     compress: bool
     cpu_compute: bool
+    window: int = 0  # sliding window (Mistral): a token sees only the newest this many keys
+
+    def first_visible(self, length: int) -> int:
+        """The oldest cached row the token after ``length`` cached ones may attend to."""
+        return max(0, length + 1 - self.window) if self.window else 0
 
 
 class KVCache(ABC):

@@ -62,11 +62,14 @@ class FullCache(KVCache):
         self.v.write(to_rows(v), slice(0, v.shape[1]))
 
     def _read_rows(self, length: int, to: str = DEVICE):
-        """The first ``length`` rows of K and V in buffers with one more row, for the new token."""
-        k, v = row_buffers(self.spec, length + 1, "kv", to)
-        rows = slice(0, length)
-        self.k.read(rows, to=to, out=k[:length])
-        self.v.read(rows, to=to, out=v[:length])
+        """The visible rows of the first ``length`` (all, without a sliding window) of K and V
+        in buffers with one more row, for the new token."""
+        first = self.spec.first_visible(length)
+        n = length - first
+        k, v = row_buffers(self.spec, n + 1, "kv", to)
+        rows = slice(first, length)
+        self.k.read(rows, to=to, out=k[:n])
+        self.v.read(rows, to=to, out=v[:n])
         return k, v
 
     def load(self, length: int):
@@ -76,9 +79,11 @@ class FullCache(KVCache):
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         length = valid.shape[1] - q.shape[1]
+        first = self.spec.first_visible(length)  # rows before it are outside the window
+        bias = bias[..., first:]
         if self.resident:
             self._store(k_new, v_new, length)
-            rows = slice(0, length + q.shape[1])
+            rows = slice(first, length + q.shape[1])
             return attend_rows(q, self.k.read(rows), self.v.read(rows), bias)
         tiers = self.spec.tiers
         if self.cpu_compute:
@@ -86,8 +91,8 @@ class FullCache(KVCache):
             loaded = self._read_rows(length, to=HOST)
             bias = bias.cpu()
         k, v = loaded
-        k[length] = to_rows(k_new)[0]
-        v[length] = to_rows(v_new)[0]
+        k[length - first] = to_rows(k_new)[0]
+        v[length - first] = to_rows(v_new)[0]
         out = attend_rows(q, k, v, bias)
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")

@@ -41,7 +41,8 @@ class H2OCache(FullCache):
     def store_prompt(self, q, k, v, valid) -> None:
         super().store_prompt(q, k, v, valid)
         length = k.shape[1]
-        _, mass = attend(q, k, v, mask_bias(valid, length, q.dtype), return_key_mass=True)
+        _, mass = attend(q, k, v, mask_bias(valid, length, q.dtype, self.spec.window),
+                         return_key_mass=True)
         kv_valid = valid[:, None, :].expand(-1, self.spec.kv_heads, -1)
         self.score[:, :length] = self._columns(mass)
         self.alive[:, :length] = self._columns(kv_valid)
@@ -72,6 +73,8 @@ class H2OCache(FullCache):
         rank.scatter_(1, order, pos.expand_as(order).contiguous())
         keep_heavy = candidates & (rank < heavy[:, None])
         self.alive[:, :length] = in_recent | keep_heavy
+        # the next token will not see tokens outside the sliding window: evicted for good
+        self.alive[:, :self.spec.first_visible(length)] = False
 
     def load(self, length: int):
         b, kv = self.spec.batch_size, self.spec.kv_heads

@@ -126,9 +126,9 @@ class InfiniGenCache(FullCache):
     def load(self, length: int):
         stats = self.policy.stats
         b, kv = self.spec.batch_size, self.spec.kv_heads
-        if not self.speculative:
-            stats.add(self.spec.layer, length * b * kv, length * b * kv, length * b * kv,
-                      self.row_bytes, speculative=False)
+        if not self.speculative:  # reads every visible row (the sliding window's, if any)
+            n = (length - self.spec.first_visible(length)) * b * kv
+            stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
             return super().load(length)
         if not self.ready.wait(SELECTION_TIMEOUT_S):
             raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
@@ -215,7 +215,7 @@ class InfiniGenPolicy(FullPolicy):
             return {}
         cfg = self.cfg
         w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone()
-             for n in ("q_proj.weight", "q_proj.bias") if f"layers.{layer}.{n}" in engine.weights}
+             for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights}
         if not self.folded:
             return w  # the whole W_Q: rotary models need the full rotated query
         p = self.projections[layer].to(w["q_proj.weight"].dtype)  # [H, d, r] (OPT: KV == H)
@@ -320,7 +320,7 @@ class InfiniGenPolicy(FullPolicy):
         allowed = None
         if cache.pool is not None:  # evicted tokens are never selected again
             allowed = cache.pool.alive[:, :length].view(b, kv, length)
-        return select(scores, state.valid[:, :length], opts.selection, opts.alpha, opts.budget,
+        return select(scores, state.visible[:, :length], opts.selection, opts.alpha, opts.budget,
                       allowed)
 
     # ---- report -----------------------------------------------------------------------------

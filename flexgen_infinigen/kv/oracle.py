@@ -38,13 +38,14 @@ class OracleCache(FullCache):
         if not self.speculative:
             self.policy.stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
             return super().attend(loaded, q, k_new, v_new, valid, bias)
-        k_rows, v_rows = loaded[0][:length], loaded[1][:length]  # [t, b*KV, d]
+        first = self.spec.first_visible(length)  # loaded rows start there (sliding window)
+        k_rows, v_rows = loaded[0][:length - first], loaded[1][:length - first]  # [t, b*KV, d]
         keys = from_rows(k_rows, b)  # [b, t, KV, d]
         h, d = q.shape[2], q.shape[3]
         qg = q[:, 0].view(b, kv, h // kv, d)
         scores = torch.einsum("bkgd,btkd->bkgt", qg.float(), keys.float()) / math.sqrt(d)
         opts = self.policy.options
-        order, counts = select(scores, valid[:, :length], opts.selection, opts.alpha,
+        order, counts = select(scores, valid[:, first:length], opts.selection, opts.alpha,
                                opts.budget)
         top = order.shape[-1]
         index = order.permute(2, 0, 1).reshape(top, b * kv)[..., None].expand(-1, -1, d)

@@ -2,7 +2,8 @@
 
 A family module provides ``weight_shapes``, ``stage_weights``, ``encode_positions``,
 ``embed``, ``attn_input``, ``query``, ``attn_qkv``, ``attn_out``, ``mlp`` and ``head``,
-and the flag ``SKEW_FOLDS_INTO_WEIGHTS`` (whether q and k are plain affine maps of
+the names ``QUERY_WEIGHTS`` (the weights the query alone needs) and the flag
+``SKEW_FOLDS_INTO_WEIGHTS`` (whether q and k are plain affine maps of
 the attention input, so that InfiniGen's skew can be folded into W_Q and W_K). The engine
 calls only these; it never asks which family it runs.
 """

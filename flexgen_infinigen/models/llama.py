@@ -1,5 +1,14 @@
-"""Llama-family math: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
+"""Llama-family math: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention.
+
+The variants are flags of :class:`~flexgen_infinigen.config.ModelConfig`, not separate code:
+Llama 3.x RoPE scaling (``rope_scaling``), Mistral's sliding window (applied by the mask,
+see :func:`flexgen_infinigen.attention.mask_bias`), Qwen2's q/k/v biases (``qkv_bias``),
+Qwen3's per-head q/k RMSNorm (``qk_norm``) and a head width that is not hidden/heads
+(``attn_head_dim``).
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -7,33 +16,44 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 
 
+def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """One layer's weights by stage kind, with the names a ``layers.{i}.`` prefix completes."""
+    h, f, kv, qd, d = (cfg.hidden_size, cfg.intermediate_size, cfg.kv_dim, cfg.q_dim,
+                       cfg.head_dim)
+    attn = {"attn_norm.weight": (h,), "q_proj.weight": (qd, h), "k_proj.weight": (kv, h),
+            "v_proj.weight": (kv, h), "o_proj.weight": (h, qd)}
+    if cfg.qkv_bias:
+        attn.update({"q_proj.bias": (qd,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+    if cfg.o_bias:
+        attn["o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        attn.update({"q_norm.weight": (d,), "k_norm.weight": (d,)})
+    mlp = {"mlp_norm.weight": (h,), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
+           "down_proj.weight": (h, f)}
+    return {"attn": attn, "mlp": mlp}
+
+
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_dim
+    h = cfg.hidden_size
     shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    per_layer = {n: s for part in _layer_shapes(cfg).values() for n, s in part.items()}
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (h,), p + "q_proj.weight": (h, h),
-            p + "k_proj.weight": (kv, h), p + "v_proj.weight": (kv, h),
-            p + "o_proj.weight": (h, h),
-            p + "mlp_norm.weight": (h,), p + "gate_proj.weight": (f, h),
-            p + "up_proj.weight": (f, h), p + "down_proj.weight": (h, f),
-        })
+        shapes.update({f"layers.{i}.{n}": s for n, s in per_layer.items()})
     return shapes
 
 
 def stage_weights(cfg: ModelConfig) -> dict[str, list[str]]:
     """Weight names used by each schedule stage; layer stages use a ``layers.{i}.`` prefix."""
     head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return {
-        "embed": ["embed.weight"],
-        "attn": ["attn_norm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
-                 "o_proj.weight"],
-        "mlp": ["mlp_norm.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight"],
-        "head": head,
-    }
+    layer = _layer_shapes(cfg)
+    return {"embed": ["embed.weight"], "attn": list(layer["attn"]), "mlp": list(layer["mlp"]),
+            "head": head}
+
+
+# the weights the query alone needs (InfiniGen's rehearsal keeps these on the device)
+QUERY_WEIGHTS = ("q_proj.weight", "q_proj.bias", "q_norm.weight")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,11 +62,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The rotary frequencies [d/2], with the config's RoPE scaling applied.
+
+    ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1+) divides the
+    low frequencies (wavelengths past ``original / low_freq_factor``) by ``factor``, keeps
+    the high ones (past ``original / high_freq_factor`` the other way) and blends between.
+    """
+    d = cfg.head_dim
+    exponent = torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d
+    inv = 1.0 / cfg.rope_theta ** exponent
+    rope = cfg.rope
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        return inv / rope["factor"]
+    if kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        original = rope["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv
+        scaled = torch.where(wavelength > original / low, inv / factor, inv)
+        blend = (original / wavelength - low) / (high - low)
+        smooth = (1 - blend) * scaled / factor + blend * scaled
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        return torch.where(medium, smooth, scaled)
+    if kind != "default":  # the converter refuses these; a hand-made config must too
+        raise ValueError(f"RoPE scaling {kind!r} is not implemented")
+    return inv
+
+
 def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
     """cos and sin [b, s, 1, d] of the rotary angles at ``positions`` [b, s]."""
-    d = cfg.head_dim
-    exponent = torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d
-    angles = positions.float()[..., None] * (1.0 / cfg.rope_theta ** exponent)  # [b, s, d/2]
+    inv = inverse_frequencies(cfg, positions.device)
+    angles = positions.float()[..., None] * inv  # [b, s, d/2]
     angles = torch.cat([angles, angles], -1)[:, :, None, :]
     return angles.cos(), angles.sin()
 
@@ -73,22 +120,35 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
 SKEW_FOLDS_INTO_WEIGHTS = False
 
 
+def _project(cfg: ModelConfig, w: dict, x: torch.Tensor, part: str, heads: int):
+    """x through ``{part}_proj`` (with its bias, if any) as [b, s, heads, d], then the
+    per-head norm where the config has one (q and k of Qwen3), before RoPE."""
+    b, s, _ = x.shape
+    y = F.linear(x, w[f"{part}_proj.weight"], w.get(f"{part}_proj.bias"))
+    y = y.view(b, s, heads, cfg.head_dim)
+    if f"{part}_norm.weight" in w:
+        y = rms_norm(y, w[f"{part}_norm.weight"], cfg.norm_eps)
+    return y
+
+
 def query(cfg: ModelConfig, w: dict, x: torch.Tensor, rope) -> torch.Tensor:
     """q [b, s, H, d] with RoPE applied."""
-    b, s, _ = x.shape
-    return rotary(F.linear(x, w["q_proj.weight"]).view(b, s, cfg.num_heads, cfg.head_dim), rope)
+    return rotary(_project(cfg, w, x, "q", cfg.num_heads), rope)
 
 
 def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
-    """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied."""
-    b, s, _ = x.shape
-    k = F.linear(x, w["k_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
-    v = F.linear(x, w["v_proj.weight"]).view(b, s, cfg.num_kv_heads, cfg.head_dim)
+    """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied.
+
+    A key bias is added before RoPE, so the cached keys (and InfiniGen's speculation keys,
+    made from them) hold it exactly; the rehearsal's query goes through the same
+    :func:`query`, so nothing is folded or approximated."""
+    k = _project(cfg, w, x, "k", cfg.num_kv_heads)
+    v = _project(cfg, w, x, "v", cfg.num_kv_heads)
     return query(cfg, w, x, rope), rotary(k, rope), v
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    return h + F.linear(attn, w["o_proj.weight"])
+    return h + F.linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,10 @@ def stage_weights(cfg: ModelConfig) -> dict[str, list[str]]:
     }
 
 
+# the weights the query alone needs (InfiniGen's rehearsal keeps these on the device)
+QUERY_WEIGHTS = ("q_proj.weight", "q_proj.bias")
+
+
 def _ln(x, w, name, eps=1e-5):
     return F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], eps)
 

@@ -102,7 +102,7 @@ class Sizes:
         r = max(1, round(work.partial_weight_ratio * cfg.head_dim))
         # OPT projects only the partial columns; Llama needs the full rotated query (RoPE)
         spec = (cfg.hidden_size * cfg.num_heads * r if family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS
-                else cfg.hidden_size * cfg.hidden_size + cfg.num_heads * cfg.head_dim ** 2)
+                else cfg.hidden_size * cfg.q_dim + cfg.num_heads * cfg.head_dim ** 2)
         return cls(sum(tensors), tensors, raw, layer, cfg.vocab_size * cfg.hidden_size, kv, kv_raw,
                    len(stages), spec, r)
 

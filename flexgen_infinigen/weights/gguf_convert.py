@@ -1,17 +1,20 @@
-"""Convert a llama-architecture GGUF file into a weight store.
+"""Convert a llama- or qwen2-architecture GGUF file into a weight store.
 
 Every tensor is dequantized to float32 and renamed to the store's canonical
-names. llama.cpp stores ``attn_q``/``attn_k`` with the rows of each head
-interleaved for its rotary kernel; we undo that so the store matches Hugging
-Face's ``LlamaForCausalLM`` layout (the ``rotate_half`` convention that
-:func:`flexgen_infinigen.models.llama.rotary` implements). The GGUF tokenizer
-metadata becomes a Hugging Face ``tokenizer.json`` stored next to the weights.
+names. For the llama architecture, llama.cpp stores ``attn_q``/``attn_k`` with the
+rows of each head interleaved for its rotary kernel; we undo that so the store
+matches Hugging Face's layout (the ``rotate_half`` convention that
+:func:`flexgen_infinigen.models.llama.rotary` implements). qwen2 files keep Hugging
+Face's order (llama.cpp rotates them the NeoX way) and carry q/k/v biases. A
+byte-level BPE ("gpt2") vocabulary becomes a Hugging Face ``tokenizer.json`` stored
+next to the weights; other vocabularies are reported, not silently dropped.
 """
 from __future__ import annotations
 
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,10 @@ _LAYER_NAMES = {
     "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
     "ffn_up": "up_proj", "ffn_down": "down_proj",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ARCHITECTURES = ("llama", "qwen2")
+# rotary rows interleaved by llama.cpp (undone on conversion) per architecture
+PERMUTED = {"llama": True, "qwen2": False}
 
 
 def store_name(gguf_name: str) -> str:
@@ -42,9 +48,13 @@ def store_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if gguf_name == "rope_freqs.weight":
+        raise ConfigError("this GGUF carries Llama 3.1-style RoPE frequency factors "
+                          "(rope_freqs), which the GGUF path does not read; convert the "
+                          "Hugging Face checkpoint with --checkpoint instead")
     raise ConfigError(f"GGUF tensor {gguf_name!r} is not supported by the llama model; "
-                      "use a plain llama-architecture GGUF")
+                      "use a plain llama- or qwen2-architecture GGUF")
 
 
 def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -86,10 +96,10 @@ def _slug(text: str) -> str:
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
     arch = field_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"GGUF {source} has architecture {arch!r}; only 'llama' GGUF files "
-                          "can be converted")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
+                          f"{' and '.join(ARCHITECTURES)} GGUF files can be converted")
+    p = arch + "."
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"GGUF {source} has no token_embd.weight; it is not a complete model")
@@ -98,14 +108,19 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
     hidden = int(field_value(reader, p + "embedding_length"))
     heads = int(field_value(reader, p + "attention.head_count"))
+    head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
     rope_dim = field_value(reader, p + "rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != hidden // heads:
+    if rope_dim is not None and int(rope_dim) != head_dim:
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
-                          f"{hidden // heads} dims), which this runtime does not support")
+                          f"{head_dim} dims), which this runtime does not support")
     scaling = field_value(reader, p + "rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which this runtime "
-                          "does not support; use a model without rope scaling")
+    rope = {}
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(field_value(reader,
+                                                                   p + "rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
+                          "does not read; convert the Hugging Face checkpoint instead")
     meta = ModelConfig(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family="llama",
@@ -122,12 +137,15 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         bos_token_id=int(field_value(reader, "tokenizer.ggml.bos_token_id", 1)),
         eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
         pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
+        attn_head_dim=head_dim if head_dim * heads != hidden else 0,
+        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
     )
     if name is None or name not in KNOWN_MODELS:
         return meta
     known = KNOWN_MODELS[name]
     for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                  "num_heads", "num_kv_heads", "tie_word_embeddings"):
+                  "num_heads", "num_kv_heads", "tie_word_embeddings", "head_dim", "qkv_bias",
+                  "rope_scaling"):
         if getattr(known, field) != getattr(meta, field):
             raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
                               f"{name} has {getattr(known, field)}; pick the matching --model")
@@ -179,6 +197,7 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     reader = _open_reader(src)
     cfg = config_from_gguf(reader, name, str(src))
     expected = llama.weight_shapes(cfg)
+    permuted = PERMUTED[field_value(reader, "general.architecture")]
     seen = set()
     with StoreWriter(dest, cfg, source=f"gguf:{src.name}") as writer:
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
@@ -197,9 +216,9 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
             if shape != expected[key]:
                 raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
                                   f"wants {expected[key]}; the file does not match the model")
-            if key.endswith("q_proj.weight"):
+            if permuted and (key.endswith("q_proj.weight") or key.endswith("q_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_heads)
-            elif key.endswith("k_proj.weight"):
+            elif permuted and (key.endswith("k_proj.weight") or key.endswith("k_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_kv_heads)
             writer.add(key, w)
             seen.add(key)
@@ -210,4 +229,10 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
         text = tokenizer_json_from_gguf(reader)
         if text is not None:
             writer.add_tokenizer_json(text)
+        else:
+            kind = field_value(reader, "tokenizer.ggml.model")
+            print(f"note: the GGUF's tokenizer ({kind!r}, not byte-level BPE) is not converted; "
+                  "the store has no tokenizer: run it with --prompt-len, or copy the model's "
+                  "tokenizer.json into the store and set \"tokenizer\" in its manifest.json",
+                  file=sys.stderr)
     return dest

@@ -1,8 +1,12 @@
-"""Convert a local Hugging Face checkpoint folder (OPT or Llama) into a weight store.
+"""Convert a local Hugging Face checkpoint folder (OPT, Llama 1-3.x, Mistral, Qwen2/2.5,
+Qwen3) into a weight store.
 
-Reads ``config.json`` and the weights (``*.safetensors``; ``*.bin`` only through
-``torch.load(weights_only=True)``, which never runs pickled code), renames the
-tensors to the store's names, and copies the tokenizer files along.
+Reads ``config.json`` (:mod:`.hf_config` refuses what we do not compute, before any tensor
+is read) and the weights: ``*.safetensors``, sharded with ``model.safetensors.index.json``
+or not, streamed one tensor at a time (peak memory about one tensor); ``*.bin`` only through
+``torch.load(weights_only=True)``, which never runs pickled code. Tensors keep their source
+dtype (bf16 stays bf16); the runtime dtype is chosen when the store is loaded (``--dtype``).
+The tokenizer files are copied along.
 """
 from __future__ import annotations
 
@@ -17,7 +21,10 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
+from .hf_config import config_from_hf
 from .store import StoreWriter
+
+INDEX_FILE = "model.safetensors.index.json"
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "special_tokens_map.json")
@@ -34,41 +41,12 @@ _OPT_TOP = {"decoder.embed_tokens.weight": "embed.weight",
             "decoder.final_layer_norm.bias": "final_norm.bias"}
 _LLAMA_LAYER = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
                 "self_attn.v_proj": "v_proj", "self_attn.o_proj": "o_proj",
+                "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm",
                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
                 "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj",
                 "mlp.down_proj": "down_proj"}
 _LLAMA_TOP = {"embed_tokens.weight": "embed.weight", "norm.weight": "final_norm.weight",
               "lm_head.weight": "lm_head.weight"}
-
-
-def config_from_hf(hf: dict, name: str) -> ModelConfig:
-    kind = hf.get("model_type")
-    if kind == "opt":
-        return ModelConfig(
-            name=name, family="opt", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["ffn_dim"], num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_attention_heads"],
-            max_positions=hf["max_position_embeddings"], tie_word_embeddings=True,
-            bos_token_id=hf.get("bos_token_id", 2), eos_token_id=hf.get("eos_token_id", 2),
-            pad_token_id=hf.get("pad_token_id", 1),
-            word_embed_proj_dim=hf.get("word_embed_proj_dim", hf["hidden_size"])
-            if hf.get("word_embed_proj_dim", hf["hidden_size"]) != hf["hidden_size"] else 0,
-            do_layer_norm_before=hf.get("do_layer_norm_before", True))
-    if kind in ("llama", "mistral"):
-        heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id", 2)
-        eos = eos[0] if isinstance(eos, list) else eos
-        return ModelConfig(
-            name=name, family="llama", vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            max_positions=hf["max_position_embeddings"], norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            bos_token_id=hf.get("bos_token_id", 1), eos_token_id=eos,
-            pad_token_id=hf.get("pad_token_id") or 0)
-    raise ConfigError(f"model_type {kind!r} is not supported; this runtime converts opt and llama")
 
 
 def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
@@ -81,58 +59,126 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
         if m and m.group(2) in _OPT_LAYER:
             return f"layers.{m.group(1)}.{_OPT_LAYER[m.group(2)]}.{m.group(3)}"
         return _OPT_TOP.get(name)
-    m = re.match(r"layers\.(\d+)\.(.+)\.weight$", name)
+    m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", name)
     if m and m.group(2) in _LLAMA_LAYER:
-        return f"layers.{m.group(1)}.{_LLAMA_LAYER[m.group(2)]}.weight"
+        return f"layers.{m.group(1)}.{_LLAMA_LAYER[m.group(2)]}.{m.group(3)}"
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return _LLAMA_TOP.get(name)
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards a ``model.safetensors.index.json`` names (each checked to exist), else every
+    ``*.safetensors`` file of the folder."""
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return sorted(folder.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{index} is not a safetensors index (no weight_map); "
+                          "download the checkpoint again") from None
+    files = sorted({folder / f for f in weight_map.values()})
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{index} names the shard {f.name}, which is missing; the "
+                              "download is incomplete")
+    return files
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(tensor table, offset of the data) of a safetensors file, without reading the data."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise ConfigError(f"{path} is not a safetensors file (bad header); download "
+                              "it again") from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_safetensors(path: Path):
+    """Yield (name, tensor) from one safetensors file, each read straight from the file into
+    its own buffer: no memory map, so the process holds one tensor at a time."""
+    header, base = safetensors_header(path)
+    with open(path, "rb") as f:
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ConfigError(f"{path}: tensor {name} has dtype {info['dtype']}, which "
+                                  "this converter does not read")
+            start, end = info["data_offsets"]
+            out = torch.empty(info["shape"], dtype=dtype)
+            f.seek(base + start)
+            if f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != end - start:
+                raise ConfigError(f"{path} is truncated (tensor {name}); download it again")
+            yield name, out
+            del out  # before the next tensor is allocated: one in memory at a time
+
+
+def _chain(files):
+    for f in files:  # ``yield from`` keeps no reference to the tensor it passed on
+        yield from read_safetensors(f)
+
+
 def read_checkpoint(folder: Path):
-    """Yield (hf_name, torch tensor) from safetensors files, or weights-only ``.bin`` files."""
-    files = sorted(folder.glob("*.safetensors"))
+    """(number of tensors, iterator of (hf_name, torch tensor)), one tensor in memory at a
+    time for safetensors; weights-only ``.bin`` files otherwise."""
+    files = safetensors_files(folder)
     if files:
-        from safetensors import safe_open
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    yield key, st.get_tensor(key)
-        return
+        total = sum(len(safetensors_header(f)[0]) for f in files)
+        return total, _chain(files)
     files = sorted(folder.glob("pytorch_model*.bin")) or sorted(folder.glob("*.bin"))
     if not files:
         raise ConfigError(f"{folder} holds no *.safetensors or *.bin weights; "
                           "point --checkpoint at a Hugging Face model folder")
-    for f in files:
-        for key, t in torch.load(str(f), map_location="cpu", weights_only=True).items():
-            yield key, t
+
+    def pickled_free():
+        for f in files:
+            for key, t in torch.load(str(f), map_location="cpu", weights_only=True).items():
+                yield key, t
+    return None, pickled_free()
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """(array, dtype name for the manifest when numpy has none): bf16 keeps its 16 bits."""
+    t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.contiguous().numpy()
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), None
 
 
-def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None) -> Path:
+def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
+               allow_fields: tuple[str, ...] = (), progress: bool = True) -> Path:
     folder, dest = Path(folder), Path(dest)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{folder} has no config.json; point --checkpoint at a Hugging Face "
                           "model folder")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()), name or folder.name)
+    cfg = config_from_hf(json.loads(cfg_file.read_text()), name or folder.name, allow_fields)
     expected = family_of(cfg).weight_shapes(cfg)
+    total, tensors = read_checkpoint(folder)
     seen = set()
     with StoreWriter(dest, cfg, source=str(folder)) as w:
-        for hf_name, tensor in tqdm(read_checkpoint(folder), desc="converting", unit="tensor"):
+        for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
+                                    disable=not progress):
             ours = store_name(cfg, hf_name)
             if ours is None or ours not in expected:
                 continue
             if tuple(tensor.shape) != expected[ours]:
                 raise ConfigError(f"{hf_name} has shape {tuple(tensor.shape)}, config.json "
                                   f"implies {expected[ours]}; the checkpoint is inconsistent")
-            w.add(ours, to_numpy(tensor))
+            w.add(ours, *to_numpy(tensor))
             seen.add(ours)
+            del tensor
         missing = sorted(set(expected) - seen)
         if missing:
             raise ConfigError(f"{folder} lacks {len(missing)} tensors (first: {missing[0]}); "

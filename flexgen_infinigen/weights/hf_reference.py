@@ -5,7 +5,6 @@ dependency): the same numbers through someone else's implementation.
 """
 from __future__ import annotations
 
-import torch
 
 from .store import WeightStore
 
@@ -32,7 +31,7 @@ def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
     model = LlamaForCausalLM(hf_cfg).eval()
     state = {}
     for name in store.tensors:
-        t = torch.from_numpy(store.load(name).copy())
+        t = store.tensor(name).float().clone()
         if name == "embed.weight":
             state["model.embed_tokens.weight"] = t
         elif name == "final_norm.weight":

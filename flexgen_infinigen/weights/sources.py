@@ -1,10 +1,8 @@
 """Where weights come from when a model is loaded: a converted store, or dummy values."""
 from __future__ import annotations
 
-import warnings
 import zlib
 
-import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -18,9 +16,7 @@ class StoreSource:
         self.store = store
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        with warnings.catch_warnings():  # the memory map is read-only; we only read it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(np.asarray(self.store.load(name)))
+        return self.store.tensor(name)
 
 
 class DummySource:

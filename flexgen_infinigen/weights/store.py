@@ -17,9 +17,11 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..config import ConfigError, ModelConfig
 
@@ -57,10 +59,12 @@ class StoreWriter:
             except (ValueError, PermissionError):
                 continue
 
-    def add(self, name: str, array: np.ndarray) -> None:
+    def add(self, name: str, array: np.ndarray, dtype: str | None = None) -> None:
+        """Write one tensor; ``dtype`` names what the bits are when numpy has no such type
+        (``"bfloat16"``: 16-bit integers holding bf16 bits)."""
         array = np.ascontiguousarray(array)
         np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
-        self.tensors[name] = {"shape": list(array.shape), "dtype": str(array.dtype)}
+        self.tensors[name] = {"shape": list(array.shape), "dtype": dtype or str(array.dtype)}
 
     def add_tokenizer_json(self, text: str) -> None:
         (self.tmp / "tokenizer.json").write_text(text, encoding="utf-8")
@@ -109,7 +113,15 @@ class WeightStore:
                         f"wants {tuple(shape)}; the store does not match --model, re-convert it")
 
     def load(self, name: str) -> np.ndarray:
+        """The raw array, memory-mapped (bf16 tensors come back as their int16 bits)."""
         return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype, sharing the memory map (read-only: do not write)."""
+        with warnings.catch_warnings():  # torch warns that the map is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.asarray(self.load(name)))
+        return t.view(torch.bfloat16) if self.tensors[name]["dtype"] == "bfloat16" else t
 
     @property
     def tokenizer_path(self) -> Path | None:
