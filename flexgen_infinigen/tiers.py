@@ -184,7 +184,8 @@ class Tiers:
     SCRATCH_SLOTS = 3  # buffers in flight per tag: the one computing, the next load, a spare
 
     def scratch(self, tag: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized compute-device buffer for data read again at every decode step.
+        """A compute-device buffer for data read again at every decode step (uninitialized
+        on CUDA; on a CPU zeros at first, then whatever the tag's earlier steps wrote).
 
         On CUDA a plain allocation (the caching allocator reuses its blocks). On a CPU each
         tag cycles through a few buffers kept between steps: a fresh large allocation there
@@ -201,7 +202,8 @@ class Tiers:
                 ring.append(None)
             buf = ring[slot]
             if buf is None or buf.dtype != dtype or buf.numel() < numel:
-                buf = self.track(torch.empty(numel, dtype=dtype, device=self.device), DEVICE)
+                # zeros, not garbage: padding rows that attention masks must stay finite
+                buf = self.track(torch.zeros(numel, dtype=dtype, device=self.device), DEVICE)
                 ring[slot] = buf
         return buf[:numel].view(shape)
 

@@ -141,6 +141,22 @@ def test_device_plan_counts_what_infinigen_allocates(fixture, request):
     assert terms["kv_pool"] == _bytes(*(t for p in pools for t in (p.alive, p.last_used, p.uses)))
 
 
+def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama):
+    """4-bit speculation keys are unpacked for scoring into one reused buffer per step; the
+    plan's term is its size at the longest context."""
+    _, store = tiny_llama
+    b, prompt, gen = 2, 40, 8
+    with _load(store, [100, 0, 0, 100, 100, 0], "infinigen", {"speculation_keys": "int4"},
+               gpu_batch_size=b) as lm:
+        term = memory_plan.plan(lm.cfg, lm.policy, torch.float32, prompt, gen,
+                                kv=lm.engine.kv_policy)["kv_policy_device"]
+        lm.generate([[1] + list(range(5, 5 + prompt - 1))] * b, gen, stop_token_id=None)
+        ring = lm.tiers._scratch["speculation.unpacked"][1:]
+    used = max(_bytes(buf) for buf in ring if buf is not None)
+    # the last step scores prompt + gen - 2 cached tokens; the plan counts prompt + gen
+    assert used == term["speculation_unpacked"] * (prompt + gen - 2) // (prompt + gen)
+
+
 def test_device_plan_counts_what_h2o_allocates(tiny_llama):
     _, store = tiny_llama
     b, prompt, gen = 2, 40, 8

@@ -19,8 +19,14 @@ from .stats import FetchStats
 
 
 def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
-    """``[cols, top]``: each column's kept positions first, in position order."""
-    return torch.sort(alive.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :top]
+    """``[cols, top]``: each column's kept positions first, in position order (then zeros);
+    a prefix count and one scatter, not a sort."""
+    cols, length = alive.shape
+    rank = alive.long().cumsum(-1) - 1
+    rank = torch.where(alive & (rank < top), rank, top)  # the rest go to a spare column
+    order = torch.zeros(cols, top + 1, dtype=torch.long, device=alive.device)
+    positions = torch.arange(length, device=alive.device).expand(cols, length)
+    return order.scatter_(1, rank, positions)[:, :top]
 
 
 class H2OCache(FullCache):
@@ -68,10 +74,12 @@ class H2OCache(FullCache):
         in_recent = valid_cols & (newest < recent[:, None])
         candidates = self.alive[:, :length] & valid_cols & ~in_recent
         score = self.score[:, :length].masked_fill(~candidates, -math.inf)
-        order = score.argsort(dim=-1, descending=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, pos.expand_as(order).contiguous())
-        keep_heavy = candidates & (rank < heavy[:, None])
+        # the best ``heavy`` per column: a partial sort to a bound known without a sync
+        most = min(length, math.ceil(length * self.policy.hh_ratio) + 1)
+        best = score.topk(most, dim=-1).indices
+        keep_heavy = torch.zeros_like(candidates).scatter_(
+            1, best, pos[:most].expand(best.shape) < heavy[:, None])
+        keep_heavy &= candidates
         self.alive[:, :length] = in_recent | keep_heavy
         # the next token will not see tokens outside the sliding window: evicted for good
         self.alive[:, :self.spec.first_visible(length)] = False

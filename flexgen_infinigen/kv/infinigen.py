@@ -52,11 +52,13 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
     rows = order.reshape(cols, n)[use]
     col = torch.arange(cols)[:, None].expand(cols, n)[use]
     tiers = cache.spec.tiers
-    place = tiers.index_to_device(torch.stack([rank[None, :].expand(cols, n)[use], col]))
+    # where each fetched row goes in the buffer viewed as [(top + 1) * cols, d]
+    place = tiers.index_to_device(rank[None, :].expand(cols, n)[use] * cols + col)
     buffers = row_buffers(cache.spec, top + 1, "selected")
     for tensor, buf in zip((cache.k, cache.v), buffers):
-        buf.zero_()
-        buf[place[0], place[1]] = tensor.take(rows, col)
+        if tiers.is_cuda:  # padding is masked, but must be finite (0 x NaN is NaN); on a CPU
+            buf.zero_()    # the reused scratch holds only earlier K/V values (zeros at first)
+        buf.view(-1, buf.shape[-1]).index_copy_(0, place, tensor.take(rows, col))
     return buffers[0], buffers[1], int(rows.shape[0])
 
 
@@ -250,7 +252,7 @@ class InfiniGenPolicy(FullPolicy):
         W_Q per head where the projection folds into them, else the whole W_Q per layer),
         the projections, the KV pool's state and the selected rows in flight."""
         from ..models import family_of
-        from .spec_keys import bytes_per_key
+        from .spec_keys import KINDS, bytes_per_key
         o = self.options.with_defaults(cfg.family, self.default_rule)
         d = cfg.head_dim
         r = max(1, round(o.ratio * d))
@@ -268,6 +270,10 @@ class InfiniGenPolicy(FullPolicy):
             + (caches * cols * d * r * item if o.prompt_skew else 0),
             "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,
         }
+        bits = KINDS[o.speculation_keys]
+        if bits is not None:  # the codes of one cache unpacked for scoring (one at a time)
+            per_byte = 8 // bits
+            terms["speculation_unpacked"] = max_len * cols * (-(-r // per_byte) * per_byte) * item
         if o.prompt_skew:
             terms["gram_matrices"] = 2 * cfg.num_layers * cfg.num_kv_heads * d * d * 4
         if o.kv_pool_capacity < 1:

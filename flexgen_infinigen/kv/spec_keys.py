@@ -28,6 +28,7 @@ class SpeculationKeys:
     def __init__(self, kind: str, max_len: int, columns: int, width: int, dtype: torch.dtype,
                  tiers):
         self.kind, self.bits, self.width, self.dtype = kind, KINDS[kind], width, dtype
+        self.tiers = tiers
         dev = tiers.device
         if self.bits is None:
             self.data = tiers.track(torch.zeros(max_len, columns, width, dtype=dtype,
@@ -75,23 +76,27 @@ class SpeculationKeys:
     def scores(self, pq: torch.Tensor, length: int) -> torch.Tensor:
         """Approximate logits ``[b, KV, G, length]`` of partial queries ``pq [b, KV, G, w]``.
 
-        Quantized keys are never expanded: q.k = scale (q.codes) + min (sum of q), and q.codes
-        is summed over the code slots of each byte, one matmul per slot."""
+        Quantized keys are not dequantized: q.k = scale (q.codes) + min (sum of q). The codes
+        are unpacked token-major, as stored, one code slot of every byte after the other
+        (the query's columns reordered to match), into a reused buffer, and scored with one
+        batched matmul over the key rows, the layout decode attention reads."""
         b, kv, g, w = pq.shape
         if self.bits is None:
             pk = self.data[:length].view(length, b, kv, w).permute(1, 2, 3, 0)
             return torch.matmul(pq.to(pk.dtype), pk).float()
-        codes = self.codes[:length].view(length, b, kv, -1).permute(1, 2, 3, 0)  # [b,KV,n,t]
-        q = pq.to(self.dtype)
-        pad = codes.shape[2] * self.per_byte - w
-        if pad:
-            q = torch.nn.functional.pad(q, (0, pad))
-        mask = (1 << self.bits) - 1
-        dot = None
-        for slot in range(self.per_byte):
-            part = ((codes >> (slot * self.bits)) & mask).to(self.dtype)
-            term = torch.matmul(q[..., slot::self.per_byte], part)
-            dot = term if dot is None else dot + term
-        scale = self.scale[:length].view(length, b, kv).permute(1, 2, 0)[:, :, None]
-        lo = self.lo[:length].view(length, b, kv).permute(1, 2, 0)[:, :, None]
-        return (dot * scale + q.sum(-1, keepdim=True) * lo).float()
+        codes = self.codes[:length]  # [t, cols, packed]
+        cols, packed = codes.shape[1], codes.shape[2]
+        width, mask = packed * self.per_byte, (1 << self.bits) - 1
+        unpacked = self.tiers.scratch("speculation.unpacked", (length, cols, width), self.dtype)
+        planes = unpacked.view(length, cols, self.per_byte, packed)
+        for slot in range(self.per_byte):  # column j * per_byte + slot of the key
+            planes[:, :, slot].copy_((codes >> (slot * self.bits)) & mask)
+        q = pq.to(self.dtype).reshape(cols, g, w)
+        if width > w:
+            q = torch.nn.functional.pad(q, (0, width - w))
+        q = torch.cat([q[..., slot::self.per_byte] for slot in range(self.per_byte)], -1)
+        dot = torch.bmm(q, unpacked.permute(1, 2, 0))  # [cols, G, t]
+        scale = self.scale[:length].view(length, cols).t()[:, None, :]
+        lo = self.lo[:length].view(length, cols).t()[:, None, :]
+        out = dot * scale + q.sum(-1, keepdim=True) * lo
+        return out.view(b, kv, g, length).float()
