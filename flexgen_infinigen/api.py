@@ -19,7 +19,7 @@ from .engine import Engine
 from .kv import make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
-from .sampling import ForcedTokens, Sampler, SamplingConfig
+from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
 from .tiers import TIERS, Tiers
 
 
@@ -163,6 +163,9 @@ class OffloadedLM:
                 return all(done[:real])
 
             chooser = sampler
+            if sampling.repetition_penalty != 1.0:
+                chooser = RepetitionPenalty(sampler, chunk, self.policy.gpu_batch_size,
+                                            sampling.repetition_penalty)
             if forced is not None:
                 rows_forced = [list(forced[start + r]) for r in range(real)]
                 rows_forced += [rows_forced[0]] * (block - real)

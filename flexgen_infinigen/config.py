@@ -142,6 +142,9 @@ def read_text(path: str, flag: str) -> str:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read {flag} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag} {path} is not UTF-8 text (a binary file?); give a text "
+                          "file") from None
     if not text.strip():
         raise ConfigError(f"{flag} {path} is empty")
     return text

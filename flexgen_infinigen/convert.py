@@ -14,10 +14,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from .guards import run_command
 from .config import ConfigError
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)

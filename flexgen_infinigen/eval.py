@@ -16,6 +16,7 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
+from .guards import check_output_path, run_command
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .metrics import teacher_forced_nll
 from .run import (add_model_args, add_policy_args, kv_options_from_args, policy_from_args,
@@ -118,7 +119,12 @@ def perplexity(a) -> dict:
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    check_output_path(a.json, "--json")
     try:
         result = perplexity(a)
     except ConfigError as e:

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -18,7 +19,7 @@ from .config import ConfigError, ModelConfig
 from .models import family_of
 from .policy import Policy
 from .tiered import split_sizes
-from .tiers import DEVICE, DISK, HOST, TIERS
+from .tiers import DEVICE, DISK, HOST, TIERS, remove_stale_folders
 
 GIB = 1 << 30
 
@@ -107,7 +108,12 @@ def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
         free_dev, _ = torch.cuda.mem_get_info(device)
     else:
         free_dev = host  # the compute device is the CPU: device and host share memory
-    disk = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
+    root = Path(offload_dir or tempfile.gettempdir()).absolute()
+    while not root.exists():  # a folder the run will create: its disk is its parent's
+        root = root.parent
+    if root.is_dir():
+        remove_stale_folders(root)  # what killed runs left there is free space for this one
+    disk = shutil.disk_usage(root).free
     return {DEVICE: free_dev, HOST: host, DISK: disk}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .guards import check_output_path, run_command as run_guarded
 from .config import DEFAULT_MODEL, ConfigError, get_config
 from .planner.auto import default_kv_fraction, describe, profile_for, run_command, search, \
     summary
@@ -52,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    return run_guarded(_main, argv)
+
+
+def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    check_output_path(a.json, "--json")
     try:
         cfg = get_config(a.model)
         hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)

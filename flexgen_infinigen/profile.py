@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .guards import check_output_path, run_command
 from .config import ConfigError
 from .loading import resolve_device
 from .planner.hardware import BUILTIN, GB, RATES, HardwareProfile
@@ -36,6 +37,10 @@ def describe(p: HardwareProfile) -> str:
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m flexgen_infinigen.profile",
         description="Measure link bandwidths, disk, compute and memory of this machine for the "
@@ -50,6 +55,8 @@ def main(argv=None) -> int:
                    help=f"print a profile instead of measuring (built-in: {', '.join(BUILTIN)})")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the profile here")
     a = p.parse_args(argv)
+    check_output_path(a.json, "--json")
+    check_output_path(a.out, "--out")
     try:
         if a.show:
             from .planner.hardware import load_profile

@@ -9,10 +9,12 @@ import torch
 
 from .api import OffloadedLM, check_lengths
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
+from .guards import check_output_path, run_command
 from .kv.options import DEFAULT_KV_FRACTION
 from .policy import Policy
 from .report import build_report, print_report
 from .sampling import SamplingConfig
+from .tiers import offload_root
 
 # Used to synthesize prompts of --prompt-len tokens when none are given.
 FILLER_TEXT = (
@@ -201,8 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     g.add_argument("--prompt-file", default=None, help="a text file used as one prompt")
-    g.add_argument("--prompt-len", type=int, default=64,
-                   help="length of synthesized prompts when no prompt is given")
+    g.add_argument("--prompt-len", type=int, default=None,
+                   help="synthesize prompts of this many tokens (throughput runs; default 64 "
+                        "when a model has no chat template)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each --prompt in the model's own chat template (default: on when "
+                        "the model has one); with no prompt, ask an example question")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="synthesized prompts (default: one block of "
                         "gpu-batch-size x num-gpu-batches)")
@@ -211,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this many steps and project decode latency to --gen-len")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens already in the sequence by this (> 1 "
+                        "discourages repeats; 1 = off)")
     g.add_argument("--no-stop", action="store_true", help="ignore the end-of-sequence token")
     g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     g.add_argument("--verbose", action="store_true",
@@ -227,9 +236,22 @@ def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
     return torch.randint(10, lm.cfg.vocab_size, (count, prompt_len), generator=gen).tolist()
 
 
+def check_policy_args(a) -> None:
+    """Placement checks that need no weights (every command with policy flags runs them)."""
+    parse_percent(a.percent)
+    if a.offload_dir:
+        offload_root(a.offload_dir)  # created, and checked writable, before any loading
+    if a.cpu_cache_compute and a.kv_policy in ("infinigen", "h2o"):
+        raise ConfigError(f"--kv-policy {a.kv_policy} moves selected KV rows to the compute "
+                          "device; it cannot be combined with --cpu-cache-compute (drop one)")
+
+
 def check_args(a) -> list[str]:
     """Cheap checks that run before any weight is touched; returns the prompt texts given
     (``--prompt`` and ``--prompt-file``), empty when prompts are to be synthesized."""
+    # synthesized prompts were asked for (a throughput run), rather than a chat
+    a.synthesize = a.prompt_len is not None or a.num_prompts is not None or a.dummy
+    a.prompt_len = 64 if a.prompt_len is None else a.prompt_len
     for flag, v in [("--gen-len", a.gen_len), ("--prompt-len", a.prompt_len),
                     ("--cut-gen-len", 1 if a.cut_gen_len is None else a.cut_gen_len)]:
         if v < 1:
@@ -237,8 +259,13 @@ def check_args(a) -> list[str]:
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ConfigError(f"--num-prompts must be at least 1 (got {a.num_prompts})")
     texts = list(a.prompt or [])
+    if any(not t.strip() for t in texts):
+        raise ConfigError("--prompt is empty; give some text (or drop --prompt to use "
+                          "synthesized prompts of --prompt-len tokens)")
     if a.prompt_file:
         texts.append(read_text(a.prompt_file, "--prompt-file"))
+    check_output_path(a.json, "--json")
+    check_policy_args(a)
     if a.dummy and (a.prompt or a.prompt_file):
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
@@ -247,6 +274,27 @@ def check_args(a) -> list[str]:
         if not texts:
             check_lengths(cfg, a.prompt_len, a.gen_len)
     return texts
+
+
+def chat_prompts(lm: OffloadedLM, a, texts: list[str]):
+    """Token ids of each text (or of an example question when none is given and no synthetic
+    prompts were asked for) in the model's chat template; None when not chatting."""
+    from .chat import DEFAULT_QUESTION, chat_prompt_ids, store_template
+
+    template = store_template(lm.store_path)
+    if a.chat and (template is None or lm.tokenizer is None):
+        raise ConfigError("--chat: this model has no chat template (or no tokenizer); drop "
+                          "--chat to continue the prompt as plain text")
+    if a.chat is False or template is None or lm.tokenizer is None:
+        return None
+    if not texts:
+        if a.synthesize:
+            return None
+        texts = [DEFAULT_QUESTION]
+        print(f"no --prompt given: asking the model {DEFAULT_QUESTION!r} (pass --prompt, or "
+              "--prompt-len for synthesized throughput prompts)", file=sys.stderr)
+    return [chat_prompt_ids(lm.tokenizer, template, [{"role": "user", "content": t}])
+            for t in texts]
 
 
 def _print_verbose(lm: OffloadedLM, gen) -> None:
@@ -276,12 +324,17 @@ def planned_policy(a, model: str, texts: list[str]) -> tuple[Policy, dict]:
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         texts = check_args(a)
         parse_percent(a.percent)  # a bad --percent is reported before the model is found
         kv_options = kv_options_from_args(a)
-        sampling = SamplingConfig(a.temperature, a.top_p, a.seed).validate()
+        sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
+                                  a.repetition_penalty).validate()
         model = a.model if (a.model or a.path) else DEFAULT_MODEL
         policy, plan = planned_policy(a, model, texts) if wants_plan(a) else policy_from_args(a)
         hint = None if texts else (a.prompt_len, a.gen_len)
@@ -290,9 +343,10 @@ def main(argv=None) -> int:
                               kv_options=kv_options,
                               offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
         with lm:
-            if texts:
+            prompts = chat_prompts(lm, a, texts)
+            if prompts is None and texts:
                 prompts = lm.encode(texts)
-            else:
+            elif prompts is None:
                 count = a.num_prompts or policy.block_size
                 prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
             gen = lm.generate(prompts, a.gen_len, sampling,

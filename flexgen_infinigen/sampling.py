@@ -11,6 +11,7 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0  # > 1: tokens already in the sequence are less likely
 
     def validate(self) -> "SamplingConfig":
         from .config import ConfigError
@@ -18,6 +19,9 @@ class SamplingConfig:
             raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"--repetition-penalty must be above 0 (1 = off), got "
+                              f"{self.repetition_penalty}")
         return self
 
 
@@ -49,3 +53,26 @@ class ForcedTokens:
     def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
         rows = slice(batch * self.batch_size, (batch + 1) * self.batch_size)
         return self.tokens[rows, step]
+
+
+class RepetitionPenalty:
+    """Wraps a chooser: the logits of tokens already in a row's sequence (prompt and what was
+    generated) are divided by ``penalty`` where positive and multiplied where negative, as
+    transformers' ``repetition_penalty`` does, before the choice."""
+
+    def __init__(self, chooser, rows: list[list[int]], batch_size: int, penalty: float):
+        self.chooser, self.batch_size, self.penalty = chooser, batch_size, penalty
+        self.seen = [set(r) for r in rows]
+
+    def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
+        logits = logits.float().cpu().clone()
+        first = batch * self.batch_size
+        for r in range(logits.shape[0]):
+            ids = torch.tensor(sorted(self.seen[first + r]), dtype=torch.long)
+            if len(ids):
+                got = logits[r, ids]
+                logits[r, ids] = torch.where(got > 0, got / self.penalty, got * self.penalty)
+        tokens = self.chooser(logits, step, batch)
+        for r, t in enumerate(tokens.tolist()):
+            self.seen[first + r].add(int(t))
+        return tokens

@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .guards import run_command
 from .config import ConfigError, read_text
 
 
 def main(argv=None) -> int:
+    return run_command(_main, argv)
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.skew", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model name (default: the embedded default)")

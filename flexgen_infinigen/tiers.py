@@ -7,6 +7,7 @@ tier holds so that the report can give a peak per tier.
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -15,9 +16,12 @@ import tempfile
 import uuid
 import weakref
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from .config import ConfigError
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
@@ -36,6 +40,45 @@ _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+DIR_PREFIX = "flexgen_infinigen-"
+OWNER_FILE = "owner.pid"  # the pid of the run that owns an offload folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_folders(root: str | os.PathLike) -> None:
+    """Delete offload folders under ``root`` whose run is gone (killed, or crashed before its
+    cleanup); folders of live runs, and folders that are not ours, are left alone."""
+    for folder in Path(root).glob(DIR_PREFIX + "*"):
+        try:
+            pid = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def offload_root(offload_dir: str | None) -> str:
+    """The folder offload files go under, created when missing and checked writable."""
+    root = offload_dir or tempfile.gettempdir()
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--offload-dir {root} cannot be created ({e.strerror}); pick a "
+                          "writable folder") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"--offload-dir {root} is not writable; pick a writable folder")
+    return root
 
 
 class Tiers:
@@ -129,11 +172,40 @@ class Tiers:
     # ---- allocation -------------------------------------------------------------------------
     @property
     def disk_dir(self) -> str:
+        """This run's own folder under the offload root, with a pid file so that a later run
+        removes it if this process dies without its cleanup (SIGKILL); removed at exit."""
         if self._disk_dir is None:
-            root = self._offload_root or tempfile.gettempdir()
-            os.makedirs(root, exist_ok=True)
-            self._disk_dir = tempfile.mkdtemp(prefix="flexgen_infinigen-", dir=root)
+            root = offload_root(self._offload_root)
+            remove_stale_folders(root)
+            folder = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=root)
+            (Path(folder) / OWNER_FILE).write_text(str(os.getpid()))
+            self._disk_dir = folder
+            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
         return self._disk_dir
+
+    def _disk_file(self, count: int, dtype: torch.dtype) -> np.memmap:
+        """A file of ``count`` elements under the offload folder, its blocks reserved now: a
+        full disk is one clear error here, never a bus error when a page is first written."""
+        path = os.path.join(self.disk_dir, uuid.uuid4().hex + ".bin")
+        storage = _NUMPY_STORAGE[dtype]
+        size = max(count, 1) * np.dtype(storage).itemsize
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                os.unlink(path)
+                raise ConfigError(
+                    f"the offload folder {self.disk_dir} has no room for {size / 2**30:.2f} GiB "
+                    "more (disk full); free space there or point --offload-dir at another "
+                    "disk") from None
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                os.close(fd)
+                raise
+            os.ftruncate(fd, size)  # the filesystem cannot reserve: a sparse file
+        os.close(fd)
+        return np.memmap(path, dtype=storage, mode="r+", shape=(max(count, 1),))
 
     def empty(self, tier: str, shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         if tier == DEVICE:
@@ -141,9 +213,8 @@ class Tiers:
         elif tier == HOST:
             t = self.host_empty(shape, dtype, pinned=pin)
         else:
-            path = os.path.join(self.disk_dir, uuid.uuid4().hex + ".bin")
             count = int(np.prod(shape)) if len(shape) else 1
-            arr = np.memmap(path, dtype=_NUMPY_STORAGE[dtype], mode="w+", shape=(max(count, 1),))
+            arr = self._disk_file(count, dtype)
             t = torch.from_numpy(arr)[:count].view(dtype).view(shape)
         return self.track(t, tier)
 

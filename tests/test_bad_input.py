@@ -310,3 +310,49 @@ def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_
     assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
     with pytest.raises(ConfigError):
         WeightStore(out)
+
+
+# ---- a newcomer's first hour -----------------------------------------------------------------
+def test_json_folder_missing_is_reported_before_the_run(capsys, tmp_path):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--json",
+                              tmp_path / "nope" / "r.json"] + SMALL)
+    assert_mentions(line, "--json", "does not exist")
+
+
+def test_offload_dir_unwritable(capsys):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--offload-dir",
+                              "/proc/forbidden"] + SMALL)
+    assert_mentions(line, "--offload-dir", "/proc/forbidden", "writable")
+
+
+@pytest.mark.parametrize("kv", ["infinigen", "h2o"])
+def test_selective_policy_with_cpu_cache_compute(capsys, kv):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--kv-policy", kv,
+                              "--cpu-cache-compute"] + SMALL)
+    assert_mentions(line, "--cpu-cache-compute", kv)
+
+
+def test_empty_prompt(capsys):
+    line = cli_error(capsys, ["--prompt", "  ", "--gen-len", "2"])
+    assert_mentions(line, "--prompt", "empty")
+
+
+def test_binary_prompt_file(capsys, tmp_path):
+    f = tmp_path / "blob.bin"
+    f.write_bytes(bytes(range(256)) * 4)
+    line = cli_error(capsys, ["--prompt-file", f, "--gen-len", "2"])
+    assert_mentions(line, "--prompt-file", "UTF-8")
+
+
+def test_truncated_tensor_file(capsys, store_copy):
+    path = store_copy / "layers.0.fc1.weight.npy"
+    path.write_bytes(path.read_bytes()[:1000])
+    line = cli_error(capsys, ["--path", store_copy] + SMALL)
+    assert_mentions(line, "layers.0.fc1.weight.npy", "re-run the conversion")
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bad_repetition_penalty(capsys, value):
+    line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--repetition-penalty",
+                              value] + SMALL)
+    assert_mentions(line, "--repetition-penalty")

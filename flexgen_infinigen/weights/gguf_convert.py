@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..chat import CHAT_FILE
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from ..models import llama
 from .store import StoreWriter
@@ -226,6 +227,9 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
         if missing:
             raise ConfigError(f"GGUF {src} lacks {len(missing)} tensors (e.g. {missing[0]!r}); "
                               "the file is incomplete, re-download it")
+        template = field_value(reader, "tokenizer.chat_template")
+        if template:
+            writer.add_text(CHAT_FILE, template)
         text = tokenizer_json_from_gguf(reader)
         if text is not None:
             writer.add_tokenizer_json(text)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..chat import CHAT_FILE, template_from_hf_folder
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
 from .hf_config import config_from_hf
@@ -188,4 +189,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
                 shutil.copy(folder / fname, w.tmp / fname)
         if (folder / "tokenizer.json").is_file():
             w.tokenizer_file = "tokenizer.json"
+        template = template_from_hf_folder(folder)
+        if template:
+            w.add_text(CHAT_FILE, template)
     return dest

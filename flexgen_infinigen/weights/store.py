@@ -66,6 +66,10 @@ class StoreWriter:
         np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
         self.tensors[name] = {"shape": list(array.shape), "dtype": dtype or str(array.dtype)}
 
+    def add_text(self, name: str, text: str) -> None:
+        """A small text file stored beside the tensors (a chat template, say)."""
+        (self.tmp / name).write_text(text, encoding="utf-8")
+
     def add_tokenizer_json(self, text: str) -> None:
         (self.tmp / "tokenizer.json").write_text(text, encoding="utf-8")
         self.tokenizer_file = "tokenizer.json"
@@ -104,8 +108,13 @@ class WeightStore:
             if info is None or not (self.path / f"{name}.npy").is_file():
                 raise ConfigError(
                     f"weight store {self.path} lacks tensor {name!r}; re-run the conversion")
-            # the file's own header, not only the manifest (reads no tensor data)
-            actual = tuple(self.load(name).shape)
+            # the file's own header, not only the manifest (reads no tensor data); a file cut
+            # short or with a broken header cannot be mapped
+            try:
+                actual = tuple(self.load(name).shape)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"tensor file {self.path / (name + '.npy')} is damaged "
+                                  f"({e}); re-run the conversion") from None
             for found in (tuple(info["shape"]), actual):
                 if found != tuple(shape):
                     raise ConfigError(

@@ -1,0 +1,115 @@
+"""The chat template, the repetition penalty (against transformers), and the resumable batch
+command."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.sampling import SamplingConfig
+
+
+def test_chat_answers_a_question(smollm2_store, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flexgen_infinigen.run", "--path",
+                           str(smollm2_store), "--prompt", "What is the capital of France?",
+                           "--gen-len", "24", "--json", tmp_path / "r.json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert "Paris" in report["texts"][0]
+    assert report["token_ids"][0][-1] == 2  # stopped at the end of its turn (<|im_end|>)
+
+
+def test_chat_template_renders_like_transformers(smollm2_store):
+    """Our jinja rendering of the stored template equals transformers' apply_chat_template."""
+    from transformers import PreTrainedTokenizerFast
+
+    from flexgen_infinigen.chat import chat_prompt_ids, store_template
+    from flexgen_infinigen.tokenizer import load_tokenizer
+
+    template = store_template(smollm2_store)
+    tok = load_tokenizer(smollm2_store)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<|im_start|>",
+                                 eos_token="<|im_end|>")
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another?"}]
+    ref = hf.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                 tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    assert chat_prompt_ids(tok, template, messages) == list(ref)
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama):
+    model, store = tiny_llama
+    prompt = [1, 5, 9, 5, 9, 5, 9, 33, 44]
+    with OffloadedLM.load(path=store, policy=Policy(), progress=False) as lm:
+        out = lm.generate([prompt], 12, SamplingConfig(repetition_penalty=1.8),
+                          stop_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, repetition_penalty=1.8, pad_token_id=0)
+    assert out.token_ids[0] == ref[0, len(prompt):].tolist()
+    with OffloadedLM.load(path=store, policy=Policy(), progress=False) as lm:
+        plain = lm.generate([prompt], 12, stop_token_id=None)
+    assert plain.token_ids != out.token_ids  # the penalty changed something
+
+
+def _batch(args, cwd):
+    return subprocess.run([sys.executable, "-m", "flexgen_infinigen.batch", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_batch_resumes_without_duplicates(tiny_opt, tmp_path):
+    requests = [{"id": f"r{i}", "prompt": [2] + [(7 * i + k) % 400 + 4 for k in range(3 + i)]}
+                for i in range(7)]
+    requests[3]["gen_len"] = 3
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+    common = ["--path", tiny_opt[1], "--input", tmp_path / "in.jsonl", "--gen-len", "5",
+              "--gpu-batch-size", "2", "--no-chat"]
+    whole = _batch([*common, "--output", tmp_path / "whole.jsonl"], tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    reference = {r["id"]: r for r in _lines(tmp_path / "whole.jsonl")}
+    assert sorted(reference) == sorted(r["id"] for r in requests)
+    assert len(reference["r3"]["token_ids"]) == 3 and len(reference["r0"]["token_ids"]) == 5
+    # an interruption: the first block written, the next one cut mid-line
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl").write_text("".join(lines[:2]) + lines[2][:10])
+    again = _batch([*common, "--output", tmp_path / "resumed.jsonl"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    got = _lines(tmp_path / "resumed.jsonl")
+    assert sorted(r["id"] for r in got) == sorted(reference)  # every id exactly once
+    for r in got:
+        assert r == reference[r["id"]]
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": "hi"}', ["line 1", "id"]),
+    ('{"id": 1}', ["line 1", "prompt", "messages"]),
+    ('{"id": 1, "prompt": "hi", "gen_len": 0}', ["gen_len"]),
+    ('not json', ["line 1", "not JSON"]),
+])
+def test_batch_bad_input_is_one_line_before_loading(tmp_path, line, words):
+    (tmp_path / "in.jsonl").write_text(line + "\n")
+    proc = _batch(["--model", "opt-125m", "--dummy", "--input", tmp_path / "in.jsonl",
+                   "--output", tmp_path / "out.jsonl"], tmp_path)
+    err = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    for w in words:
+        assert w in err[0]
+
+
+def test_batch_duplicate_ids(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n')
+    proc = _batch(["--model", "opt-125m", "--dummy", "--input", tmp_path / "in.jsonl",
+                   "--output", tmp_path / "out.jsonl"], tmp_path)
+    assert proc.returncode == 2 and "appears twice" in proc.stderr
