@@ -136,7 +136,10 @@ def check_fit(need: dict, have: dict[str, int], device: torch.device) -> None:
     checks = [(DEVICE, total[DEVICE] + (total[HOST] if shared else 0)), (DISK, total[DISK])]
     if not shared:
         checks.insert(1, (HOST, total[HOST]))
-    hints = {DEVICE: "lower the GPU percentages in --percent (wg cg hg) or --gpu-batch-size",
+    hints = {DEVICE: "move weights or cache to disk (lower wg wc cg cc in --percent), add "
+                     "--compress-weight / --compress-cache, or lower --gpu-batch-size"
+             if shared else
+             "lower the GPU percentages in --percent (wg cg hg) or --gpu-batch-size",
              HOST: "move more to disk (lower wc cc hc in --percent) or lower --gpu-batch-size",
              DISK: "free disk space under --offload-dir or keep more in memory"}
     for tier, n in checks:

@@ -10,8 +10,8 @@ import sys
 
 from .guards import check_output_path, run_command as run_guarded
 from .config import DEFAULT_MODEL, ConfigError, get_config
-from .planner.auto import default_kv_fraction, describe, profile_for, run_command, search, \
-    summary
+from .planner.auto import check_possible, default_kv_fraction, describe, profile_for, \
+    run_command, search, summary
 from .planner.hardware import BUILTIN
 from .policy import Policy
 from .run import int_or_auto, write_json
@@ -61,6 +61,9 @@ def _main(argv=None) -> int:
     check_output_path(a.json, "--json")
     try:
         cfg = get_config(a.model)
+        if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
+            check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
+                           a.gpu_mem, a.cpu_mem, a.disk_mem)
         hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)
         base = Policy(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
                       cpu_cache_compute=a.cpu_cache_compute)

@@ -173,13 +173,15 @@ def policy_from_args(a, cfg=None,
         raise ConfigError("auto placement needs the model and lengths; it is available in "
                           "`run`, or use `python -m flexgen_infinigen.optimize`")
     from .loading import resolve_device, resolve_dtype
-    from .planner.auto import default_kv_fraction, profile_for, search, summary
+    from .planner.auto import check_possible, default_kv_fraction, profile_for, search, summary
 
     b = None if a.gpu_batch_size == "auto" else a.gpu_batch_size
     n = a.num_gpu_batches
     n = None if n == "auto" or (n is None and b is None) else (1 if n is None else n)
-    hw = profile_for(a.hw, offload_dir=a.offload_dir)
     item = resolve_dtype(a.dtype, resolve_device(a.device)).itemsize
+    if a.hw is None:  # before a minute of profiling, what needs no profile
+        check_possible(cfg, *lengths, item, a.offload_dir)
+    hw = profile_for(a.hw, offload_dir=a.offload_dir)
     fraction = default_kv_fraction(a.kv_policy, a.max_kv_fraction, a.hh_ratio, a.recent_ratio)
     base = Policy(**switches)
     if percent is not None:
@@ -349,6 +351,9 @@ def _main(argv=None) -> int:
             elif prompts is None:
                 count = a.num_prompts or policy.block_size
                 prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
+                print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
+                      f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
+                      "sets the count)", file=sys.stderr)
             gen = lm.generate(prompts, a.gen_len, sampling,
                               stop_token_id=None if a.no_stop else -1,
                               cut_gen_len=a.cut_gen_len, progress=True)

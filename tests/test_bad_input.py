@@ -356,3 +356,23 @@ def test_bad_repetition_penalty(capsys, value):
     line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--repetition-penalty",
                               value] + SMALL)
     assert_mentions(line, "--repetition-penalty")
+
+
+def test_optimize_refuses_the_impossible_before_profiling(capsys, monkeypatch):
+    """A model that cannot fit at all is refused before the minute-long machine profile."""
+    from flexgen_infinigen import optimize
+    from flexgen_infinigen.planner import auto
+
+    monkeypatch.setattr(auto, "load_profile", lambda *a, **k: pytest.fail("profiled first"))
+    capsys.readouterr()
+    rc = optimize.main(["--model", "opt-175b", "--gpu-mem", "0", "--cpu-mem", "8",
+                        "--disk-mem", "10"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and len(err) == 1 and "opt-175b" in err[0] and "GiB" in err[0]
+
+
+def test_cpu_out_of_memory_advice_fits_the_machine(capsys):
+    """On a CPU the device is host memory: the advice is disk or compression, not the GPU."""
+    line = cli_error(capsys, ["--model", "opt-175b", "--dummy", "--percent", "100", "0", "100",
+                              "0", "100", "0", "--device", "cpu"] + SMALL)
+    assert_mentions(line, "disk", "--compress-weight")

@@ -22,6 +22,34 @@ def default_kv_fraction(kv_policy: str, max_kv_fraction: float = DEFAULT_KV_FRAC
     return 1.0
 
 
+def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
+                   offload_dir: str | None = None, gpu_mem: float | None = None,
+                   cpu_mem: float | None = None, disk_mem: float | None = None) -> None:
+    """One error, before any profiling, when even the leanest placement (batch 1, weights
+    and cache on disk) cannot fit in this machine's free memory and disk together."""
+    import torch
+
+    from ..loading import resolve_device
+    from ..memory_plan import GIB, available, plan
+    from ..policy import Policy
+
+    dtype = {2: torch.float16, 4: torch.float32}.get(item, torch.float16)
+    lean = Policy.from_percent([0, 0, 0, 0, 100, 0])
+    need = sum(plan(cfg, lean, dtype, prompt_len, gen_len)["total"].values())
+    dev = resolve_device("auto")
+    have = available(dev, offload_dir)
+    given = [None if v is None else v * GB for v in (gpu_mem, cpu_mem, disk_mem)]  # GB flags
+    free = [given[0] if given[0] is not None else have["device"] if dev.type == "cuda" else 0,
+            given[1] if given[1] is not None else have["host"],
+            given[2] if given[2] is not None else have["disk"]]
+    if need > sum(free):
+        raise ConfigError(
+            f"{cfg.name} at prompt {prompt_len} + gen {gen_len} needs at least "
+            f"{need / GIB:.1f} GiB (weights and KV cache at batch 1), but GPU, CPU memory and "
+            f"disk have {sum(free) / GIB:.1f} GiB free together; free disk space under "
+            "--offload-dir or pick a smaller model")
+
+
 def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | None = None,
                 disk_mem: float | None = None, offload_dir: str | None = None) -> HardwareProfile:
     """The named or saved profile; for this machine's own profile, memory as free right now."""
