@@ -134,6 +134,9 @@ def main(argv=None) -> int:
     if a.quick:
         a.seq_len, a.prefill_len, a.windows, a.budgets = 384, 128, 1, [0.1, 0.18]
         a.only = a.only or ["full", "oracle", "infinigen @"]
+    if not (a.quick or a.report_only):
+        print("the full sweep takes about an hour on 2 CPU cores; --quick takes about 2 "
+              "minutes", file=sys.stderr)
     if a.report_only:
         results = json.loads(Path(a.out).with_suffix(".json").read_text())["methods"]
         write_markdown(Path(a.out).with_suffix(".md"), results, a)
