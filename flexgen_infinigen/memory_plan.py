@@ -19,7 +19,8 @@ from .config import ConfigError, ModelConfig
 from .models import family_of
 from .policy import Policy
 from .tiered import split_sizes
-from .tiers import DEVICE, DISK, HOST, TIERS, remove_stale_folders
+from .offload_dir import remove_stale_folders
+from .tiers import DEVICE, DISK, HOST, TIERS
 
 GIB = 1 << 30
 

@@ -5,7 +5,6 @@ import argparse
 import json
 import sys
 
-import torch
 
 from .api import OffloadedLM, check_lengths
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
@@ -14,19 +13,8 @@ from .kv.options import DEFAULT_KV_FRACTION
 from .policy import Policy
 from .report import build_report, print_report
 from .sampling import SamplingConfig
-from .tiers import offload_root
-
-# Used to synthesize prompts of --prompt-len tokens when none are given.
-FILLER_TEXT = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. From the "
-    "lantern room he could see the whole bay: the fishing boats coming home, the gulls "
-    "circling the harbour, and the long line of hills that turned purple as the sun went "
-    "down. He kept a notebook in which he wrote the weather, the ships that passed, and "
-    "anything else that seemed worth remembering. Over forty years the notebooks had filled "
-    "three shelves of the small kitchen below. One winter night, when the storm was so loud "
-    "that he could not hear the kettle, he opened the first notebook again and began to read. "
-)
-
+from .offload_dir import offload_root
+from .prompts import FILLER_TEXT, chat_prompts, synthesize_prompts  # noqa: F401 (re-exported)
 
 def str2bool(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
@@ -229,15 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
-    if lm.tokenizer is not None:
-        ids = lm.tokenizer.encode(FILLER_TEXT)
-        ids = (ids * (prompt_len // len(ids) + 1))[:prompt_len]
-        return [ids] * count
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, lm.cfg.vocab_size, (count, prompt_len), generator=gen).tolist()
-
-
 def check_policy_args(a) -> None:
     """Placement checks that need no weights (every command with policy flags runs them)."""
     parse_percent(a.percent)
@@ -276,27 +255,6 @@ def check_args(a) -> list[str]:
         if not texts:
             check_lengths(cfg, a.prompt_len, a.gen_len)
     return texts
-
-
-def chat_prompts(lm: OffloadedLM, a, texts: list[str]):
-    """Token ids of each text (or of an example question when none is given and no synthetic
-    prompts were asked for) in the model's chat template; None when not chatting."""
-    from .chat import DEFAULT_QUESTION, chat_prompt_ids, store_template
-
-    template = store_template(lm.store_path)
-    if a.chat and (template is None or lm.tokenizer is None):
-        raise ConfigError("--chat: this model has no chat template (or no tokenizer); drop "
-                          "--chat to continue the prompt as plain text")
-    if a.chat is False or template is None or lm.tokenizer is None:
-        return None
-    if not texts:
-        if a.synthesize:
-            return None
-        texts = [DEFAULT_QUESTION]
-        print(f"no --prompt given: asking the model {DEFAULT_QUESTION!r} (pass --prompt, or "
-              "--prompt-len for synthesized throughput prompts)", file=sys.stderr)
-    return [chat_prompt_ids(lm.tokenizer, template, [{"role": "user", "content": t}])
-            for t in texts]
 
 
 def _print_verbose(lm: OffloadedLM, gen) -> None:

@@ -82,7 +82,7 @@ def test_fetch_moves_exactly_the_selected_rows(tmp_path):
     the ledger counts one row per selected (token, head) pair."""
     from flexgen_infinigen.kv.base import CacheSpec
     from flexgen_infinigen.kv.full import FullCache
-    from flexgen_infinigen.kv.infinigen import fetch_selected
+    from flexgen_infinigen.kv.selective import fetch_selected
     from flexgen_infinigen.tiers import Tiers
 
     tiers = Tiers(torch.device("cpu"), str(tmp_path))

@@ -14,7 +14,7 @@ from ..attention import attend, mask_bias
 from ..config import ConfigError
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, attend_selected
-from .infinigen import fetch_selected, gather_on_device
+from .selective import fetch_selected, gather_on_device
 from .stats import FetchStats
 
 
