@@ -31,11 +31,12 @@ class Generation:
     decode_latency_s: float
     num_prompts: int
     prompt_tokens: int
-    generated_tokens: int  # per prompt, as scheduled (the longest row)
+    generated_tokens: int  # per prompt: steps run (the longest block), or projected
     projected: bool = False  # decode latency extrapolated from --cut-gen-len steps
     logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [steps, vocab]
     step_times: list[float] = field(default_factory=list)  # wall time of every iteration
     prompt_texts: list[str] = field(default_factory=list)
+    decode_tokens: int | None = None  # tokens the decode steps made (rows x steps actually run)
 
 
 class OffloadedLM:
@@ -143,6 +144,7 @@ class OffloadedLM:
         logits: list[torch.Tensor] = []
         prefill = decode = 0.0
         step_times: list[float] = []
+        ran = decode_tokens = 0  # iterations run (a block stops early when every row ended)
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
         for start in range(0, len(ids), block):
@@ -175,6 +177,8 @@ class OffloadedLM:
                                        self.policy.gpu_batch_size)
             result = self.engine.run_block(batches, steps, chooser, on_tokens, keep_logits)
             step_times += result["times"]
+            ran = max(ran, len(result["times"]))
+            decode_tokens += real * (len(result["times"]) - 1)
             prefill += result["times"][0]
             decode += sum(result["times"][1:])
             outputs += rows[:real]
@@ -189,8 +193,8 @@ class OffloadedLM:
         texts = [self.tokenizer.decode(o) if self.tokenizer else "" for o in outputs]
         prompt_texts = [self.tokenizer.decode(p) if self.tokenizer else "" for p in ids]
         return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
-                          gen_len if projected else steps, projected, logits, step_times,
-                          prompt_texts)
+                          gen_len if projected else ran, projected, logits, step_times,
+                          prompt_texts, None if projected else decode_tokens)
 
     def _pad_batches(self, chunk: list[list[int]]):
         """Left-pad a block's prompts to one length and cut it into GPU batches."""

@@ -42,7 +42,8 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
         "prefill_latency_s": gen.prefill_latency_s,
         "prefill_throughput": n * p / max(gen.prefill_latency_s, 1e-9),
         "decode_latency_s": gen.decode_latency_s,
-        "decode_throughput": n * max(g - 1, 0) / max(gen.decode_latency_s, 1e-9),
+        "decode_throughput": (n * max(g - 1, 0) if gen.decode_tokens is None
+                              else gen.decode_tokens) / max(gen.decode_latency_s, 1e-9),
         "total_latency_s": total_latency,
         "total_throughput": n * g / max(total_latency, 1e-9),
         "peak_memory_bytes": {DEVICE: peak_device, HOST: tiers.peak[HOST], DISK: tiers.peak[DISK],
@@ -83,7 +84,14 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
     w("weights placed: " + ", ".join(f"{t} {_gb(n)} ({100 * n / tot:.1f}%)"
                                      for t, n in placed.items()))
     proj = " (projected from --cut-gen-len)" if r["projected"] else ""
-    w(f"prompts: {r['num_prompts']} x {r['prompt_len']} tokens, generated {r['gen_len']} each")
+    made = [len(t) for t in r.get("token_ids") or []]
+    if made and min(made) < r["gen_len"]:  # some stopped at the end of their sequence or turn
+        w(f"prompts: {r['num_prompts']} x {r['prompt_len']} tokens, generated up to "
+          f"{r['gen_len']} each ({sum(made) / len(made):.1f} on average: some stopped at the "
+          "end-of-sequence token)")
+    else:
+        w(f"prompts: {r['num_prompts']} x {r['prompt_len']} tokens, generated {r['gen_len']} "
+          "each")
     w(f"prefill latency: {r['prefill_latency_s']:.3f} s, "
       f"prefill throughput: {r['prefill_throughput']:.2f} token/s")
     w(f"decode latency: {r['decode_latency_s']:.3f} s{proj}, "
