@@ -20,11 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from .config import DEFAULT_MODEL, ConfigError
 from .guards import check_output_path, run_command
-from .config import DEFAULT_MODEL
-from .run import add_model_args, add_policy_args, check_policy_args, kv_options_from_args, \
-    policy_from_args, wants_plan
+from .run import (
+    add_model_args,
+    add_policy_args,
+    check_policy_args,
+    kv_options_from_args,
+    policy_from_args,
+    wants_plan,
+)
 from .sampling import SamplingConfig
 
 SETTINGS = {"gen_len": int, "temperature": float, "top_p": float, "repetition_penalty": float}
@@ -99,10 +104,11 @@ def done_ids(path: str) -> set[str]:
     return ids
 
 
-def prompt_ids(lm, request: dict, chat: bool | None) -> list[int]:
-    from .chat import chat_prompt_ids, store_template
+def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> list[int]:
+    """A request's token ids: ``messages``, or a text ``prompt`` when ``chat``, through the
+    model's chat ``template``; else the prompt as written."""
+    from .chat import chat_prompt_ids
 
-    template = store_template(lm.store_path)
     messages = request["messages"]
     if messages is None and isinstance(request["prompt"], str) and chat \
             and template is not None:
@@ -158,6 +164,7 @@ def _main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from .api import OffloadedLM
+    from .chat import store_template
 
     a = build_parser().parse_args(argv)
     check_output_path(a.output, "--output")
@@ -178,8 +185,9 @@ def _main(argv=None) -> int:
                           device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
                           kv_options=kv_options, offload_dir=a.offload_dir, seed=a.seed)
     with lm, open(a.output, "a", encoding="utf-8") as out:
+        template = store_template(lm.store_path)  # read once, not per request
         for r in todo:
-            r["ids"] = prompt_ids(lm, r, a.chat)
+            r["ids"] = prompt_ids(lm, r, a.chat, template)
         groups: dict[tuple, list[dict]] = {}
         for r in todo:
             groups.setdefault(tuple(sorted(r["settings"].items())), []).append(r)

@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .guards import run_command
 from .config import ConfigError
+from .guards import run_command
 
 
 def main(argv=None) -> int:

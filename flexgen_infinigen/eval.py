@@ -16,11 +16,10 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
-from .guards import check_output_path, run_command
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
+from .guards import check_output_path, run_command
 from .metrics import teacher_forced_nll
-from .run import (add_model_args, add_policy_args, kv_options_from_args, policy_from_args,
-                  write_json)
+from .run import add_model_args, add_policy_args, kv_options_from_args, policy_from_args, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,9 +17,9 @@ from .attention import score_rows
 from .compression import GROUP_SIZE, can_compress
 from .config import ConfigError, ModelConfig
 from .models import family_of
+from .offload_dir import remove_stale_folders
 from .policy import Policy
 from .tiered import split_sizes
-from .offload_dir import remove_stale_folders
 from .tiers import DEVICE, DISK, HOST, TIERS
 
 GIB = 1 << 30

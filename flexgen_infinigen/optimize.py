@@ -8,10 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .guards import check_output_path, run_command as run_guarded
 from .config import DEFAULT_MODEL, ConfigError, get_config
-from .planner.auto import check_possible, default_kv_fraction, describe, profile_for, \
-    run_command, search, summary
+from .guards import check_output_path
+from .guards import run_command as run_guarded
+from .planner.auto import (
+    check_possible,
+    default_kv_fraction,
+    describe,
+    profile_for,
+    run_command,
+    search,
+    summary,
+)
 from .planner.hardware import BUILTIN
 from .policy import Policy
 from .run import int_or_auto, write_json

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .guards import check_output_path, run_command
 from .config import ConfigError
+from .guards import check_output_path, run_command
 from .loading import resolve_device
 from .planner.hardware import BUILTIN, GB, RATES, HardwareProfile
 from .planner.measure import cache_path, measure

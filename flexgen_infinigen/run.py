@@ -5,16 +5,16 @@ import argparse
 import json
 import sys
 
-
 from .api import OffloadedLM, check_lengths
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .guards import check_output_path, run_command
 from .kv.options import DEFAULT_KV_FRACTION
+from .offload_dir import offload_root
 from .policy import Policy
+from .prompts import FILLER_TEXT, chat_prompts, synthesize_prompts  # noqa: F401 (re-exported)
 from .report import build_report, print_report
 from .sampling import SamplingConfig
-from .offload_dir import offload_root
-from .prompts import FILLER_TEXT, chat_prompts, synthesize_prompts  # noqa: F401 (re-exported)
+
 
 def str2bool(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
@@ -290,8 +290,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        texts = check_args(a)
-        parse_percent(a.percent)  # a bad --percent is reported before the model is found
+        texts = check_args(a)  # --percent included: reported before the model is found
         kv_options = kv_options_from_args(a)
         sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
                                   a.repetition_penalty).validate()

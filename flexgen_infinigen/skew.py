@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .guards import run_command
 from .config import ConfigError, read_text
+from .guards import run_command
 
 
 def main(argv=None) -> int:

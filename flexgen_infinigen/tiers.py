@@ -11,8 +11,8 @@ import errno
 import math
 import os
 import shutil
-import threading
 import tempfile
+import threading
 import uuid
 import weakref
 from collections import defaultdict

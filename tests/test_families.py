@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.kv import InfiniGenOptions
-from conftest import hf_greedy
 
 STEPS = 16
 # longer than the sliding window (12) and than the RoPE scaling's original context (32)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Policy
-from conftest import hf_greedy
 
 gguf = pytest.importorskip("gguf")
 

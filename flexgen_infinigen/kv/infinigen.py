@@ -29,8 +29,8 @@ from .base import CacheSpec
 from .full import FullCache, FullPolicy, attend_selected
 from .options import InfiniGenOptions
 from .pool import KVPool
-from .selective import fetch_selected, gather_on_device
 from .selection import select
+from .selective import fetch_selected, gather_on_device
 from .spec_keys import SpeculationKeys
 from .stats import FetchStats
 

@@ -8,9 +8,9 @@ import shlex
 from ..config import ConfigError, ModelConfig
 from ..kv.options import DEFAULT_KV_FRACTION
 from ..policy import Policy
-from .workload import Workload
 from .hardware import GB, HardwareProfile, load_profile
 from .lp import BATCH_SIZES, NUM_BATCHES, Plan, optimize
+from .workload import Workload
 
 
 def default_kv_fraction(kv_policy: str, max_kv_fraction: float = DEFAULT_KV_FRACTION,

@@ -5,7 +5,6 @@ dependency): the same numbers through someone else's implementation.
 """
 from __future__ import annotations
 
-
 from .store import WeightStore
 
 _LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
