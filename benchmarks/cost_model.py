@@ -30,10 +30,11 @@ from tqdm.auto import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from throughput import Retry, machine_info, measure  # noqa: E402
+from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
 from flexgen_infinigen.config import get_config  # noqa: E402
+from flexgen_infinigen.kv import make_kv_policy  # noqa: E402
 from flexgen_infinigen.planner.cost import predict  # noqa: E402
 from flexgen_infinigen.planner.hardware import load_profile  # noqa: E402
 from flexgen_infinigen.planner.lp import optimize  # noqa: E402
@@ -85,26 +86,10 @@ def profile_in_child(quick: bool):
         return load_profile(path)
 
 
-def kv_options(kv: str, opts: dict) -> dict:
-    if kv == "infinigen":
-        from flexgen_infinigen.kv import InfiniGenOptions
-        return {"options": InfiniGenOptions(**opts).validate()}
-    return dict(opts)
-
-
-def kv_fraction(kv: str, opts: dict) -> float:
-    if kv == "infinigen":
-        return opts.get("max_kv_fraction", 0.2)
-    if kv == "h2o":
-        return opts["hh_ratio"] + opts["recent_ratio"]
-    return 1.0
-
-
 def measure_policy(load: dict, policy: Policy, kv: str, opts: dict, prompt_len: int,
                    gen_len: int, retry: Retry) -> dict:
-    lm = OffloadedLM.load(policy=policy, progress=False, kv_policy=kv,
-                          kv_options=kv_options(kv, opts), max_len_hint=(prompt_len, gen_len),
-                          **load)
+    lm = OffloadedLM.load(policy=policy, progress=False, kv_policy=make_kv_policy(kv, **opts),
+                          max_len_hint=(prompt_len, gen_len), **load)
     with lm:
         prompts = synthesize_prompts(lm, prompt_len, policy.block_size, 0)
         lm.generate(prompts, gen_len=2, stop_token_id=None)
@@ -114,7 +99,7 @@ def measure_policy(load: dict, policy: Policy, kv: str, opts: dict, prompt_len: 
             return {"prefill_s": gen.prefill_latency_s,
                     "decode_step_s": gen.decode_latency_s / (gen_len - 1)}
 
-        _, usable = measure(one, retry)
+        _, usable = repeat_until_quiet(one, retry)
         best = min(usable, key=lambda r: r["decode_step_s"])
         report = lm.engine.kv_policy.report()
     gc.collect()
@@ -130,7 +115,7 @@ def validation(hw, names, prompt_len, gen_len, batch, retry) -> list[dict]:
             policy = dataclasses.replace(policy, overlap=hw.copies_overlap_compute)
         got = measure_policy(load, policy, kv, opts, prompt_len, gen_len, retry)
         work = Workload(get_config(load["model"]), prompt_len, gen_len, hw.dtype_bytes, kv,
-                        kv_fraction(kv, opts))
+                        make_kv_policy(kv, **opts).kv_fraction)
         pred = predict(work, policy, hw)
         rows.append({
             "name": name, "model": load["model"], "percent": pct, "switches": switches,

@@ -52,7 +52,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(store, kv: str, prompts: list[list[int]], gen_len: int) -> dict:
+def measure_decode_step(store, kv: str, prompts: list[list[int]], gen_len: int) -> dict:
+    """Median decode step time of one policy with the KV cache in CPU memory, and the bytes
+    that step moves and touches."""
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts))
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=POLICIES[kv],
                           progress=False) as lm:
@@ -60,7 +62,8 @@ def measure(store, kv: str, prompts: list[list[int]], gen_len: int) -> dict:
         lm.tiers.reset_counters()
         out = lm.generate(prompts, gen_len, stop_token_id=None)
         moved = lm.tiers.bytes_moved
-        report = lm.engine.kv_policy.report()
+        kv_policy = lm.engine.kv_policy
+        report = kv_policy.report()
         weights = sum(n for t in lm.engine.weights.values() for n in t.bytes_by_tier().values())
     steps = gen_len - 1
     b, length = len(prompts), len(prompts[0])
@@ -70,7 +73,7 @@ def measure(store, kv: str, prompts: list[list[int]], gen_len: int) -> dict:
     context = length + gen_len / 2
     spec = 0.0
     if kv == "infinigen":
-        layers = cfg.num_layers - 2
+        layers = cfg.num_layers - kv_policy.options.first_layer  # the layers that speculate
         spec = layers * b * cfg.num_kv_heads * context * bytes_per_key(
             report["speculation_keys"], round(report["partial_weight_ratio"] * cfg.head_dim),
             item)
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
     for shape, kv in tqdm(jobs, desc="runs"):
         b, length = map(int, shape.split("x"))
         prompts = [ids[i * length:(i + 1) * length] for i in range(b)]
-        row = measure(store, kv, prompts, a.gen_len)
+        row = measure_decode_step(store, kv, prompts, a.gen_len)
         row["memory_bound_s"] = row["bytes_touched_per_step"] / bandwidth
         row["step_over_bound"] = row["decode_step_s"] / row["memory_bound_s"]
         rows.append(row)

@@ -16,23 +16,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
 
-import flexgen_infinigen
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.report import build_report
-from flexgen_infinigen.run import synthesize_prompts
-from flexgen_infinigen.tiers import KINDS, LINKS, TIERS
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
+from throughput_report import bar_chart, markdown  # noqa: E402
+
+from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen.config import get_config  # noqa: E402
+from flexgen_infinigen.loading import find_weights  # noqa: E402
+from flexgen_infinigen.report import build_report  # noqa: E402
+from flexgen_infinigen.run import synthesize_prompts  # noqa: E402
+from flexgen_infinigen.tiers import KINDS, LINKS, TIERS  # noqa: E402
+from flexgen_infinigen.tokenizer import load_tokenizer  # noqa: E402
+
 DEFAULT_OUT = HERE / "results" / "throughput_cpu.json"
 
 # name -> (percent WG WC CG CC HG HC, extra Policy switches)
@@ -55,101 +60,6 @@ MODELS = {
     "opt-1.3b": {"load": {"model": "opt-1.3b", "dummy": True}, "prompt_len": 64, "gen_len": 16,
                  "repeats": 1},
 }
-OPT_1_3B = dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
-                vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048,
-                do_layer_norm_before=True, pad_token_id=1, bos_token_id=2, eos_token_id=2)
-
-
-# ---- machine ----------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict:
-    import transformers
-    cuda = torch.cuda.is_available()
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu": cpu_name(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "flexgen_infinigen_version": flexgen_infinigen.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "device": "cuda" if cuda else "cpu",
-        "device_name": torch.cuda.get_device_name(0) if cuda else cpu_name(),
-    }
-
-
-# ---- contention -------------------------------------------------------------------------------
-class CpuMeter:
-    """Share of the machine's CPU time used by *other* processes while a measurement ran.
-
-    The benchmark shares the machine with whatever else runs; on 2 cores a busy neighbour
-    slows torch's threads down by several times, so every row records how busy it was.
-    """
-
-    def __init__(self):
-        self.wall, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
-
-    @staticmethod
-    def _busy() -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def others(self) -> float | None:
-        """Fraction (0..1) of all cores' time that other processes used since construction."""
-        busy = self._busy()
-        if busy is None or self.busy is None:
-            return None
-        wall = time.perf_counter() - self.wall
-        other = (busy - self.busy) - (self._own() - self.own)
-        return max(0.0, other / max(wall * (os.cpu_count() or 1), 1e-9))
-
-
-@dataclass
-class Retry:
-    """How hard to try for measurements that no other process disturbed."""
-
-    repeats: int  # measured runs per configuration (the fastest is reported)
-    max_others: float = 0.10  # a run is "quiet" when others used at most this CPU share
-    extra: int = 2  # more runs when none of the first ``repeats`` was quiet
-    pause_s: float = 5.0  # wait before each extra run, for the neighbour to finish
-
-
-def measure(fn, retry: Retry) -> tuple[list[dict], list[dict]]:
-    """Call ``fn()`` (which returns a dict) ``retry.repeats`` times, and up to ``retry.extra``
-    more times while no run was quiet. Returns (all runs, the quiet ones or else all)."""
-    runs: list[dict] = []
-    while True:
-        meter = CpuMeter()
-        run = fn()
-        run["other_processes_cpu"] = others = meter.others()
-        run["quiet"] = others is None or others <= retry.max_others
-        runs.append(run)
-        quiet = [r for r in runs if r["quiet"]]
-        if len(runs) >= retry.repeats and (quiet or len(runs) >= retry.repeats + retry.extra):
-            return runs, quiet or runs
-        if len(runs) >= retry.repeats:
-            time.sleep(retry.pause_s)
 
 
 # ---- our runtime ------------------------------------------------------------------------------
@@ -172,7 +82,7 @@ def run_policy(model: str, name: str, prompt_len: int, gen_len: int, batch: int,
             return {"prefill_s": gen.prefill_latency_s, "decode_s": gen.decode_latency_s,
                     "bytes_moved": json.loads(json.dumps(lm.tiers.bytes_moved)), "gen": gen}
 
-        runs, usable = measure(one_run, retry)
+        runs, usable = repeat_until_quiet(one_run, retry)
         report = build_report(lm, runs[-1]["gen"], str(lm.tiers.device))
         load_time = lm.load_time_s
     moved = runs[0]["bytes_moved"]
@@ -213,25 +123,31 @@ def hf_smollm2():
     return hf_llama_from_store(default_model_store(progress=False), attn_implementation="sdpa")
 
 
-def hf_opt_1_3b(seed: int):
+def hf_opt(name: str, seed: int):
+    """OPTForCausalLM in the shapes of our config for ``name``, with seeded random weights."""
     from transformers import OPTConfig, OPTForCausalLM
+    c = get_config(name)
+    hf_cfg = OPTConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                       num_hidden_layers=c.num_layers, ffn_dim=c.intermediate_size,
+                       num_attention_heads=c.num_heads, max_position_embeddings=c.max_positions,
+                       word_embed_proj_dim=c.embed_dim,
+                       do_layer_norm_before=c.do_layer_norm_before,
+                       tie_word_embeddings=c.tie_word_embeddings, pad_token_id=c.pad_token_id,
+                       bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
     torch.manual_seed(seed)
-    return OPTForCausalLM(OPTConfig(**OPT_1_3B)).float().eval()
+    return OPTForCausalLM(hf_cfg).float().eval()
 
 
 def hf_prompts(model: str, prompt_len: int, batch: int, seed: int) -> torch.Tensor:
-    """The same token ids our runtime is given (synthesize_prompts needs a loaded model)."""
-    if model == "smollm2-135m":
-        from flexgen_infinigen.run import FILLER_TEXT
-        from flexgen_infinigen.tokenizer import load_tokenizer
-        from flexgen_infinigen.weights.embedded import default_model_store
-        from flexgen_infinigen.weights.store import WeightStore
-        path = default_model_store(progress=False)
-        ids = load_tokenizer(path, WeightStore(path).config).encode(FILLER_TEXT)
-        ids = (ids * (prompt_len // len(ids) + 1))[:prompt_len]
-        return torch.tensor([ids] * batch)
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, OPT_1_3B["vocab_size"], (batch, prompt_len), generator=gen)
+    """The token ids our runtime is given: ``synthesize_prompts`` on the config and tokenizer
+    that ``OffloadedLM.load`` finds for the model, without placing any weights."""
+    load = MODELS[model]["load"]
+    cfg, _, store = find_weights(load["model"], None, load.get("dummy", False), seed,
+                                 progress=False)
+    tokenizer = load_tokenizer(store.path, cfg) if store is not None else None
+    prompts = synthesize_prompts(SimpleNamespace(cfg=cfg, tokenizer=tokenizer), prompt_len,
+                                 batch, seed)
+    return torch.tensor(prompts)
 
 
 def run_transformers(model: str, prompt_len: int, gen_len: int, batch: int, retry: Retry,
@@ -242,7 +158,7 @@ def run_transformers(model: str, prompt_len: int, gen_len: int, batch: int, retr
     one warm-up generation.
     """
     start = time.perf_counter()
-    hf = hf_smollm2() if model == "smollm2-135m" else hf_opt_1_3b(seed)
+    hf = hf_smollm2() if model == "smollm2-135m" else hf_opt(model, seed)
     build_s = time.perf_counter() - start
     ids = hf_prompts(model, prompt_len, batch, seed)
     mask = torch.ones_like(ids)
@@ -258,8 +174,8 @@ def run_transformers(model: str, prompt_len: int, gen_len: int, batch: int, retr
         return elapsed
 
     timed(min(gen_len, 2))  # warm-up
-    ones, ones_ok = measure(lambda: {"s": timed(1)}, retry)
-    fulls, fulls_ok = measure(lambda: {"s": timed(gen_len)}, retry)
+    ones, ones_ok = repeat_until_quiet(lambda: {"s": timed(1)}, retry)
+    fulls, fulls_ok = repeat_until_quiet(lambda: {"s": timed(gen_len)}, retry)
     one = min(ones_ok, key=lambda r: r["s"])
     full = min(fulls_ok, key=lambda r: r["s"])
     return {"policy": "transformers generate", "percent": None,
@@ -270,107 +186,6 @@ def run_transformers(model: str, prompt_len: int, gen_len: int, batch: int, retr
                                        full["other_processes_cpu"] or 0),
             "quiet": one["quiet"] and full["quiet"],
             "attn_implementation": "sdpa (transformers default)", "dtype": "float32"}
-
-
-# ---- output -----------------------------------------------------------------------------------
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3f}"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f}"
-
-
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _busy(r: dict) -> str:
-    x = r.get("other_processes_cpu")
-    return ("-" if x is None else f"{100 * x:.0f}%") + ("" if r.get("quiet", True) else " (!)")
-
-
-SHORT = {"disk->host": "disk>h", "host->device": "h>d", "device->host": "d>h",
-         "host->disk": "h>disk"}
-
-
-def _links(bpt: dict, kind: str) -> str:
-    """MB per step of one kind, by link, e.g. 'h>d 48.5, d>h 1.5' ('0' when nothing moved)."""
-    parts = [f"{SHORT[link]} {_mb(bpt[link][kind])}" for link in LINKS if bpt[link][kind]]
-    return ", ".join(parts) or "0"
-
-
-def markdown(result: dict) -> str:
-    m = result["machine"]
-    lines = [f"# Decode throughput on {m['device_name']} ({m['cpu_count']} CPUs, "
-             f"torch {m['torch_version']}, transformers {m['transformers_version']})", ""]
-    for model, entry in result["models"].items():
-        s = entry["settings"]
-        lines += [f"## {model}", "",
-                  f"batch {s['batch']}, prompt {s['prompt_len']} tokens, generate "
-                  f"{s['gen_len']} tokens, {s['dtype']}; model {_mb(entry['model_bytes'])} MB. "
-                  "Bytes are per generation step (one new token for each of the "
-                  f"{s['batch']} prompts), averaged over all {s['gen_len']} steps "
-                  f"(prefill included). Times are the best of {s['repeats']} "
-                  f"run{'s' if s['repeats'] > 1 else ''} (more when another process was "
-                  "busy). (!) marks a time measured while other processes used more than "
-                  f"{100 * result['settings']['max_others']:.0f}% of the CPU: unreliable.", ""]
-        if s.get("reduced"):
-            lines += [f"Lengths reduced from the defaults: {s['reduced']}", ""]
-        lines += ["| policy | percent | decode tok/s | prefill s | vs HF | "
-                  "weights MB/step | KV cache MB/step | activations MB/step | "
-                  "peak device GB | peak host GB | peak disk GB | others' CPU |",
-                  "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
-        for r in entry["rows"]:
-            bpt = r["bytes_per_token"]
-            pk = r["peak_memory_bytes"]
-            pct = " ".join(f"{p:g}" for p in r["percent"]) + (" +4bit" if r["compress_weight"]
-                                                             else "")
-            lines.append(f"| {r['policy']} | {pct} | {r['decode_tokens_per_s']:.2f} | "
-                         f"{r['prefill_s']:.2f} | {_num(r['ratio_vs_transformers'])} | "
-                         f"{_links(bpt, 'weights')} | {_links(bpt, 'kv_cache')} | "
-                         f"{_links(bpt, 'activations')} | {_gb(pk['device'])} | "
-                         f"{_gb(pk['host'])} | {_gb(pk['disk'])} | "
-                         f"{_busy(r)} |")
-        hf = entry["transformers"]
-        if hf is not None:
-            lines.append(f"| transformers generate | - | {hf['decode_tokens_per_s']:.2f} | "
-                         f"{hf['prefill_s']:.2f} | 1.00 | - | - | - | - | - | - | "
-                         f"{_busy(hf)} |")
-        lines.append("")
-    return "\n".join(lines) + "\n"
-
-
-def bar_chart(result: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    models = list(result["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        entry = result["models"][model]
-        names = [r["policy"] for r in entry["rows"]]
-        values = [r["decode_tokens_per_s"] for r in entry["rows"]]
-        colors = ["tab:blue"] * len(entry["rows"])
-        if entry["transformers"] is not None:
-            names.append("transformers generate")
-            values.append(entry["transformers"]["decode_tokens_per_s"])
-            colors.append("tab:gray")
-        ax.bar(range(len(names)), values, color=colors)
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-        s = entry["settings"]
-        ax.set_title(f"{model} (batch {s['batch']}, prompt {s['prompt_len']}, "
-                     f"gen {s['gen_len']})", fontsize=10)
-        ax.set_ylabel("decode tokens/s")
-    fig.suptitle(f"Decode throughput, {result['machine']['device_name']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 # ---- main -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from . import memory_plan
 from .config import ConfigError, ModelConfig
 from .engine import Engine
-from .kv import make_kv_policy
+from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
@@ -37,6 +38,7 @@ class Generation:
     step_times: list[float] = field(default_factory=list)  # wall time of every iteration
     prompt_texts: list[str] = field(default_factory=list)
     decode_tokens: int | None = None  # tokens the decode steps made (rows x steps actually run)
+    prefill_link_bytes: dict[str, int] = field(default_factory=dict)  # per link, prefill steps
 
 
 class OffloadedLM:
@@ -48,12 +50,14 @@ class OffloadedLM:
     @classmethod
     def load(cls, model: str | None = None, path: str | None = None, dummy: bool = False,
              policy: Policy | None = None, device: str = "auto", dtype: str | None = None,
-             kv_policy: str = "full", kv_options: dict | None = None,
+             kv_policy: str | KVPolicy = "full", kv_options: dict | None = None,
              offload_dir: str | None = None, seed: int = 0, progress: bool = True,
              max_len_hint: tuple[int, int] | None = None) -> "OffloadedLM":
         """Find the weights, check that the policy fits, and place the weights on the tiers.
 
-        ``max_len_hint`` = (prompt_len, gen_len) lets the memory check include the KV cache.
+        ``kv_policy``: a :class:`~.kv.base.KVPolicy` (``InfiniGenPolicy(max_kv_fraction=0.2)``)
+        or a registered name with its ``kv_options``. ``max_len_hint`` = (prompt_len, gen_len)
+        lets the memory check include the KV cache.
         """
         start = time.perf_counter()
         policy = (policy or Policy()).validate()
@@ -61,7 +65,14 @@ class OffloadedLM:
         if policy.overlap is None:
             policy = dataclasses.replace(policy, overlap=dev.type == "cuda")
         torch_dtype = resolve_dtype(dtype, dev)
-        kv = make_kv_policy(kv_policy, **(kv_options or {}))
+        if isinstance(kv_policy, KVPolicy):
+            if kv_options:
+                raise ConfigError("kv_options go with a policy name; a policy object carries "
+                                  "its own options")
+            kv = kv_policy
+        else:
+            kv = make_kv_policy(kv_policy, **(kv_options or {}))
+        kv.check_placement(policy.cpu_cache_compute)
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
@@ -81,12 +92,21 @@ class OffloadedLM:
         lm = cls(cfg, engine, tokenizer, tiers)
         lm.store_path = store.path if store is not None else None
         try:
-            kv.prepare(lm)
+            lm.use_kv_policy(kv)
         except BaseException:
             tiers.close()
             raise
         lm.load_time_s = time.perf_counter() - start
         return lm
+
+    def use_kv_policy(self, kv: KVPolicy) -> None:
+        """Run with ``kv`` from now on (the weights stay where they are): its placement is
+        checked, it takes what it needs from the model (InfiniGen: its skew), and the byte
+        ledger restarts, so that it counts generation, not set-up."""
+        kv.check_placement(self.policy.cpu_cache_compute)
+        kv.prepare(self)
+        self.engine.kv_policy = kv
+        self.tiers.reset_counters()
 
     @property
     def policy(self) -> Policy:
@@ -145,6 +165,7 @@ class OffloadedLM:
         prefill = decode = 0.0
         step_times: list[float] = []
         ran = decode_tokens = 0  # iterations run (a block stops early when every row ended)
+        prefill_links: dict[str, int] = {}
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
         for start in range(0, len(ids), block):
@@ -154,15 +175,8 @@ class OffloadedLM:
             batches = self._pad_batches(chunk)
             rows = [[] for _ in chunk]
             done = [False] * len(chunk)
-
-            def on_tokens(i, tokens, rows=rows, done=done, real=real):
-                flat = torch.cat(tokens).tolist()
-                for r, t in enumerate(flat):
-                    if not done[r]:
-                        rows[r].append(t)
-                        done[r] = stop_token_id is not None and t == stop_token_id
-                bar.update(real)
-                return all(done[:real])
+            ran_before = len(step_times)
+            moved_before = _link_totals(self.tiers)
 
             chooser = sampler
             if sampling.repetition_penalty != 1.0:
@@ -175,16 +189,32 @@ class OffloadedLM:
                     raise ConfigError(f"forced tokens must have at least {steps} per prompt")
                 chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]),
                                        self.policy.gpu_batch_size)
-            result = self.engine.run_block(batches, steps, chooser, on_tokens, keep_logits)
-            step_times += result["times"]
-            ran = max(ran, len(result["times"]))
-            decode_tokens += real * (len(result["times"]) - 1)
-            prefill += result["times"][0]
-            decode += sum(result["times"][1:])
+            block_logits = []
+            with closing(self.engine.generate_block(batches, steps, chooser,
+                                                    keep_logits)) as block_steps:
+                for step in block_steps:
+                    step_times.append(step.seconds)
+                    if step.index == 0:
+                        for link, n in _link_totals(self.tiers).items():
+                            prefill_links[link] = prefill_links.get(link, 0) + n \
+                                - moved_before[link]
+                    if keep_logits:
+                        block_logits.append(torch.cat(step.logits))
+                    for r, t in enumerate(torch.cat(step.tokens).tolist()):
+                        if not done[r]:
+                            rows[r].append(t)
+                            done[r] = stop_token_id is not None and t == stop_token_id
+                    bar.update(real)
+                    if all(done[:real]):
+                        break  # every real row has ended: the block stops here
+            ran_here = len(step_times) - ran_before
+            ran = max(ran, ran_here)
+            decode_tokens += real * (ran_here - 1)
+            prefill += step_times[ran_before]
+            decode += sum(step_times[ran_before + 1:])
             outputs += rows[:real]
             if keep_logits:
-                per_step = [torch.cat(step) for step in result["logits"]]
-                stacked = torch.stack(per_step, dim=1)  # [block, steps, vocab]
+                stacked = torch.stack(block_logits, dim=1)  # [block, steps, vocab]
                 logits += list(stacked[:real])
         bar.close()
         projected = bool(cut_gen_len and cut_gen_len < gen_len)
@@ -194,7 +224,7 @@ class OffloadedLM:
         prompt_texts = [self.tokenizer.decode(p) if self.tokenizer else "" for p in ids]
         return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
                           gen_len if projected else ran, projected, logits, step_times,
-                          prompt_texts, None if projected else decode_tokens)
+                          prompt_texts, None if projected else decode_tokens, prefill_links)
 
     def _pad_batches(self, chunk: list[list[int]]):
         """Left-pad a block's prompts to one length and cut it into GPU batches."""
@@ -212,6 +242,10 @@ class OffloadedLM:
             for t, n in tensor.bytes_by_tier().items():
                 out[t] += n
         return out
+
+
+def _link_totals(tiers: Tiers) -> dict[str, int]:
+    return {link: sum(kinds.values()) for link, kinds in tiers.bytes_moved.items()}
 
 
 def check_lengths(cfg: ModelConfig, prompt_len: int, gen_len: int) -> None:

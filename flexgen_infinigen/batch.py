@@ -22,11 +22,11 @@ from pathlib import Path
 
 from .config import DEFAULT_MODEL, ConfigError
 from .guards import check_output_path, run_command
+from .kv import kv_policy_from_args
 from .run import (
     add_model_args,
     add_policy_args,
     check_policy_args,
-    kv_options_from_args,
     policy_from_args,
     wants_plan,
 )
@@ -178,12 +178,12 @@ def _main(argv=None) -> int:
           file=sys.stderr)
     if not todo:
         return 0
-    kv_options = kv_options_from_args(a)
+    kv = kv_policy_from_args(a)
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
     policy, _ = planned(a, model, todo) if wants_plan(a) else policy_from_args(a)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
-                          device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
-                          kv_options=kv_options, offload_dir=a.offload_dir, seed=a.seed)
+                          device=a.device, dtype=a.dtype, kv_policy=kv,
+                           offload_dir=a.offload_dir, seed=a.seed)
     with lm, open(a.output, "a", encoding="utf-8") as out:
         template = store_template(lm.store_path)  # read once, not per request
         for r in todo:

@@ -1,6 +1,7 @@
 """Group-wise asymmetric 4-bit quantization (min/max per group of 64 along the last dim)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,15 @@ class Packed:
 
 def can_compress(shape: tuple[int, ...], group: int = GROUP_SIZE) -> bool:
     return len(shape) >= 2 and shape[-1] % group == 0
+
+
+def stored_bytes(shape: tuple[int, ...], itemsize: int, compress: bool) -> int:
+    """Bytes of a tensor of ``shape`` as stored: packed 4-bit codes plus a scale and a minimum
+    per group (what :attr:`Packed.nbytes` counts) when compressed and compressible."""
+    n = math.prod(shape)
+    if compress and can_compress(tuple(shape)):
+        return n // GROUP_SIZE * (GROUP_SIZE // 2 + 2 * itemsize)
+    return n * itemsize
 
 
 def packed_shapes(shape: tuple[int, ...], group: int = GROUP_SIZE):

@@ -38,18 +38,14 @@ def _main(argv=None) -> int:
     a = p.parse_args(argv)
     source = Path(a.checkpoint or a.gguf)
     out = a.out or str(Path("stores") / (source.stem if a.gguf else source.resolve().name))
-    try:
-        if a.checkpoint:
-            from .weights.hf_convert import convert_hf
-            if not source.is_dir():
-                raise ConfigError(f"--checkpoint {a.checkpoint} is not a folder")
-            out = convert_hf(source, out, a.name, tuple(a.allow_field))
-        else:
-            from .weights.gguf_convert import convert_gguf
-            out = convert_gguf(source, out, a.name)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if a.checkpoint:
+        from .weights.hf_convert import convert_hf
+        if not source.is_dir():
+            raise ConfigError(f"--checkpoint {a.checkpoint} is not a folder")
+        out = convert_hf(source, out, a.name, tuple(a.allow_field))
+    else:
+        from .weights.gguf_convert import convert_gguf
+        out = convert_gguf(source, out, a.name)
     print(f"weight store written to {out}; run it with "
           f"`python -m flexgen_infinigen.run --path {out}`")
     return 0

@@ -1,16 +1,25 @@
 """The offloading engine: one zig-zag block schedule for every model family and KV policy.
 
-For each generated token i, for each schedule stage j (embedding, attention and
-MLP of every layer, output head), for each GPU batch k of the block: the stage's
-weights are loaded once and reused across the k batches, the batch's KV cache is
-loaded, the stage computes, and the new keys and values are stored. The
-overlapped loop issues the next step's loads and the previous step's stores on
+A block runs two named phases: the **prefill** (iteration 0: the prompts go through every
+layer and their keys and values are stored) and **decode** steps (one token per GPU batch
+per iteration, attending to the cache). For each iteration, for each schedule stage j
+(embedding, attention and MLP of every layer, output head), for each GPU batch k of the
+block: the stage's weights are loaded once and reused across the k batches, the batch's KV
+cache is loaded, the stage computes and returns the new keys and values, and they are stored.
+
+The overlapped loop issues the next step's loads and the previous step's stores on
 separate lanes while the current step computes, with one synchronization per step.
+Ordering rule for speculation (InfiniGen): the cache of layer i+1, batch k is told what to
+read (``KVCache.speculate``) during the compute of layer i, batch k, but its load may already
+be queued one step ahead on the load lane; such a ``load`` waits for its speculation, so a
+speculating cache is never ``inline`` (an inline load would run on the compute thread before
+the speculation it needs and wait forever).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +32,9 @@ from .sampling import Sampler
 from .streams import Lanes
 from .tiered import TieredTensor
 from .tiers import Tiers
+
+# called with (layer, q, k, valid) of each layer's prompt pass instead of storing it
+PromptRecorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -57,7 +69,17 @@ class BatchState:
     visible: torch.Tensor | None = None  # [b, length]: keys the newest token may see
     hidden: object = None
     logits: torch.Tensor | None = None
-    new_kv: dict = field(default_factory=dict)  # stage index -> values waiting to be stored
+
+
+@dataclass
+class Step:
+    """One iteration of a block: the token chosen for every GPU batch, its wall time, and
+    the logits when asked for."""
+
+    index: int  # 0 is the prefill
+    tokens: list[torch.Tensor]  # per GPU batch, [b] on the CPU
+    seconds: float
+    logits: list[torch.Tensor] | None = None
 
 
 class Engine:
@@ -68,19 +90,22 @@ class Engine:
         self.family = family_of(cfg)
         self.stages = build_stages(cfg, policy.sep_layer)
         self.states: list[BatchState] = []
-        self.caches: dict[tuple[int, int], object] = {}
+        self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
+        self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
+        self.record: PromptRecorder | None = None
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
 
     # ---- one block --------------------------------------------------------------------------
-    def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-                  sampler: Sampler, on_tokens=None, keep_logits: bool = False) -> dict:
-        """Generate ``steps`` tokens for each GPU batch of (ids [b, P], valid [b, P]) pairs.
+    def generate_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                       sampler: Sampler, keep_logits: bool = False,
+                       record: PromptRecorder | None = None) -> Iterator[Step]:
+        """Up to ``steps`` iterations for each GPU batch of (ids [b, P], valid [b, P]) pairs,
+        one :class:`Step` at a time: the caller stops early by not asking for more.
 
-        ``on_tokens(iteration, [ids per batch])`` may return True to stop early.
-        Returns per-iteration wall times, and logits when ``keep_logits``.
-        """
+        ``record``: run the prefill only, handing each layer's prompt q and k to it instead
+        of keeping a cache (calibration)."""
         dev = self.tiers.device
         prompt_len = batches[0][0].shape[1]
         self.states = []
@@ -88,39 +113,49 @@ class Engine:
             valid = valid.to(dev)
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
             self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
-        self._make_caches(len(batches[0][0]), prompt_len + steps)
+        self.record = record
+        if record is None:
+            self._make_caches(len(batches[0][0]), prompt_len + steps)
+        else:
+            steps = 1
         lanes = Lanes(dev, self.policy.overlap)
-        times, logits, tokens = [], [], []
+        tokens = []
         syncs = self.debug["host_syncs_per_step"] = []
         try:
             for i in range(steps):
                 start, before = time.perf_counter(), self.tiers.host_syncs
-                if i > 0:
+                decode = i > 0
+                if decode:
                     self._advance(tokens)
-                self._iteration(i, lanes)
+                self._iteration(decode, lanes)
                 host = [self.tiers.host_values(s.logits)[0] for s in self.states]
                 tokens = [sampler(x, i, k) for k, x in enumerate(host)]
-                if keep_logits:
-                    logits.append([x.float() for x in host])
                 if self.tiers.is_cuda:
                     torch.cuda.synchronize()
                     self.tiers.count_sync()
-                times.append(time.perf_counter() - start)
                 syncs.append(self.tiers.host_syncs - before)
-                if on_tokens is not None and on_tokens(i, tokens):
-                    break
-        except BaseException:
-            self.kv_policy.abort()  # wake loads waiting for a speculation that will not come
+                yield Step(i, tokens, time.perf_counter() - start,
+                           [x.float() for x in host] if keep_logits else None)
+        except BaseException:  # an error, an interrupt, or the caller stopped (GeneratorExit)
+            for cache in self.caches.values():  # wake loads waiting for a speculation
+                cache.abort()
             raise
         finally:
             lanes.close()
             self.caches.clear()
             self._activations.clear()
-        return {"times": times, "logits": logits}
+            self.record = None
+
+    def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                  sampler: Sampler, keep_logits: bool = False) -> dict:
+        """All ``steps`` iterations: their wall times, and logits when ``keep_logits``."""
+        done = list(self.generate_block(batches, steps, sampler, keep_logits))
+        return {"times": [s.seconds for s in done],
+                "logits": [s.logits for s in done] if keep_logits else []}
 
     def _make_caches(self, batch_size: int, max_len: int) -> None:
         p, cfg = self.policy, self.cfg
-        self.caches = {}
+        self.caches, self.attention_stage = {}, {}
         for j, stage in enumerate(self.stages):
             if stage.kind not in ("attn", "layer"):
                 continue
@@ -129,6 +164,7 @@ class Engine:
                                  cfg.head_dim, self.dtype, p.cache_split, p.compress_cache,
                                  p.cpu_cache_compute, cfg.sliding_window)
                 self.caches[(j, k)] = self.kv_policy.make_cache(spec)
+                self.attention_stage[stage.layer] = j
 
     def _advance(self, tokens: list[torch.Tensor]) -> None:
         for state, new in zip(self.states, tokens):
@@ -151,93 +187,97 @@ class Engine:
     def _load_weights(self, j: int) -> dict[str, torch.Tensor]:
         return {short: self.weights[full].read() for short, full in self.stages[j].weights.items()}
 
-    def _load_cache(self, i: int, j: int, k: int):
-        if i == 0 or (j, k) not in self.caches:
+    def _load_cache(self, decode: bool, j: int, k: int):
+        if not decode or (j, k) not in self.caches:
             return None
         return self.caches[(j, k)].load(self.states[k].valid.shape[1] - 1)
 
-    def _store_cache(self, i: int, j: int, k: int, new) -> None:
-        """Keep ``new`` = (q, k, v, valid) of stage ``j``, batch ``k`` (popped by the caller on
-        the compute side, so that a store lane receives, and marks, the tensors it reads)."""
+    def _store_cache(self, decode: bool, j: int, k: int, new) -> None:
+        """Keep ``new`` = (q, k, v, valid), the keys and values stage ``j`` of batch ``k``
+        computed (or hand the prompt's to the recorder)."""
         if new is None:
             return
         q, key, value, valid = new
-        cache = self.caches[(j, k)]
-        if i == 0:
-            cache.store_prompt(q, key, value, valid)
+        if self.record is not None:
+            self.record(self.stages[j].layer, q, key, valid)
+        elif decode:
+            self.caches[(j, k)].store_token(key, value, valid.shape[1] - 1)
         else:
-            cache.store_token(key, value, valid.shape[1] - 1)
+            self.caches[(j, k)].store_prompt(q, key, value, valid)
 
-    def _iteration(self, i: int, lanes: Lanes) -> None:
+    def _iteration(self, decode: bool, lanes: Lanes) -> None:
         num_batches = len(self.states)
-        steps = [(j, k) for j in range(len(self.stages)) for k in range(num_batches)]
         if not self.policy.overlap:
             for j in range(len(self.stages)):
                 weights = self._load_weights(j)
                 for k in range(num_batches):
-                    self._compute(i, j, k, weights, self._load_cache(i, j, k))
-                    self._store_cache(i, j, k, self._new_kv(j, k))
+                    new = self._compute(decode, j, k, weights, self._load_cache(decode, j, k))
+                    self._store_cache(decode, j, k, new)
             return
+        steps = [(j, k) for j in range(len(self.stages)) for k in range(num_batches)]
         weight_loads = {0: self._submit_weights(lanes, 0)}
-        cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, i, 0, 0)
-        previous = None
+        cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, decode, 0, 0)
+        previous = None  # ((j, k), new K/V) of the step before, stored while this one computes
         for n, (j, k) in enumerate(steps):
             if k == 0 and j + 1 < len(self.stages):
                 weight_loads[j + 1] = self._submit_weights(lanes, j + 1)
             next_load = None
             if n + 1 < len(steps):
-                next_load = self._submit_cache(lanes, "cache_load", self._load_cache, i,
+                next_load = self._submit_cache(lanes, "cache_load", self._load_cache, decode,
                                                *steps[n + 1])
             if previous is not None:
-                self._submit_cache(lanes, "cache_store", self._store_cache, i, *previous,
-                                   self._new_kv(*previous))
-            self._compute(i, j, k, lanes.result(weight_loads[j]), lanes.result(cache_load))
+                self._submit_cache(lanes, "cache_store", self._store_cache, decode, *previous[0],
+                                   previous[1])
+            new = self._compute(decode, j, k, lanes.result(weight_loads[j]),
+                                lanes.result(cache_load))
             lanes.sync()  # the cache lanes only: a weight load is waited for where it is used
             if k == num_batches - 1:
                 del weight_loads[j]
-            cache_load, previous = next_load, (j, k)
-        self._store_cache(i, *previous, self._new_kv(*previous))
-
-    def _new_kv(self, j: int, k: int):
-        return self.states[k].new_kv.pop(j, None)
+            cache_load, previous = next_load, ((j, k), new)
+        self._store_cache(decode, *previous[0], previous[1])
 
     def _submit_weights(self, lanes: Lanes, j: int):
         resident = all(self.weights[n].resident for n in self.stages[j].weights.values())
         return lanes.submit("weights", self._load_weights, j, inline=resident, track=False)
 
-    def _submit_cache(self, lanes: Lanes, lane: str, fn, i: int, j: int, k: int, *extra):
+    def _submit_cache(self, lanes: Lanes, lane: str, fn, decode: bool, j: int, k: int, *extra):
         cache = self.caches.get((j, k))
-        return lanes.submit(lane, fn, i, j, k, *extra, inline=cache is None or cache.resident)
+        return lanes.submit(lane, fn, decode, j, k, *extra, inline=cache is None or cache.inline)
 
     # ---- compute ----------------------------------------------------------------------------
-    def _compute(self, i: int, j: int, k: int, w: dict, loaded) -> None:
+    def _compute(self, decode: bool, j: int, k: int, w: dict, loaded):
+        """Stage ``j`` for batch ``k``; returns the new (q, k, v, valid) of an attention
+        stage, to be stored, else None."""
         stage, state, fam, cfg = self.stages[j], self.states[k], self.family, self.cfg
-        h = state.hidden
+        h, new = state.hidden, None
         if isinstance(h, TieredTensor):
             h = h.read()
         if stage.kind == "embed":
             h = fam.embed(cfg, w, state.ids, state.positions)
         if stage.kind in ("attn", "layer"):
-            h = self._attention(i, j, k, w, h, loaded)
+            h, new = self._attention(decode, j, k, w, h, loaded)
         if stage.kind in ("mlp", "layer"):
             h = fam.mlp(cfg, w, h)
         if stage.kind == "head":
             state.logits = fam.head(cfg, w, h[:, -1:, :])[:, -1]
             h = None
         state.hidden = self._keep_hidden(k, h)
+        return new
 
-    def _attention(self, i: int, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
+    def _attention(self, decode: bool, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, self.states[k_batch]
         x = fam.attn_input(cfg, w, h)
-        if i > 0:
-            self.kv_policy.before_attention(self.stages[j].layer, k_batch, x, state)
+        if decode:  # the next layer's cache may choose what to read from this layer's input
+            following = self.attention_stage.get(self.stages[j].layer + 1)
+            if following is not None:
+                self.caches[(following, k_batch)].speculate(x, state.pos_enc, state.valid,
+                                                            state.visible)
         q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
-        if i == 0:
-            out = attend(q, k, v, state.bias)
-        else:
+        if decode:
             out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)
-        state.new_kv[j] = (q, k, v, state.valid)
-        return fam.attn_out(cfg, w, h, out)
+        else:
+            out = attend(q, k, v, state.bias)
+        return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
 
     def _keep_hidden(self, k: int, h):
         """Offload batch ``k``'s hidden state as the policy says, into one buffer per batch and

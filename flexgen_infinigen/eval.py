@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .guards import check_output_path, run_command
+from .kv import kv_policy_from_args
 from .metrics import teacher_forced_nll
-from .run import add_model_args, add_policy_args, kv_options_from_args, policy_from_args, write_json
+from .run import add_model_args, add_policy_args, policy_from_args, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,10 +82,10 @@ def perplexity(a) -> dict:
 
     ids, cfg = check_args(a)
     policy, _ = policy_from_args(a, cfg, (a.prefill_len, a.seq_len - a.prefill_len))
-    kv_options = kv_options_from_args(a)
+    kv = kv_policy_from_args(a)
     lm = OffloadedLM.load(model=a.model or (None if a.path else DEFAULT_MODEL), path=a.path,
-                          policy=policy, device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
-                          kv_options=kv_options, offload_dir=a.offload_dir, seed=a.seed,
+                          policy=policy, device=a.device, dtype=a.dtype, kv_policy=kv,
+                           offload_dir=a.offload_dir, seed=a.seed,
                           max_len_hint=(a.prefill_len, a.seq_len - a.prefill_len))
     with lm:
         count = len(ids) // a.seq_len
@@ -124,11 +125,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
-    try:
-        result = perplexity(a)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = perplexity(a)
     print(f"perplexity {result['perplexity']:.3f} over {result['tokens_scored']} tokens in "
           f"{result['windows']} windows; relative KV size {result['relative_kv_size']:.3f} "
           f"({result['kv_policy']['kv_policy']})")

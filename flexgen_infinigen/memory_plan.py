@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .attention import score_rows
-from .compression import GROUP_SIZE, can_compress
+from .compression import can_compress, stored_bytes
 from .config import ConfigError, ModelConfig
 from .models import family_of
 from .offload_dir import remove_stale_folders
@@ -25,21 +25,14 @@ from .tiers import DEVICE, DISK, HOST, TIERS
 GIB = 1 << 30
 
 
-def _compressed_bytes(shape, itemsize: int) -> int:
-    groups = math.prod(shape) // GROUP_SIZE
-    return groups * (GROUP_SIZE // 2 + 2 * itemsize)
-
-
 def _split_bytes(shape, split_dim: int, fractions, itemsize: int, compress: bool) -> list[int]:
     sizes = split_sizes(shape[split_dim], fractions)
     out = []
     for size in sizes:
         seg = list(shape)
         seg[split_dim] = size
-        if compress and can_compress(tuple(shape)):
-            out.append(_compressed_bytes(seg, itemsize))
-        else:
-            out.append(math.prod(seg) * itemsize)
+        # compressible is decided on the whole tensor's shape (its segments share the groups)
+        out.append(stored_bytes(seg, itemsize, compress and can_compress(tuple(shape))))
     return out
 
 

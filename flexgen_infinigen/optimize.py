@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DEFAULT_MODEL, ConfigError, get_config
+from .config import DEFAULT_MODEL, get_config
 from .guards import check_output_path
 from .guards import run_command as run_guarded
+from .kv import plannable_names
 from .planner.auto import (
     check_possible,
     default_kv_fraction,
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", type=float, default=None, help="GB usable in CPU memory")
     p.add_argument("--disk-mem", type=float, default=None, help="GB usable on disk")
     p.add_argument("--offload-dir", default=None, help="the disk tier's folder (for its space)")
-    p.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o"])
+    p.add_argument("--kv-policy", default="full", choices=plannable_names())
     p.add_argument("--kv-fraction", type=float, default=None,
                    help="fraction of the context fetched (infinigen; default its cap, 0.2) or "
                         "kept (h2o; default 0.2)")
@@ -67,22 +68,18 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
-    try:
-        cfg = get_config(a.model)
-        if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
-            check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
-                           a.gpu_mem, a.cpu_mem, a.disk_mem)
-        hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)
-        base = Policy(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
-                      cpu_cache_compute=a.cpu_cache_compute)
-        fraction = a.kv_fraction if a.kv_fraction is not None else \
-            default_kv_fraction(a.kv_policy)
-        fixed = [None if v == "auto" else v for v in (a.gpu_batch_size, a.num_gpu_batches)]
-        best, plans = search(cfg, a.prompt_len, a.gen_len, hw, base, a.kv_policy, fraction,
-                             *fixed, a.dtype_bytes)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = get_config(a.model)
+    if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
+        check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
+                       a.gpu_mem, a.cpu_mem, a.disk_mem)
+    hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)
+    base = Policy(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
+                  cpu_cache_compute=a.cpu_cache_compute)
+    fraction = a.kv_fraction if a.kv_fraction is not None else \
+        default_kv_fraction(a.kv_policy)
+    fixed = [None if v == "auto" else v for v in (a.gpu_batch_size, a.num_gpu_batches)]
+    best, plans = search(cfg, a.prompt_len, a.gen_len, hw, base, a.kv_policy, fraction,
+                         *fixed, a.dtype_bytes)
     command = run_command(best, cfg.name, a.prompt_len, a.gen_len, a.kv_policy)
     print(f"{cfg.name}, prompt {a.prompt_len}, gen {a.gen_len}, kv policy {a.kv_policy}"
           + (f" (fraction {fraction:g})" if a.kv_policy != "full" else "")

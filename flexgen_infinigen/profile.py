@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError
 from .guards import check_output_path, run_command
 from .loading import resolve_device
 from .planner.hardware import BUILTIN, GB, RATES, HardwareProfile
-from .planner.measure import cache_path, measure
+from .planner.measure import cache_path, measure_hardware, save_to_cache
 from .run import write_json
 
 
@@ -17,6 +16,7 @@ def _size(n: int) -> str:
 
 
 def describe(p: HardwareProfile) -> str:
+    """The profile in a few lines: memory, disk, matmul, rate tables, overheads."""
     mm = p.matmul_flops
     lines = [f"{p.name}: {p.device}", f"  {p.source}",
              f"  memory      device {p.gpu_mem / GB:.1f} GB   host {p.cpu_mem / GB:.1f} GB   "
@@ -57,20 +57,17 @@ def _main(argv=None) -> int:
     a = p.parse_args(argv)
     check_output_path(a.json, "--json")
     check_output_path(a.out, "--out")
-    try:
-        if a.show:
-            from .planner.hardware import load_profile
-            prof = load_profile(a.show)
+    if a.show:
+        from .planner.hardware import load_profile
+        prof = load_profile(a.show)
+    else:
+        prof = measure_hardware(resolve_device(a.device), a.offload_dir, quick=a.quick)
+        if a.out:
+            prof.save(a.out)
+            out = a.out
         else:
-            prof = measure(resolve_device(a.device), a.offload_dir, quick=a.quick)
-            out = a.out or str(cache_path())
-            if a.out is None:
-                cache_path().parent.mkdir(parents=True, exist_ok=True)
-            prof.save(out)
-            print(f"profile written to {out}")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            out = save_to_cache(prof)
+        print(f"profile written to {out}")
     print(describe(prof))
     write_json(a.json, prof.to_dict())
     return 0

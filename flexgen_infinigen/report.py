@@ -1,4 +1,5 @@
-"""The run report: latency and throughput, sizes, peak memory per tier, bytes moved."""
+"""The run report: latency and throughput, sizes, peak memory per tier, bytes moved and the
+bandwidth each link achieved (against this machine's saved profile, when there is one)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,9 @@ import torch
 
 from .api import Generation, OffloadedLM
 from .models import family_of
-from .tiers import DEVICE, DISK, HOST, LINKS
+from .planner.hardware import HardwareProfile
+from .planner.measure import saved_profile
+from .tiers import DEVICE, DISK, HOST, LINKS, Tiers
 
 GB = 1e9
 
@@ -50,6 +53,9 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
                               "host_pinned_exact": tiers.pinned_bytes, "host_process_rss": rss},
         "debug": {"host_syncs_per_step": list(lm.engine.debug["host_syncs_per_step"])},
         "bytes_moved": tiers.bytes_moved,
+        "link_bandwidth": link_bandwidth(tiers.bytes_moved, sum(gen.step_times),
+                                         _profile_of(tiers), gen.prefill_link_bytes,
+                                         gen.prefill_latency_s),
         "load_time_s": lm.load_time_s,
         "texts": gen.texts,
         "prompt_texts": gen.prompt_texts,
@@ -57,6 +63,41 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     }
     report.update(extra or {})
     return report
+
+
+def _profile_of(tiers: Tiers) -> HardwareProfile | None:
+    """This machine's saved profile if it was measured on this kind of compute device (a
+    profile of the GPU says nothing of a ``--device cpu`` run); never measures."""
+    prof = saved_profile()
+    return prof if prof is not None and prof.shared_memory != tiers.is_cuda else None
+
+
+def link_bandwidth(bytes_moved: dict, seconds: float, profile: HardwareProfile | None,
+                   prefill_bytes: dict | None = None, prefill_s: float = 0.0) -> dict:
+    """Bytes/s each link achieved: the ledger's bytes (all kinds, since it was last reset, as
+    ``bytes_moved`` reports them) over ``seconds``, the wall time of the generation's steps as
+    run (under ``--cut-gen-len`` the steps run, not the projection); and, given the bytes of
+    the prefill steps and their time, the decode steps' own rate. Links that moved nothing
+    are left out. With a profile, each link's peak and ``share_of_peak``: the share of the
+    run the link would have been busy at that peak."""
+    links = {}
+    decode_s = seconds - prefill_s
+    for link in LINKS:
+        moved = sum(bytes_moved[link].values())
+        if moved == 0:
+            continue
+        rate = moved / max(seconds, 1e-9)
+        decode = None
+        if prefill_bytes is not None and decode_s > 0:
+            decode = (moved - prefill_bytes.get(link, 0)) / decode_s
+        row = {"bytes": moved, "bytes_per_s": rate, "decode_bytes_per_s": decode,
+               "peak_bytes_per_s": None, "peak_from": None, "share_of_peak": None}
+        if profile is not None:
+            row["peak_from"], peak = profile.link_peak(link)
+            row["peak_bytes_per_s"], row["share_of_peak"] = peak, rate / peak
+        links[link] = row
+    return {"seconds": seconds, "profile": profile.source if profile is not None else None,
+            "links": links}
 
 
 def _gb(n: float) -> str:
@@ -111,6 +152,19 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
     for link in LINKS:
         row = r["bytes_moved"][link]
         w(f"  {link:<14}" + "".join(f"{_gb(row[k]):>14}" for k in kinds))
+    bw = r["link_bandwidth"]
+    if bw["links"]:
+        w(f"link bandwidth over the {bw['seconds']:.3f} s of prefill and decode steps run"
+          + (f", against the saved profile ({bw['profile']}):" if bw["profile"] else
+             " (no saved profile of this machine: `python -m flexgen_infinigen.profile` "
+             "gives each link's peak):"))
+    for link, row in bw["links"].items():
+        peak = ("" if row["peak_bytes_per_s"] is None else
+                f"  {100 * row['share_of_peak']:.0f}% of {row['peak_bytes_per_s'] / GB:.2f} "
+                f"GB/s peak ({row['peak_from']})")
+        decode = ("" if row["decode_bytes_per_s"] is None else
+                  f" (decode steps {row['decode_bytes_per_s'] / GB:.3f} GB/s)")
+        w(f"  {link:<14}{row['bytes_per_s'] / GB:>9.3f} GB/s{peak}{decode}")
     for key, value in r["kv_policy"].items():
         if key == "kv_policy":
             continue

@@ -8,7 +8,7 @@ import sys
 from .api import OffloadedLM, check_lengths
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .guards import check_output_path, run_command
-from .kv.options import DEFAULT_KV_FRACTION
+from .kv import add_kv_args, kv_policy_from_args
 from .offload_dir import offload_root
 from .policy import Policy
 from .prompts import FILLER_TEXT, chat_prompts, synthesize_prompts  # noqa: F401 (re-exported)
@@ -58,47 +58,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")
     g.add_argument("--offload-dir", default=None, help="folder for the disk tier (removed on exit)")
-    g.add_argument("--kv-policy", default="full", choices=["full", "infinigen", "h2o", "oracle"],
-                   help="KV cache policy (default full). oracle: exact top tokens by true "
-                        "attention at the same budget; it reads the whole cache to score it, "
-                        "so it is an accuracy upper bound for evaluation, not a fast path")
-    g = p.add_argument_group("H2O (with --kv-policy h2o)")
-    g.add_argument("--hh-ratio", type=float, default=0.1,
-                   help="heavy hitters kept, as a fraction of the context")
-    g.add_argument("--recent-ratio", type=float, default=0.1,
-                   help="recent tokens kept, as a fraction of the context")
-    g = p.add_argument_group("token selection (with --kv-policy infinigen or oracle)")
-    g.add_argument("--selection", default=None,
-                   help="rule turning scores into rows: mass (default: the most softmax mass "
-                        "summed over the group's query heads), cap, margin, artifact, head-union")
-    g.add_argument("--alpha", type=float, default=None,
-                   help="a token counts when its (approximate) logit is above max - alpha "
-                        "(default 4 for OPT, 5 for Llama; inf keeps all up to the cap)")
-    g.add_argument("--max-kv-fraction", type=float, default=DEFAULT_KV_FRACTION,
-                   help="cap on tokens read per KV head, as a fraction of the context")
-    g.add_argument("--max-num-kv", type=int, default=None, help="cap on tokens read")
-    g.add_argument("--keep-sink", type=int, default=0,
-                   help="always read the first N tokens of each sequence (inside the cap)")
-    g.add_argument("--keep-recent", type=int, default=0,
-                   help="always read the newest N cached tokens (inside the cap)")
-    g = p.add_argument_group("InfiniGen (with --kv-policy infinigen)")
-    g.add_argument("--speculation-keys", default="int4",
-                   help="the device copy of the keys that speculation scores against: every "
-                        "skewed column quantized to 4 (default) or 2 bits, or the paper's partial "
-                        "columns in the runtime dtype")
-    g.add_argument("--partial-weight-ratio", type=float, default=None,
-                   help="fraction of head_dim skewed columns used to rehearse attention "
-                        "(default 0.3 for partial keys, 1.0 for quantized keys)")
-    g.add_argument("--calibration", default=None,
-                   help="text file for skewing (default: the store's skew, else built-in text)")
-    g.add_argument("--prompt-skew", type=str2bool, default=False,
-                   help="blend each prompt's own query statistics into its skew (measured worse "
-                        "than the built-in calibration; default false)")
-    g.add_argument("--column-score", default="q",
-                   help="rank skewed columns by query energy, or query times key energy")
-    g.add_argument("--kv-pool-capacity", type=float, default=1.0,
-                   help="fraction of each head's context kept in the host pool")
-    g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
+    add_kv_args(p)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -107,25 +67,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
-
-
-def kv_options_from_args(a) -> dict:
-    if a.kv_policy == "h2o":
-        from .kv import H2OPolicy
-        H2OPolicy(a.hh_ratio, a.recent_ratio)  # checks the values before any loading
-        return {"hh_ratio": a.hh_ratio, "recent_ratio": a.recent_ratio}
-    if a.kv_policy not in ("infinigen", "oracle"):
-        return {}
-    from .kv import InfiniGenOptions, SelectionOptions
-    selection = dict(selection=a.selection, alpha=a.alpha, max_kv_fraction=a.max_kv_fraction,
-                     max_num_kv=a.max_num_kv, keep_sink=a.keep_sink, keep_recent=a.keep_recent)
-    if a.kv_policy == "oracle":
-        return {"options": SelectionOptions(**selection).validate()}
-    return {"options": InfiniGenOptions(
-        **selection, partial_weight_ratio=a.partial_weight_ratio,
-        speculation_keys=a.speculation_keys, calibration=a.calibration,
-        prompt_skew=a.prompt_skew, column_score=a.column_score,
-        kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction).validate()}
 
 
 def parse_percent(values: list[str]) -> list[float] | None:
@@ -161,7 +102,7 @@ def policy_from_args(a, cfg=None,
         raise ConfigError("auto placement needs the model and lengths; it is available in "
                           "`run`, or use `python -m flexgen_infinigen.optimize`")
     from .loading import resolve_device, resolve_dtype
-    from .planner.auto import check_possible, default_kv_fraction, profile_for, search, summary
+    from .planner.auto import check_possible, profile_for, search, summary
 
     b = None if a.gpu_batch_size == "auto" else a.gpu_batch_size
     n = a.num_gpu_batches
@@ -170,7 +111,7 @@ def policy_from_args(a, cfg=None,
     if a.hw is None:  # before a minute of profiling, what needs no profile
         check_possible(cfg, *lengths, item, a.offload_dir)
     hw = profile_for(a.hw, offload_dir=a.offload_dir)
-    fraction = default_kv_fraction(a.kv_policy, a.max_kv_fraction, a.hh_ratio, a.recent_ratio)
+    fraction = kv_policy_from_args(a).kv_fraction
     base = Policy(**switches)
     if percent is not None:
         base = Policy.from_percent(percent, **switches)
@@ -222,9 +163,7 @@ def check_policy_args(a) -> None:
     parse_percent(a.percent)
     if a.offload_dir:
         offload_root(a.offload_dir)  # created, and checked writable, before any loading
-    if a.cpu_cache_compute and a.kv_policy in ("infinigen", "h2o"):
-        raise ConfigError(f"--kv-policy {a.kv_policy} moves selected KV rows to the compute "
-                          "device; it cannot be combined with --cpu-cache-compute (drop one)")
+    kv_policy_from_args(a).check_placement(a.cpu_cache_compute)
 
 
 def check_args(a) -> list[str]:
@@ -289,38 +228,34 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        texts = check_args(a)  # --percent included: reported before the model is found
-        kv_options = kv_options_from_args(a)
-        sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
-                                  a.repetition_penalty).validate()
-        model = a.model if (a.model or a.path) else DEFAULT_MODEL
-        policy, plan = planned_policy(a, model, texts) if wants_plan(a) else policy_from_args(a)
-        hint = None if texts else (a.prompt_len, a.gen_len)
-        lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
-                              device=a.device, dtype=a.dtype, kv_policy=a.kv_policy,
-                              kv_options=kv_options,
-                              offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
-        with lm:
-            prompts = chat_prompts(lm, a, texts)
-            if prompts is None and texts:
-                prompts = lm.encode(texts)
-            elif prompts is None:
-                count = a.num_prompts or policy.block_size
-                prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
-                print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
-                      f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
-                      "sets the count)", file=sys.stderr)
-            gen = lm.generate(prompts, a.gen_len, sampling,
-                              stop_token_id=None if a.no_stop else -1,
-                              cut_gen_len=a.cut_gen_len, progress=True)
-            report = build_report(lm, gen, str(lm.tiers.device),
-                                  {"auto_plan": plan} if plan else None)
-            if a.verbose:
-                _print_verbose(lm, gen)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    texts = check_args(a)  # --percent included: reported before the model is found
+    kv = kv_policy_from_args(a)
+    sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
+                              a.repetition_penalty).validate()
+    model = a.model if (a.model or a.path) else DEFAULT_MODEL
+    policy, plan = planned_policy(a, model, texts) if wants_plan(a) else policy_from_args(a)
+    hint = None if texts else (a.prompt_len, a.gen_len)
+    lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
+                          device=a.device, dtype=a.dtype, kv_policy=kv,
+                          
+                          offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
+    with lm:
+        prompts = chat_prompts(lm, a, texts)
+        if prompts is None and texts:
+            prompts = lm.encode(texts)
+        elif prompts is None:
+            count = a.num_prompts or policy.block_size
+            prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
+            print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
+                  f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
+                  "sets the count)", file=sys.stderr)
+        gen = lm.generate(prompts, a.gen_len, sampling,
+                          stop_token_id=None if a.no_stop else -1,
+                          cut_gen_len=a.cut_gen_len, progress=True)
+        report = build_report(lm, gen, str(lm.tiers.device),
+                              {"auto_plan": plan} if plan else None)
+        if a.verbose:
+            _print_verbose(lm, gen)
     print_report(report)
     write_json(a.json, report)
     return 0

@@ -29,23 +29,19 @@ def _main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens used")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     a = p.parse_args(argv)
-    try:
-        if a.max_tokens < 8:
-            raise ConfigError(f"--max-tokens must be at least 8 (got {a.max_tokens})")
-        text = read_text(a.calibration, "--calibration") if a.calibration else None
-        from .api import OffloadedLM
-        from .infinigen.skew import calibrate
-        from .policy import Policy
-        lm = OffloadedLM.load(model=a.model, path=a.path, device=a.device,
-                              policy=Policy(w_gpu_percent=0, w_cpu_percent=100))
-        with lm:
-            if lm.store_path is None:
-                raise ConfigError("skewing is stored with a weight store; pass --path")
-            skew = calibrate(lm, text, a.max_tokens)
-            dest = skew.save(lm.store_path)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if a.max_tokens < 8:
+        raise ConfigError(f"--max-tokens must be at least 8 (got {a.max_tokens})")
+    text = read_text(a.calibration, "--calibration") if a.calibration else None
+    from .api import OffloadedLM
+    from .infinigen.skew import calibrate
+    from .policy import Policy
+    lm = OffloadedLM.load(model=a.model, path=a.path, device=a.device,
+                          policy=Policy(w_gpu_percent=0, w_cpu_percent=100))
+    with lm:
+        if lm.store_path is None:
+            raise ConfigError("skewing is stored with a weight store; pass --path")
+        skew = calibrate(lm, text, a.max_tokens)
+        dest = skew.save(lm.store_path)
     print(f"skew statistics ({skew.meta['tokens']} calibration tokens, {skew.meta['source']}) "
           f"written to {dest}")
     return 0

@@ -253,11 +253,17 @@ class Tiers:
         if tier == DISK:
             staged = self.host_empty(src.shape, src.dtype, staging=True)
             staged.copy_(src)
-            self.count("disk->host", kind, nbytes(src))
             src = staged
-        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-        out.copy_(src, non_blocking=self.is_cuda)
-        self.count("host->device", kind, nbytes(src))
+        return self._upload(src, tier, kind)
+
+    def _upload(self, host: torch.Tensor, tier: str, kind: str) -> torch.Tensor:
+        """Copy ``host`` (in host memory, read from ``tier``) to the compute device, counting
+        the bytes of each link it crossed."""
+        if tier == DISK:
+            self.count("disk->host", kind, nbytes(host))
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        out.copy_(host, non_blocking=self.is_cuda)
+        self.count("host->device", kind, nbytes(host))
         return self.track(out, DEVICE)
 
     def gather_to_compute(self, src: torch.Tensor, tier: str, index: torch.Tensor,
@@ -271,12 +277,7 @@ class Tiers:
             return src.gather(0, index)
         staged = self.host_empty(index.shape, src.dtype, staging=True)
         torch.gather(src, 0, index, out=staged)
-        if tier == DISK:
-            self.count("disk->host", kind, nbytes(staged))
-        out = torch.empty(staged.shape, dtype=staged.dtype, device=self.device)
-        out.copy_(staged, non_blocking=self.is_cuda)
-        self.count("host->device", kind, nbytes(staged))
-        return self.track(out, DEVICE)
+        return self._upload(staged, tier, kind)
 
     def take_to_compute(self, src: torch.Tensor, tier: str, index: torch.Tensor,
                         kind: str) -> torch.Tensor:

@@ -142,8 +142,7 @@ def step_paper(a, bandwidth: dict | None) -> dict:
         prompts = _prompts(lm, b, prompt)
         for kv in ("full", "infinigen"):
             if kv != "full":  # same weights: swap the KV policy rather than load 26 GB again
-                lm.engine.kv_policy = make_kv_policy(kv)
-                lm.engine.kv_policy.prepare(lm)
+                lm.use_kv_policy(make_kv_policy(kv))
             lm.tiers.reset_counters()
             out = lm.generate(prompts, gen, stop_token_id=None, cut_gen_len=cut)
             steps = len(out.step_times) - 1

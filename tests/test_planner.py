@@ -249,7 +249,7 @@ def test_engine_overheads_run_the_real_engine():
     """The profile's fixed costs come from tiny models run by the engine with every option."""
     import torch
 
-    from flexgen_infinigen.planner.overheads import engine_overheads
+    from flexgen_infinigen.planner.measure import engine_overheads
 
     got = engine_overheads(torch.device("cpu"), torch.float32)
     assert set(got) == {f"{f}/{w}" for f in ("opt", "llama")

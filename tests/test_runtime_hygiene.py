@@ -134,11 +134,11 @@ def test_device_plan_counts_what_infinigen_allocates(fixture, request):
         caches = _cache_tensors(lm, b, prompt + gen)
         keys = [c.keys for c in caches if c.keys is not None]
         pools = [c.pool for c in caches if c.pool is not None]
-        weights = [t for w in kv.spec_weights for t in w.values()]
+        weights = [t for w in kv.rehearsal.weights for t in w.values()]
     assert len(keys) == 2 * (lm.cfg.num_layers - 2)  # layers 0-1 keep no speculation keys
     assert terms["speculation_keys"] == _bytes(*(k.data for k in keys))
     assert terms["speculation_weights"] == _bytes(*weights)
-    assert terms["projections"] == _bytes(kv.projections)
+    assert terms["projections"] == _bytes(kv.rehearsal.projections)
     assert terms["kv_pool"] == _bytes(*(t for p in pools for t in (p.alive, p.last_used, p.uses)))
 
 

@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kv.base import CacheSpec, KVCache, KVPolicy
-
+from ..sampling import Sampler, SamplingConfig
 from .calibration_text import TEXT as DEFAULT_CALIBRATION
 
 SKEW_DIR = "infinigen"
@@ -106,33 +105,6 @@ class Skew:
                    json.loads((folder / "meta.json").read_text()))
 
 
-class _Recorder(KVCache):
-    """A cache that only records the prompt's (valid) queries and keys."""
-
-    def __init__(self, spec: CacheSpec, sink: dict):
-        self.spec, self.sink = spec, sink
-
-    def store_prompt(self, q, k, v, valid) -> None:
-        keep = valid.cpu()
-        self.sink.setdefault(self.spec.layer, []).append(
-            (q.float().cpu()[keep], k.float().cpu()[keep]))
-
-    def load(self, length):
-        raise RuntimeError("calibration runs the prompt only")
-
-    attend = store_token = load
-
-
-class CalibrationPolicy(KVPolicy):
-    name = "calibration"
-
-    def __init__(self):
-        self.records: dict[int, list] = {}
-
-    def make_cache(self, spec: CacheSpec) -> KVCache:
-        return _Recorder(spec, self.records)
-
-
 def compute_skew(records: dict[int, list], num_layers: int, kv_heads: int) -> Skew:
     """Query and key Gram matrices of every layer from the recorded prompt tokens."""
     gq, gk = [], []
@@ -155,14 +127,15 @@ def calibrate(lm, text: str | None = None, max_tokens: int = 4096) -> Skew:
         ids = torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist()
         source = "random tokens (no tokenizer)"
     ids = ids[:min(max_tokens, cfg.max_positions - 1)]
-    recorder = CalibrationPolicy()
-    engine = lm.engine
-    saved = engine.kv_policy
-    engine.kv_policy = recorder
-    try:
-        lm.generate([ids], 1, stop_token_id=None)
-    finally:
-        engine.kv_policy = saved
-    skew = compute_skew(recorder.records, cfg.num_layers, cfg.num_kv_heads)
+    records: dict[int, list] = {}
+
+    def record(layer: int, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> None:
+        keep = valid.cpu()
+        records.setdefault(layer, []).append((q.float().cpu()[keep], k.float().cpu()[keep]))
+
+    batch = torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool)
+    for _ in lm.engine.generate_block([batch], 1, Sampler(SamplingConfig()), record=record):
+        pass
+    skew = compute_skew(records, cfg.num_layers, cfg.num_kv_heads)
     skew.meta.update({"source": source, "tokens": len(ids), "model": cfg.name})
     return skew

@@ -1,15 +1,23 @@
 """The KV cache policy interface: what the engine asks of a cache, whatever it keeps or moves.
 
-One :class:`KVCache` holds the keys and values of one layer for one GPU batch.
-The engine drives it through a decode step in three calls, which the
-overlapped schedule may run on different streams:
+A :class:`KVPolicy` is one object that knows everything about itself: its command-line
+flags (:meth:`~KVPolicy.add_args` / :meth:`~KVPolicy.from_args`), what it reads and adds to a
+decode step for the cost model (:meth:`~KVPolicy.fetch_fraction`,
+:meth:`~KVPolicy.decode_work`, :meth:`~KVPolicy.device_bytes`), its report, and how to make
+its caches. The registry in :mod:`flexgen_infinigen.kv` lists the policies by name.
+
+One :class:`KVCache` holds the keys and values of one layer for one GPU batch. It sees
+tensors only, never the engine. A decode step drives it in three calls, which the
+overlapped schedule may run on different lanes:
 
 * ``load(length)``: bring to the compute device what decode attention will read
   (issued one schedule step ahead, overlapped with other compute);
 * ``attend(loaded, q, k_new, v_new, valid, bias)``: attention of the new token;
 * ``store_token(k_new, v_new, position)``: keep the new token's key and value.
 
-``store_prompt`` keeps the prompt's keys and values after prefill.
+``store_prompt(q, k, v, valid)`` keeps the prompt's keys and values after prefill, and
+``speculate(x, pos_enc, valid)`` (InfiniGen) receives the previous layer's attention input
+during decode, before this cache's ``load`` is waited for.
 Shapes: q ``[b, s, H, d]``; k, v ``[b, s, KV, d]``; ``valid`` ``[b, length + s]``
 (True for the keys the new token may see: real tokens, not left padding, and inside the
 sliding window if the model has one); ``bias`` is the matching additive mask
@@ -17,11 +25,13 @@ sliding window if the model has one); ``bias`` is the matching additive mask
 """
 from __future__ import annotations
 
+import argparse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from ..config import ConfigError
 from ..tiers import Tiers
 
 
@@ -47,6 +57,18 @@ class CacheSpec:
         return max(0, length + 1 - self.window) if self.window else 0
 
 
+@dataclass(frozen=True)
+class DecodeWork:
+    """What a policy adds to one decode step of one GPU batch, in bytes and parameters (the
+    cost model turns them into seconds with the hardware profile's rates)."""
+
+    gathers_rows: bool = False  # chosen rows are gathered on the host before the link
+    layers: int = 0  # how many layers do the work below
+    matmul_params: float = 0.0  # per layer: parameters of extra products with the batch
+    scan_bytes: float = 0.0  # per layer: bytes streamed like attention (scoring keys)
+    overhead: str | None = None  # per layer: the profile's measured fixed cost of this name
+
+
 class KVCache(ABC):
     @abstractmethod
     def store_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,38 +84,83 @@ class KVCache(ABC):
     @abstractmethod
     def store_token(self, k_new: torch.Tensor, v_new: torch.Tensor, position: int) -> None: ...
 
+    def speculate(self, x: torch.Tensor, pos_enc, valid: torch.Tensor,
+                  visible: torch.Tensor) -> None:
+        """Decode only: the previous layer's normalized attention input ``x`` ``[b, 1, D]``
+        with the positions' encoding, the batch's ``valid`` ``[b, length + 1]`` and the keys
+        the new token may see (``visible``); called on the compute stream before this cache's
+        ``load`` is waited for. Most caches ignore it."""
+
+    def abort(self) -> None:
+        """The block failed: wake a ``load`` that waits for work the engine will not do."""
+
     def bytes_by_tier(self) -> dict[str, int]:
         return {}
 
-    # True when load and store move nothing (the schedule then runs them inline)
-    resident: bool = False
+    # True when load and store move nothing: the schedule then runs them inline, on the
+    # compute thread, instead of on a lane
+    inline: bool = False
 
 
 class KVPolicy(ABC):
     """Makes caches and reports what they moved; one instance per engine."""
 
     name = "base"
+    summary = ""  # one line for ``--kv-policy``'s help
+    plannable = True  # the optimizer and cost model can plan for it
+    attends_on_cpu = True  # it can attend where the cache lives (``--cpu-cache-compute``)
 
-    @abstractmethod
-    def make_cache(self, spec: CacheSpec) -> KVCache: ...
+    # ---- command line -----------------------------------------------------------------------
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this policy's own flags (each policy's flags, in its own group)."""
 
-    def reset_stats(self) -> None:
-        """Called at the start of every ``generate``: counters in the report restart."""
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "KVPolicy":
+        """The policy the parsed flags describe, its values checked (before any loading)."""
+        return cls()
 
-    def prepare(self, lm) -> None:
-        """Called once after the weights are placed (InfiniGen skews them here)."""
+    @classmethod
+    def planned(cls, fraction: float) -> "KVPolicy":
+        """The policy at its defaults reading ``fraction`` of the context per selecting layer
+        (what the optimizer plans with)."""
+        return cls()
 
-    def before_attention(self, layer: int, batch: int, x: torch.Tensor, state) -> None:
-        """Decode only: layer ``layer``'s normalized attention input ``x`` for GPU batch
-        ``batch`` (``state`` has ``pos_enc``, ``valid``), before its attention runs."""
+    def check_placement(self, cpu_cache_compute: bool) -> None:
+        """Refuse a placement this policy cannot run (a :class:`ConfigError` naming the fix)."""
+        if cpu_cache_compute and not self.attends_on_cpu:
+            raise ConfigError(f"--kv-policy {self.name} moves selected KV rows to the compute "
+                              "device; it cannot be combined with --cpu-cache-compute (drop one)")
+
+    # ---- what it costs ----------------------------------------------------------------------
+    @property
+    def kv_fraction(self) -> float:
+        """Fraction of the context read in each layer that selects (1.0: everything)."""
+        return 1.0
+
+    def fetch_fraction(self, cfg) -> float:
+        """Average fraction of each layer's cached rows read per decode step."""
+        return 1.0
+
+    def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
+        """What one decode step of a GPU batch of ``batch`` at ``context`` cached tokens adds
+        besides reading its share of the cache (see :class:`DecodeWork`)."""
+        return DecodeWork()
 
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         """Compute-device bytes this policy allocates besides the KV cache, by term, for an
         engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens."""
         return {}
 
-    def abort(self) -> None:
-        """The block failed: wake anything that waits on work the engine will not do."""
+    # ---- running ----------------------------------------------------------------------------
+    @abstractmethod
+    def make_cache(self, spec: CacheSpec) -> KVCache: ...
+
+    def prepare(self, lm) -> None:
+        """Called once after the weights are placed (InfiniGen takes its skew here)."""
+
+    def reset_stats(self) -> None:
+        """Called at the start of every ``generate``: counters in the report restart."""
 
     def report(self) -> dict:
         return {"kv_policy": self.name}

@@ -54,8 +54,10 @@ class FullCache(KVCache):
                                        split_dim=1, compress=spec.compress) for _ in range(2))
         # attention on the CPU, where the cache lives (only q and the output cross the link)
         self.cpu_compute = spec.cpu_compute
-        # all on the device, uncompressed: the new token is written in place before attention
-        self.resident = self.k.resident and not self.cpu_compute
+        # all on the device, uncompressed: attention reads the cache where it is, the new
+        # token written in place first, and load and store move nothing (run inline)
+        self.in_place = self.k.resident and not self.cpu_compute
+        self.inline = self.in_place
 
     def store_prompt(self, q, k, v, valid) -> None:
         self.k.write(to_rows(k), slice(0, k.shape[1]))
@@ -73,7 +75,7 @@ class FullCache(KVCache):
         return k, v
 
     def load(self, length: int):
-        if self.cpu_compute or self.resident:
+        if self.cpu_compute or self.in_place:
             return None
         return self._read_rows(length)
 
@@ -81,7 +83,7 @@ class FullCache(KVCache):
         length = valid.shape[1] - q.shape[1]
         first = self.spec.first_visible(length)  # rows before it are outside the window
         bias = bias[..., first:]
-        if self.resident:
+        if self.in_place:
             self._store(k_new, v_new, length)
             rows = slice(first, length + q.shape[1])
             return attend_rows(q, self.k.read(rows), self.v.read(rows), bias)
@@ -104,7 +106,7 @@ class FullCache(KVCache):
         self.v.write(to_rows(v_new), rows)
 
     def store_token(self, k_new, v_new, position: int) -> None:
-        if not self.resident:  # a resident cache stored the token during attention
+        if not self.in_place:  # stored during attention otherwise
             self._store(k_new, v_new, position)
 
     def bytes_by_tier(self) -> dict[str, int]:
@@ -114,6 +116,7 @@ class FullCache(KVCache):
 
 class FullPolicy(KVPolicy):
     name = "full"
+    summary = "every cached token's key and value is read at every step (default)"
 
     def make_cache(self, spec: CacheSpec) -> KVCache:
         return FullCache(spec)

@@ -12,10 +12,9 @@ import torch
 
 from ..attention import attend, mask_bias
 from ..config import ConfigError
-from .base import CacheSpec
-from .full import FullCache, FullPolicy, attend_selected
-from .selective import fetch_selected, gather_on_device
-from .stats import FetchStats
+from .base import CacheSpec, DecodeWork
+from .full import attend_selected
+from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
 
 
 def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
@@ -29,16 +28,13 @@ def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
     return order.scatter_(1, rank, positions)[:, :top]
 
 
-class H2OCache(FullCache):
+class H2OCache(SelectiveCache):
     def __init__(self, spec: CacheSpec, policy: "H2OPolicy"):
-        super().__init__(spec)
-        self.policy = policy
-        self.resident = False
+        super().__init__(spec, policy)
         cols = spec.batch_size * spec.kv_heads
         dev = spec.tiers.device
         self.alive = torch.zeros(cols, spec.max_len, dtype=torch.bool, device=dev)
         self.score = torch.zeros(cols, spec.max_len, dtype=torch.float32, device=dev)
-        self.row_bytes = sum(self.bytes_by_tier().values()) / (spec.max_len * cols)
 
     def _columns(self, x: torch.Tensor) -> torch.Tensor:
         """[b, KV, t] -> [b*KV, t]."""
@@ -94,15 +90,15 @@ class H2OCache(FullCache):
             order = _alive_first(alive, top)
             counts = alive.sum(-1)
             k_sel, v_sel = gather_on_device(self, order.view(b, kv, top))
-            self.policy.stats.add(self.spec.layer, counts.sum(), counts.sum(), length * b * kv,
-                                  self.row_bytes)
+            used = counts.sum()
+            self.count(used, used, length)
             return k_sel, v_sel, counts, order
         alive = tiers.host_values(self.alive[:, :length])[0]  # the one sync of the step
         counts = alive.sum(-1)
         top = int(counts.max())
         order = _alive_first(alive, top)
         k_sel, v_sel, moved = fetch_selected(self, order.view(b, kv, top), counts.view(b, kv))
-        self.policy.stats.add(self.spec.layer, moved, moved, length * b * kv, self.row_bytes)
+        self.count(moved, moved, length)
         return k_sel, v_sel, tiers.index_to_device(counts), tiers.index_to_device(order)
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
@@ -121,25 +117,44 @@ class H2OCache(FullCache):
         return out
 
 
-class H2OPolicy(FullPolicy):
+class H2OPolicy(SelectivePolicy):
     name = "h2o"
+    summary = "keep the heavy hitters and the newest tokens, evict the rest for good"
 
     def __init__(self, hh_ratio: float = 0.1, recent_ratio: float = 0.1):
+        super().__init__()
         for flag, v in [("--hh-ratio", hh_ratio), ("--recent-ratio", recent_ratio)]:
             if not 0 <= v <= 1:
                 raise ConfigError(f"{flag} must be in [0, 1] (got {v})")
         if hh_ratio + recent_ratio <= 0:
             raise ConfigError("--hh-ratio plus --recent-ratio must be above 0")
         self.hh_ratio, self.recent_ratio = hh_ratio, recent_ratio
-        self.stats = FetchStats()
 
-    def reset_stats(self) -> None:
-        self.stats = FetchStats()
+    @classmethod
+    def add_args(cls, parser) -> None:
+        g = parser.add_argument_group("H2O (with --kv-policy h2o)")
+        g.add_argument("--hh-ratio", type=float, default=0.1,
+                       help="heavy hitters kept, as a fraction of the context")
+        g.add_argument("--recent-ratio", type=float, default=0.1,
+                       help="recent tokens kept, as a fraction of the context")
 
-    def prepare(self, lm) -> None:
-        if lm.engine.policy.cpu_cache_compute:
-            raise ConfigError("--kv-policy h2o fetches kept rows to the compute device; it "
-                              "cannot be combined with --cpu-cache-compute (drop one)")
+    @classmethod
+    def from_args(cls, args) -> "H2OPolicy":
+        return cls(args.hh_ratio, args.recent_ratio)
+
+    @classmethod
+    def planned(cls, fraction: float) -> "H2OPolicy":
+        return cls(fraction / 2, fraction / 2)
+
+    @property
+    def kv_fraction(self) -> float:
+        return min(1.0, self.hh_ratio + self.recent_ratio)
+
+    def fetch_fraction(self, cfg) -> float:
+        return self.kv_fraction
+
+    def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
+        return DecodeWork(gathers_rows=True, layers=cfg.num_layers, overhead="h2o")
 
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         caches = cfg.num_layers * policy.num_gpu_batches
@@ -151,6 +166,5 @@ class H2OPolicy(FullPolicy):
     def make_cache(self, spec: CacheSpec) -> H2OCache:
         return H2OCache(spec, self)
 
-    def report(self) -> dict:
-        return {"kv_policy": self.name, "hh_ratio": self.hh_ratio,
-                "recent_ratio": self.recent_ratio, **self.stats.report()}
+    def settings(self) -> dict:
+        return {"hh_ratio": self.hh_ratio, "recent_ratio": self.recent_ratio}

@@ -3,10 +3,10 @@ query and cached keys, and fetch only the K/V rows of the tokens that score high
 
 Flow per decode step, for each layer i+1 >= ``first_layer`` and GPU batch:
 
-1. ``before_attention(i, ...)`` (compute stream, during layer i): layer i+1's query from layer
-   i's attention input, projected on the kept skewed columns, scored against layer i+1's
-   speculation keys (on the compute device); a selection rule (:mod:`.selection`) turns the
-   scores into ranked rows and a count per KV head.
+1. ``speculate(x, ...)`` (compute stream, during layer i): layer i+1's query from layer i's
+   attention input, projected on the kept skewed columns (:mod:`..infinigen.rehearsal`),
+   scored against layer i+1's speculation keys (on the compute device); a selection rule
+   (:mod:`.selection`) turns the scores into ranked rows and a count per KV head.
 2. ``load`` (cache-load lane, overlapped with layer i): waits for that selection, gathers
    exactly the selected rows on the host into a pinned buffer and copies them to the device,
    where they are laid out per KV head for attention.
@@ -22,44 +22,33 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
 
-from ..config import ConfigError, read_text
-from .base import CacheSpec
-from .full import FullCache, FullPolicy, attend_selected
-from .options import InfiniGenOptions
+from .base import CacheSpec, DecodeWork
+from .full import attend_selected
+from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .pool import KVPool
 from .selection import select
-from .selective import fetch_selected, gather_on_device
-from .spec_keys import SpeculationKeys
-from .stats import FetchStats
+from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
+from .spec_keys import KINDS, SpeculationKeys, bytes_per_key
 
-SELECTION_TIMEOUT_S = 600
-PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics
+SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fails
 
 
-class InfiniGenCache(FullCache):
+class InfiniGenCache(SelectiveCache):
     def __init__(self, spec: CacheSpec, policy: "InfiniGenPolicy"):
-        super().__init__(spec)
-        self.policy = policy
-        self.resident = False  # loads wait for the speculation: never run them inline
-        self.speculative = spec.layer >= policy.options.first_layer
+        super().__init__(spec, policy, spec.layer >= policy.options.first_layer)
         opts = policy.options
         self.projection = None  # [b, KV, d, r]: set from the prompt (or the calibration)
         self.keys = None
-        if self.speculative:
-            r = policy.projections.shape[-1]
+        if self.selecting:
             self.keys = SpeculationKeys(opts.speculation_keys, spec.max_len,
-                                        spec.batch_size * spec.kv_heads, r, spec.dtype,
-                                        spec.tiers)
+                                        spec.batch_size * spec.kv_heads,
+                                        policy.rehearsal.columns, spec.dtype, spec.tiers)
         self.selection = None
         self.ready = threading.Event()
         self.aborted = False
-        # bytes of one token's K and V for one KV head column, as stored (compressed or not)
-        self.row_bytes = sum(self.bytes_by_tier().values()) / (
-            spec.max_len * spec.batch_size * spec.kv_heads)
         self.pool = None
-        if self.speculative and opts.kv_pool_capacity < 1:
+        if self.selecting and opts.kv_pool_capacity < 1:
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
                                spec.batch_size * spec.kv_heads, spec.max_len, spec.tiers.device)
 
@@ -70,18 +59,48 @@ class InfiniGenCache(FullCache):
             self.keys.write(rows.reshape(rows.shape[0], -1, rows.shape[-1]), start)
 
     def store_prompt(self, q, k, v, valid) -> None:
-        if self.speculative:
+        if self.selecting:
             # in the runtime dtype once, not converted again at every decode step
-            self.projection = self.policy.prompt_projection(self.spec, q, valid).to(k.dtype)
+            self.projection = self.policy.rehearsal.prompt_projection(
+                self.spec.layer, self.spec.kv_heads, q, valid).to(k.dtype)
         self._write_keys(k, 0)
         super().store_prompt(q, k, v, valid)
 
-    def store_token(self, k_new, v_new, position: int) -> None:
-        self._store(k_new, v_new, position)
+    # ---- speculation (compute stream, during the previous layer) ----------------------------
+    def speculate(self, x, pos_enc, valid, visible) -> None:
+        if not self.selecting:
+            return
+        stats = self.policy.stats
+        if x.is_cuda:  # kernels run later than they are launched: time them with events
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        order, counts = self._rank(x, pos_enc, valid, visible)
+        self._hand_over(order, counts)
+        if x.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            stats.speculation_events.append((start, end))
+        else:
+            stats.speculation_s += time.perf_counter() - start
 
-    def select(self, order: torch.Tensor, counts: torch.Tensor) -> None:
-        """Hand the ranking over to the load lane (called on the compute stream). Unless the
-        cache is on the device, its copy to the host starts here, without a wait."""
+    def _rank(self, x, pos_enc, valid, visible):
+        spec, opts = self.spec, self.policy.options
+        b, kv, d = spec.batch_size, spec.kv_heads, spec.head_dim
+        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv, self.projection)
+        length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
+        # scaled first: the product stays in fp16's range (see attention.py)
+        scores = self.keys.scores(pq * (1.0 / math.sqrt(d)), length)  # [b, KV, G, t]
+        allowed = None
+        if self.pool is not None:  # evicted tokens are never selected again
+            allowed = self.pool.alive[:, :length].view(b, kv, length)
+        return select(scores, visible[:, :length], opts.selection, opts.alpha, opts.budget,
+                      allowed)
+
+    def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
+        """Give the ranking to the load lane. Unless the cache is on the device, its copy to
+        the host starts here, without a wait."""
         if self.k.resident:
             done = torch.cuda.current_stream().record_event() if order.is_cuda else None
             self.selection = (order, counts, done)
@@ -89,12 +108,14 @@ class InfiniGenCache(FullCache):
             self.selection = (order, counts, self.spec.tiers.host_values_async(order, counts))
         self.ready.set()
 
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+    # ---- the decode step --------------------------------------------------------------------
     def load(self, length: int):
-        stats = self.policy.stats
-        b, kv = self.spec.batch_size, self.spec.kv_heads
-        if not self.speculative:  # reads every visible row (the sliding window's, if any)
-            n = (length - self.spec.first_visible(length)) * b * kv
-            stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
+        if not self.selecting:  # reads every visible row (the sliding window's, if any)
+            self.count_full_read(length)
             return super().load(length)
         if not self.ready.wait(SELECTION_TIMEOUT_S):
             raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
@@ -108,17 +129,17 @@ class InfiniGenCache(FullCache):
                 torch.cuda.current_stream().wait_event(pending)
             k_sel, v_sel = gather_on_device(self, order)
             used = counts.sum()
-            stats.add(self.spec.layer, used, used, length * b * kv, self.row_bytes)
+            self.count(used, used, length)
             return k_sel, v_sel, counts, order
         # the one host sync: the gather on the host needs the indices
         order_host, counts_host = pending()
         k_sel, v_sel, moved = fetch_selected(self, order_host, counts_host)
-        stats.add(self.spec.layer, moved, moved, length * b * kv, self.row_bytes)
+        self.count(moved, moved, length)
         return k_sel, v_sel, counts, order[:, :, :k_sel.shape[0] - 1]
 
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         self._write_keys(k_new, valid.shape[1] - 1)
-        if not self.speculative:
+        if not self.selecting:
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:
@@ -135,96 +156,99 @@ class InfiniGenCache(FullCache):
         self.policy.stats.evicted += self.pool.evicted - before
 
 
-class InfiniGenPolicy(FullPolicy):
+class InfiniGenPolicy(SelectivePolicy):
     name = "infinigen"
+    summary = ("rehearse the next layer's attention during this one and fetch only the K/V "
+               "rows it will use")
     default_rule = "mass"
 
     def __init__(self, options: InfiniGenOptions | None = None, **kw):
+        super().__init__()
         self.options = (options or InfiniGenOptions(**kw)).validate()
-        self.stats = FetchStats()
-        self.caches: dict[tuple[int, int], InfiniGenCache] = {}
-        self.skew = None
+        self.rehearsal = None
 
-    def reset_stats(self) -> None:
-        self.stats = FetchStats()
+    # ---- command line -----------------------------------------------------------------------
+    @classmethod
+    def add_args(cls, parser) -> None:
+        from ..run import str2bool
 
-    # ---- set-up -----------------------------------------------------------------------------
-    def prepare(self, lm) -> None:
-        from ..infinigen.skew import Skew, calibrate
+        add_selection_args(parser)
+        g = parser.add_argument_group("InfiniGen (with --kv-policy infinigen)")
+        g.add_argument("--speculation-keys", default="int4",
+                       help="the device copy of the keys that speculation scores against: every "
+                            "skewed column quantized to 4 (default) or 2 bits, or the paper's "
+                            "partial columns in the runtime dtype")
+        g.add_argument("--partial-weight-ratio", type=float, default=None,
+                       help="fraction of head_dim skewed columns used to rehearse attention "
+                            "(default 0.3 for partial keys, 1.0 for quantized keys)")
+        g.add_argument("--calibration", default=None,
+                       help="text file for skewing (default: the store's skew, else built-in "
+                            "text)")
+        g.add_argument("--prompt-skew", type=str2bool, default=False,
+                       help="blend each prompt's own query statistics into its skew (measured "
+                            "worse than the built-in calibration; default false)")
+        g.add_argument("--column-score", default="q",
+                       help="rank skewed columns by query energy, or query times key energy")
+        g.add_argument("--kv-pool-capacity", type=float, default=1.0,
+                       help="fraction of each head's context kept in the host pool")
+        g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
 
-        cfg, engine = lm.cfg, lm.engine
-        if engine.policy.cpu_cache_compute:
-            raise ConfigError("--kv-policy infinigen moves selected KV rows to the compute device;"
-                              " it cannot be combined with --cpu-cache-compute (drop one)")
-        self.options = opts = self.options.with_defaults(cfg.family, self.default_rule)
-        store = getattr(lm, "store_path", None)
-        skew = None if opts.calibration or store is None else Skew.load(store)
-        if skew is None:
-            text = read_text(opts.calibration, "--calibration") if opts.calibration else None
-            skew = calibrate(lm, text)
-        self.skew, self.family, self.cfg = skew, engine.family, cfg
-        dev = engine.tiers.device
-        # [L, KV, d, r] in the runtime dtype: one copy, shared (as views) by every cache
-        self.projections = skew.projections(opts.ratio, opts.column_score).to(dev, engine.dtype)
-        self.gram_q = skew.gram_q.to(dev) if opts.prompt_skew else None
-        self.gram_k = skew.gram_k.to(dev) if opts.prompt_skew else None
-        # a query that is an affine map of the input (no rotary) takes a static projection in
-        # its weights: only r rows per head stay on the device
-        self.folded = engine.family.SKEW_FOLDS_INTO_WEIGHTS and not opts.prompt_skew
-        self.spec_weights = [self._speculation_weights(engine, layer)
-                             for layer in range(cfg.num_layers)]
-        engine.tiers.reset_counters()
+    @classmethod
+    def from_args(cls, a) -> "InfiniGenPolicy":
+        return cls(selection_from_args(
+            a, InfiniGenOptions, partial_weight_ratio=a.partial_weight_ratio,
+            speculation_keys=a.speculation_keys, calibration=a.calibration,
+            prompt_skew=a.prompt_skew, column_score=a.column_score,
+            kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction))
 
-    def _speculation_weights(self, engine, layer: int) -> dict:
-        """The device-resident weights the rehearsal of ``layer`` needs."""
-        if layer < self.options.first_layer:
-            return {}
-        cfg = self.cfg
-        w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone()
-             for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights}
-        if not self.folded:
-            return w  # the whole W_Q: rotary models need the full rotated query
-        p = self.projections[layer].to(w["q_proj.weight"].dtype)  # [H, d, r] (OPT: KV == H)
-        heads = w["q_proj.weight"].view(cfg.num_heads, cfg.head_dim, -1)
-        out = {"q_proj.weight": torch.einsum("kdr,kdi->kri", p, heads).reshape(-1, heads.shape[-1])}
-        if "q_proj.bias" in w:
-            out["q_proj.bias"] = torch.einsum("kdr,kd->kr", p, w["q_proj.bias"].view(
-                cfg.num_heads, cfg.head_dim)).reshape(-1)
-        return out
+    @classmethod
+    def planned(cls, fraction: float) -> "InfiniGenPolicy":
+        return cls(max_kv_fraction=fraction)
 
-    def prompt_projection(self, spec: CacheSpec, q: torch.Tensor,
-                          valid: torch.Tensor) -> torch.Tensor:
-        """``[b, KV, d, r]``: the calibrated projection, or one per prompt, from the prompt's
-        own query statistics blended with the calibration's (weight ``PRIOR_TOKENS``)."""
-        from ..infinigen.skew import projection, query_gram
+    # ---- what it costs ----------------------------------------------------------------------
+    @property
+    def kv_fraction(self) -> float:
+        return self.options.max_kv_fraction
 
-        static = self.projections[spec.layer]
-        b = q.shape[0]
-        if self.gram_q is None:
-            return static.expand(b, *static.shape)
-        qv = q.float() * valid[:, :, None, None]  # padding contributes nothing
-        n = valid.sum(-1).double() * (self.cfg.num_heads // spec.kv_heads)
-        gram = query_gram(qv, spec.kv_heads) * (qv.shape[1] * self.cfg.num_heads
-                                                // spec.kv_heads)  # sums, not means
-        prior = self.gram_q[spec.layer].double()
-        blended = (gram + PRIOR_TOKENS * prior) / (n + PRIOR_TOKENS)[:, None, None, None]
-        return projection(blended, self.gram_k[spec.layer], self.options.ratio,
-                          self.options.column_score)
+    def fetch_fraction(self, cfg) -> float:
+        layers = cfg.num_layers
+        full = min(self.options.first_layer, layers)  # these read the whole cache
+        return (full + (layers - full) * self.options.max_kv_fraction) / layers
+
+    def _columns(self, cfg) -> int:
+        return max(1, round(self.options.ratio * cfg.head_dim))
+
+    def _folds(self, cfg) -> bool:
+        from ..models import family_of
+        return family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS and not self.options.prompt_skew
+
+    def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
+        """Speculation in every selecting layer: the projected query (OPT: r columns per
+        head; rotary models: the full query and its projection) and the scores against
+        the speculation keys."""
+        r = self._columns(cfg)
+        params = cfg.hidden_size * cfg.num_heads * r if self._folds(cfg) else \
+            cfg.hidden_size * cfg.q_dim + cfg.num_heads * cfg.head_dim ** 2
+        scores = batch * cfg.num_heads * context * 4
+        keys = batch * context * cfg.num_kv_heads * bytes_per_key(
+            self.options.speculation_keys, r, item)
+        return DecodeWork(gathers_rows=True,
+                          layers=max(0, cfg.num_layers - self.options.first_layer),
+                          matmul_params=params, scan_bytes=keys + 4 * scores,
+                          overhead="infinigen")
 
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
         W_Q per head where the projection folds into them, else the whole W_Q per layer),
         the projections, the KV pool's state and the selected rows in flight."""
         from ..models import family_of
-        from .spec_keys import KINDS, bytes_per_key
         o = self.options.with_defaults(cfg.family, self.default_rule)
         d = cfg.head_dim
-        r = max(1, round(o.ratio * d))
+        r = self._columns(cfg)
         layers = max(0, cfg.num_layers - o.first_layer)
         caches = layers * policy.num_gpu_batches
         cols = policy.gpu_batch_size * cfg.num_kv_heads
-        rows = cfg.num_heads * (r if family_of(cfg).SKEW_FOLDS_INTO_WEIGHTS and not o.prompt_skew
-                                else d)
+        rows = cfg.num_heads * (r if self._folds(cfg) else d)
         bias = rows if "layers.0.q_proj.bias" in family_of(cfg).weight_shapes(cfg) else 0
         terms = {
             "speculation_keys": round(caches * max_len * cols * bytes_per_key(
@@ -244,71 +268,27 @@ class InfiniGenPolicy(FullPolicy):
             terms["kv_pool"] = caches * cols * max_len * (1 + 8 + 8)  # bool, 2 x int64
         return terms
 
-    def abort(self) -> None:
-        for cache in self.caches.values():
-            cache.aborted = True
-            cache.ready.set()
+    # ---- running ----------------------------------------------------------------------------
+    def prepare(self, lm) -> None:
+        from ..infinigen.rehearsal import Rehearsal
+
+        self.options = self.options.with_defaults(lm.cfg.family, self.default_rule)
+        self.rehearsal = Rehearsal(lm, self.options)
 
     def make_cache(self, spec: CacheSpec) -> InfiniGenCache:
-        cache = InfiniGenCache(spec, self)
-        self.caches[(spec.layer, spec.batch)] = cache
-        return cache
+        return InfiniGenCache(spec, self)
 
-    # ---- speculation ------------------------------------------------------------------------
-    def before_attention(self, layer: int, batch: int, x: torch.Tensor, state) -> None:
-        target = self.caches.get((layer + 1, batch))
-        if target is None or not target.speculative:
-            return
-        if x.is_cuda:  # kernels run later than they are launched: time them with events
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            start = time.perf_counter()
-        order, counts = self._speculate(target, x, state)
-        target.select(order, counts)
-        if x.is_cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.stats.speculation_events.append((start, end))
-        else:
-            self.stats.speculation_s += time.perf_counter() - start
+    def settings(self) -> dict:
+        o = self.options
+        return {"selection": o.selection, "alpha": o.alpha,
+                "partial_weight_ratio": o.ratio, "speculation_keys": o.speculation_keys,
+                "max_kv_fraction": o.max_kv_fraction,
+                "keep_sink": o.keep_sink, "keep_recent": o.keep_recent}
 
-    def _speculate(self, cache: InfiniGenCache, x: torch.Tensor, state):
-        cfg, opts, spec = self.cfg, self.options, cache.spec
-        b, kv, h = spec.batch_size, spec.kv_heads, cfg.num_heads
-        group = h // kv
-        w = self.spec_weights[spec.layer]
-        if self.folded:
-            pq = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv, group, -1)
-        else:
-            q = self.family.query(cfg, w, x, state.pos_enc)  # [b, 1, H, d]
-            pq = torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv, group, cfg.head_dim),
-                              cache.projection)
-        length = state.valid.shape[1] - 1  # cached tokens (the new one is always attended)
-        # scaled first: the product stays in fp16's range (see attention.py)
-        scores = cache.keys.scores(pq * (1.0 / math.sqrt(cfg.head_dim)), length)  # [b,KV,G,t]
-        allowed = None
-        if cache.pool is not None:  # evicted tokens are never selected again
-            allowed = cache.pool.alive[:, :length].view(b, kv, length)
-        return select(scores, state.visible[:, :length], opts.selection, opts.alpha, opts.budget,
-                      allowed)
-
-    # ---- report -----------------------------------------------------------------------------
     def report(self) -> dict:
         s, o = self.stats, self.options
-        return {
-            "kv_policy": self.name,
-            "selection": o.selection, "alpha": o.alpha,
-            "partial_weight_ratio": o.ratio, "speculation_keys": o.speculation_keys,
-            "max_kv_fraction": o.max_kv_fraction,
-            "keep_sink": o.keep_sink, "keep_recent": o.keep_recent,
-            **s.report(),
-            "speculation_time_s": s.speculation_s,
-            "skew_calibration": {"source": self.skew.meta.get("source"),
-                                 "tokens": self.skew.meta.get("tokens"),
-                                 "per_prompt": o.prompt_skew}
-            if self.skew is not None else None,
-            "kv_pool_capacity": o.kv_pool_capacity,
-            "eviction": o.eviction,
-            "kv_pool_evicted_tokens": s.evicted,
-        }
+        return {**super().report(),
+                "speculation_time_s": s.speculation_s,
+                "skew_calibration": self.rehearsal.meta() if self.rehearsal else None,
+                "kv_pool_capacity": o.kv_pool_capacity, "eviction": o.eviction,
+                "kv_pool_evicted_tokens": s.evicted}

@@ -92,3 +92,31 @@ class InfiniGenOptions(SelectionOptions):
 
 # partial-weight ratio by speculation key kind when none is given
 DEFAULT_RATIO = {"partial": 0.3, "int4": 1.0, "int2": 1.0}
+
+
+def add_selection_args(parser) -> None:
+    """The flags of :class:`SelectionOptions` (once per parser: two policies share them)."""
+    if getattr(parser, "_selection_flags_added", False):
+        return
+    parser._selection_flags_added = True
+    g = parser.add_argument_group("token selection (with --kv-policy infinigen or oracle)")
+    g.add_argument("--selection", default=None,
+                   help="rule turning scores into rows: mass (default: the most softmax mass "
+                        "summed over the group's query heads), cap, margin, artifact, head-union")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="a token counts when its (approximate) logit is above max - alpha "
+                        "(default 4 for OPT, 5 for Llama; inf keeps all up to the cap)")
+    g.add_argument("--max-kv-fraction", type=float, default=DEFAULT_KV_FRACTION,
+                   help="cap on tokens read per KV head, as a fraction of the context")
+    g.add_argument("--max-num-kv", type=int, default=None, help="cap on tokens read")
+    g.add_argument("--keep-sink", type=int, default=0,
+                   help="always read the first N tokens of each sequence (inside the cap)")
+    g.add_argument("--keep-recent", type=int, default=0,
+                   help="always read the newest N cached tokens (inside the cap)")
+
+
+def selection_from_args(a, options_class=SelectionOptions, **more):
+    """``options_class`` from the selection flags plus ``more``, checked."""
+    return options_class(selection=a.selection, alpha=a.alpha,
+                         max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
+                         keep_sink=a.keep_sink, keep_recent=a.keep_recent, **more).validate()

@@ -11,32 +11,19 @@ import math
 
 import torch
 
-from ..config import ConfigError
 from .base import CacheSpec
-from .full import FullCache, FullPolicy, attend_selected, from_rows, row_buffers
-from .options import SelectionOptions
+from .full import attend_selected, from_rows, row_buffers
+from .options import SelectionOptions, add_selection_args, selection_from_args
 from .selection import select
-from .stats import FetchStats
+from .selective import SelectiveCache, SelectivePolicy
 
 
-class OracleCache(FullCache):
-    def __init__(self, spec: CacheSpec, policy: "OraclePolicy"):
-        super().__init__(spec)
-        self.policy = policy
-        self.resident = False  # attend needs the loaded rows, wherever the cache lives
-        self.speculative = spec.layer >= policy.options.first_layer
-        self.row_bytes = sum(self.bytes_by_tier().values()) / (
-            spec.max_len * spec.batch_size * spec.kv_heads)
-
-    def store_token(self, k_new, v_new, position: int) -> None:
-        self._store(k_new, v_new, position)
-
+class OracleCache(SelectiveCache):
     def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         length = valid.shape[1] - 1
-        n = length * b * kv
-        if not self.speculative:
-            self.policy.stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
+        if not self.selecting:
+            self.count_full_read(length)
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         first = self.spec.first_visible(length)  # loaded rows start there (sliding window)
         k_rows, v_rows = loaded[0][:length - first], loaded[1][:length - first]  # [t, b*KV, d]
@@ -52,33 +39,37 @@ class OracleCache(FullCache):
         k_sel, v_sel = row_buffers(self.spec, top + 1, "selected")
         torch.gather(k_rows, 0, index, out=k_sel[:top])
         torch.gather(v_rows, 0, index, out=v_sel[:top])
-        self.policy.stats.add(self.spec.layer, n, int(counts.sum()), n, self.row_bytes)
+        self.count(length * b * kv, int(counts.sum()), length)  # it read the whole cache
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
 
 
-class OraclePolicy(FullPolicy):
+class OraclePolicy(SelectivePolicy):
     name = "oracle"
+    summary = ("exact top tokens by true attention at the same budget; it reads the whole "
+               "cache to score it, so it is an accuracy upper bound for evaluation, not a fast "
+               "path")
+    plannable = False
     default_rule = "mass"
 
     def __init__(self, options: SelectionOptions | None = None, **kw):
+        super().__init__()
         self.options = (options or SelectionOptions(**kw)).validate()
-        self.stats = FetchStats()
 
-    def reset_stats(self) -> None:
-        self.stats = FetchStats()
+    @classmethod
+    def add_args(cls, parser) -> None:
+        add_selection_args(parser)
+
+    @classmethod
+    def from_args(cls, args) -> "OraclePolicy":
+        return cls(selection_from_args(args, SelectionOptions))
 
     def prepare(self, lm) -> None:
-        if lm.engine.policy.cpu_cache_compute:
-            raise ConfigError("--kv-policy oracle attends on the compute device; it cannot be "
-                              "combined with --cpu-cache-compute (drop one)")
         self.options = self.options.with_defaults(lm.cfg.family, self.default_rule)
 
     def make_cache(self, spec: CacheSpec) -> OracleCache:
-        return OracleCache(spec, self)
+        return OracleCache(spec, self, spec.layer >= self.options.first_layer)
 
-    def report(self) -> dict:
+    def settings(self) -> dict:
         o = self.options
-        return {"kv_policy": self.name, "selection": o.selection, "alpha": o.alpha,
-                "max_kv_fraction": o.max_kv_fraction, "keep_sink": o.keep_sink,
-                "keep_recent": o.keep_recent, **self.stats.report()}
-
+        return {"selection": o.selection, "alpha": o.alpha, "max_kv_fraction": o.max_kv_fraction,
+                "keep_sink": o.keep_sink, "keep_recent": o.keep_recent}

@@ -1,10 +1,62 @@
-"""What the selective policies (InfiniGen, H2O) share: moving a chosen subset of K/V rows to
-the compute device, laid out per KV head for attention."""
+"""What the selective policies (InfiniGen, H2O, the oracle) share: a cache and a policy base
+that count the rows each step reads, and moving a chosen subset of K/V rows to the compute
+device, laid out per KV head for attention."""
 from __future__ import annotations
 
 import torch
 
-from .full import FullCache, row_buffers
+from .base import CacheSpec
+from .full import FullCache, FullPolicy, row_buffers
+from .stats import FetchStats
+
+
+class SelectiveCache(FullCache):
+    """A full cache whose decode steps read a chosen subset of rows in ``selecting`` layers
+    (every visible row elsewhere); each read is counted in the policy's :class:`FetchStats`."""
+
+    def __init__(self, spec: CacheSpec, policy: "SelectivePolicy", selecting: bool = True):
+        super().__init__(spec)
+        self.policy, self.selecting = policy, selecting
+        # attention reads the rows a load chose: never in place, and loads run on a lane
+        self.in_place = self.inline = False
+        # bytes of one token's K and V for one KV head column, as stored (compressed or not)
+        self.row_bytes = sum(self.bytes_by_tier().values()) / (
+            spec.max_len * spec.batch_size * spec.kv_heads)
+
+    def count(self, moved, selected, length: int) -> None:
+        """A selecting step: ``moved`` rows crossed, ``selected`` were used (device counts are
+        kept unsynchronized), of ``length`` cached per KV head column."""
+        cached = length * self.spec.batch_size * self.spec.kv_heads
+        self.policy.stats.add(self.spec.layer, moved, selected, cached, self.row_bytes)
+
+    def count_full_read(self, length: int) -> None:
+        """A step of a layer that reads every visible row."""
+        cols = self.spec.batch_size * self.spec.kv_heads
+        n = (length - self.spec.first_visible(length)) * cols
+        self.policy.stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
+
+    def store_token(self, k_new, v_new, position: int) -> None:
+        self._store(k_new, v_new, position)
+
+
+class SelectivePolicy(FullPolicy):
+    """Counts what its caches read (``kv_fetch_fraction`` and the others in the report) and
+    refuses attention on the CPU (its selected rows go to the compute device)."""
+
+    attends_on_cpu = False
+
+    def __init__(self):
+        self.stats = FetchStats()
+
+    def reset_stats(self) -> None:
+        self.stats = FetchStats()
+
+    def settings(self) -> dict:
+        """The policy's own settings, for the report."""
+        return {}
+
+    def report(self) -> dict:
+        return {"kv_policy": self.name, **self.settings(), **self.stats.report()}
 
 
 def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):

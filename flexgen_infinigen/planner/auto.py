@@ -6,20 +6,16 @@ import dataclasses
 import shlex
 
 from ..config import ConfigError, ModelConfig
-from ..kv.options import DEFAULT_KV_FRACTION
+from ..kv import policy_class
 from ..policy import Policy
 from .hardware import GB, HardwareProfile, load_profile
 from .lp import BATCH_SIZES, NUM_BATCHES, Plan, optimize
 from .workload import Workload
 
 
-def default_kv_fraction(kv_policy: str, max_kv_fraction: float = DEFAULT_KV_FRACTION,
-                        hh_ratio: float = 0.1, recent_ratio: float = 0.1) -> float:
-    if kv_policy == "infinigen":
-        return max_kv_fraction
-    if kv_policy == "h2o":
-        return min(1.0, hh_ratio + recent_ratio)
-    return 1.0
+def default_kv_fraction(kv_policy: str) -> float:
+    """The fraction a plannable policy reads at its default settings."""
+    return policy_class(kv_policy, plannable=True)().kv_fraction
 
 
 def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
@@ -103,7 +99,7 @@ def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy
         if on:
             args.append(flag)
     if kv_policy != "full":
-        args += ["--kv-policy", kv_policy]
+        args += ["--kv-policy", kv_policy]  # at its default settings
     return " ".join(shlex.quote(a) for a in args)
 
 

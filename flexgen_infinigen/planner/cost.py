@@ -13,11 +13,9 @@ from __future__ import annotations
 import math
 
 from ..attention import score_rows
-from ..kv.spec_keys import bytes_per_key
 from ..policy import Policy
 from .hardware import HardwareProfile
-from .workload import (FULL_LAYERS, Sizes, Workload, fits, fractions, mean_context,
-                       memory_needs)
+from .workload import Sizes, Workload, fits, fractions, mean_context, memory_needs
 
 def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
     """Seconds to bring every weight tensor of one step over the host link, one copy each."""
@@ -98,18 +96,13 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
                        for n in sz.weight_tensors)
     if policy.compress_cache:
         compute += hw.seconds("dequant", ctx_raw, kv_copies)
-    if work.kv_policy != "full":  # selected rows are gathered on the host before the link
+    extra = work.kv.decode_work(cfg, b, context, item)  # what the KV policy adds
+    if extra.gathers_rows:  # its chosen rows are gathered on the host before the link
         gather = off_c * hw.seconds("host_gather", 2 * ctx, kv_copies)
-        compute += n * layers * hw.overhead(cfg.family, "h2o") if work.kv_policy == "h2o" \
-            else 0.0
-    if work.kv_policy == "infinigen":
-        spec_layers = max(0, layers - FULL_LAYERS)
-        r, kvh = sz.partial_dim, cfg.num_kv_heads
-        scores = b * cfg.num_heads * context * 4
-        compute += n * spec_layers * (
-            _matmul(hw, b, sz.spec_params) + hw.overhead(cfg.family, "infinigen")
-            + hw.seconds("attention", b * context * kvh
-                         * bytes_per_key(work.speculation_keys, r, item) + 4 * scores))
+    if extra.layers:
+        compute += n * extra.layers * (
+            _matmul(hw, b, extra.matmul_params) + hw.seconds("attention", extra.scan_bytes)
+            + (hw.overhead(cfg.family, extra.overhead) if extra.overhead else 0.0))
     disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached) \
         + x["hd"] * _disk_read(hw, hid, copies, cached) \
         + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors)

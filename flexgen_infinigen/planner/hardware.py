@@ -81,6 +81,20 @@ class HardwareProfile:
     def overhead(self, family: str, what: str = "layer") -> float:
         return self.overhead_s.get(f"{family}/{what}", self.overhead_s.get(f"llama/{what}", 0.0))
 
+    def link_peak(self, link: str) -> tuple[str, float]:
+        """The fastest bytes/s this profile gives a tier link (one of ``tiers.LINKS``), and
+        which of its figures that is: the best copy size's rate for host<->device, the faster
+        of cold and page-cache reads for disk->host, and the (flushed) write rate for host->disk.
+        """
+        if link == "host->disk":
+            return "disk_write_bw", self.disk_write_bw
+        if link == "disk->host":
+            cached = max(self.rates["page_cache_read"].values())
+            return (("rates.page_cache_read", cached) if cached >= self.disk_read_bw
+                    else ("disk_read_bw", self.disk_read_bw))
+        name = {"host->device": "h2d", "device->host": "d2h"}[link]
+        return f"rates.{name}", max(self.rates[name].values())
+
     def with_memory(self, gpu_gb: float | None = None, cpu_gb: float | None = None,
                     disk_gb: float | None = None) -> "HardwareProfile":
         changes = {}

@@ -192,7 +192,8 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
              progress=None) -> tuple[Plan, list[Plan]]:
     """The predicted-fastest policy, and every feasible candidate scored (best first).
 
-    With the full cache, attention on the CPU (``--cpu-cache-compute``) is tried as well.
+    With a policy that can attend where the cache is (the full cache), attention on the CPU
+    (``--cpu-cache-compute``) is tried as well.
     With ``fixed_placement`` only the batch shape is searched and ``base``'s percentages
     are kept (``--percent`` given with ``--gpu-batch-size auto``).
     """
@@ -200,7 +201,7 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
     base = base or Policy()
     check_capacity(work, hw, base)
     flags = [base.cpu_cache_compute]
-    if work.kv_policy == "full" and not (base.cpu_cache_compute or fixed_placement):
+    if work.kv.attends_on_cpu and not (base.cpu_cache_compute or fixed_placement):
         flags.append(True)
     shapes = [(b, n, ccc) for b in batch_sizes for n in num_batches for ccc in flags]
     plans = []

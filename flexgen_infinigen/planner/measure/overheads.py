@@ -11,11 +11,12 @@ import statistics
 
 import torch
 
-from ..config import ModelConfig
-from ..tiers import Tiers
+from ...config import ModelConfig
+from ...tiers import Tiers
 
 
 def tiny_config(family: str) -> ModelConfig:
+    """A model of ``family`` small enough that its step is all fixed cost."""
     return ModelConfig(name=f"tiny-{family}", family=family, vocab_size=256, hidden_size=128,
                        intermediate_size=256, num_layers=8, num_heads=4,
                        num_kv_heads=4 if family == "opt" else 2, max_positions=512)
@@ -24,13 +25,13 @@ def tiny_config(family: str) -> ModelConfig:
 def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent: list,
                kv: str) -> float:
     """Median decode step time of a tiny model run by the real engine."""
-    from ..api import OffloadedLM
-    from ..engine import Engine
-    from ..kv import make_kv_policy
-    from ..loading import place_weights
-    from ..policy import Policy
-    from ..sampling import Sampler, SamplingConfig
-    from ..weights.sources import DummySource
+    from ...api import OffloadedLM
+    from ...engine import Engine
+    from ...kv import make_kv_policy
+    from ...loading import place_weights
+    from ...policy import Policy
+    from ...sampling import Sampler, SamplingConfig
+    from ...weights.sources import DummySource
 
     tiers = Tiers(dev)
     policy = Policy.from_percent(percent, overlap=False)

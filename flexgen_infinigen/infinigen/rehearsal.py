@@ -1,0 +1,97 @@
+"""What InfiniGen's rehearsal needs from the model, taken once at load: the skew (stored
+with the weights, or calibrated now), the per-layer projections on the kept skewed columns,
+and the query weights it multiplies with (folded with the projection where the query is an
+affine map of the input, as in OPT; the whole W_Q for rotary models).
+
+:meth:`Rehearsal.projected_query` is layer i+1's query from layer i's attention input,
+projected on those columns: what speculation scores against the speculation keys.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import read_text
+from ..kv.options import InfiniGenOptions
+from .skew import Skew, calibrate, projection, query_gram
+
+PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics
+
+
+class Rehearsal:
+    def __init__(self, lm, options: InfiniGenOptions):
+        cfg, engine = lm.cfg, lm.engine
+        self.cfg, self.family, self.options = cfg, engine.family, options
+        store = getattr(lm, "store_path", None)
+        skew = None if options.calibration or store is None else Skew.load(store)
+        if skew is None:
+            text = read_text(options.calibration, "--calibration") if options.calibration \
+                else None
+            skew = calibrate(lm, text)
+        self.skew = skew
+        dev = engine.tiers.device
+        # [L, KV, d, r] in the runtime dtype: one copy, shared (as views) by every cache
+        self.projections = skew.projections(options.ratio, options.column_score).to(
+            dev, engine.dtype)
+        self.gram_q = skew.gram_q.to(dev) if options.prompt_skew else None
+        self.gram_k = skew.gram_k.to(dev) if options.prompt_skew else None
+        # a query that is an affine map of the input (no rotary) takes a static projection in
+        # its weights: only r rows per head stay on the device
+        self.folded = engine.family.SKEW_FOLDS_INTO_WEIGHTS and not options.prompt_skew
+        self.weights = [self._query_weights(engine, layer) for layer in range(cfg.num_layers)]
+
+    @property
+    def columns(self) -> int:
+        return self.projections.shape[-1]
+
+    def _query_weights(self, engine, layer: int) -> dict:
+        """The device-resident weights the rehearsal of ``layer`` needs (read through the
+        ledger, which the loader resets afterwards)."""
+        if layer < self.options.first_layer:
+            return {}
+        cfg = self.cfg
+        w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone()
+             for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights}
+        if not self.folded:
+            return w  # the whole W_Q: rotary models need the full rotated query
+        p = self.projections[layer].to(w["q_proj.weight"].dtype)  # [H, d, r] (OPT: KV == H)
+        heads = w["q_proj.weight"].view(cfg.num_heads, cfg.head_dim, -1)
+        out = {"q_proj.weight": torch.einsum("kdr,kdi->kri", p, heads).reshape(-1, heads.shape[-1])}
+        if "q_proj.bias" in w:
+            out["q_proj.bias"] = torch.einsum("kdr,kd->kr", p, w["q_proj.bias"].view(
+                cfg.num_heads, cfg.head_dim)).reshape(-1)
+        return out
+
+    def prompt_projection(self, layer: int, kv_heads: int, q: torch.Tensor,
+                          valid: torch.Tensor) -> torch.Tensor:
+        """``[b, KV, d, r]``: the calibrated projection, or one per prompt, from the prompt's
+        own query statistics blended with the calibration's (weight ``PRIOR_TOKENS``)."""
+        static = self.projections[layer]
+        b = q.shape[0]
+        if self.gram_q is None:
+            return static.expand(b, *static.shape)
+        qv = q.float() * valid[:, :, None, None]  # padding contributes nothing
+        n = valid.sum(-1).double() * (self.cfg.num_heads // kv_heads)
+        gram = query_gram(qv, kv_heads) * (qv.shape[1] * self.cfg.num_heads
+                                           // kv_heads)  # sums, not means
+        prior = self.gram_q[layer].double()
+        blended = (gram + PRIOR_TOKENS * prior) / (n + PRIOR_TOKENS)[:, None, None, None]
+        return projection(blended, self.gram_k[layer], self.options.ratio,
+                          self.options.column_score)
+
+    def projected_query(self, layer: int, x: torch.Tensor, pos_enc, kv_heads: int,
+                        projection: torch.Tensor) -> torch.Tensor:
+        """``[b, KV, G, r]``: layer ``layer``'s query of input ``x`` ``[b, 1, D]`` on the kept
+        columns of its KV head's skew (``projection`` ``[b, KV, d, r]``)."""
+        cfg, w = self.cfg, self.weights[layer]
+        b, group = x.shape[0], cfg.num_heads // kv_heads
+        if self.folded:
+            return F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
+                                                                               group, -1)
+        q = self.family.query(cfg, w, x, pos_enc)  # [b, 1, H, d]
+        return torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv_heads, group, cfg.head_dim),
+                            projection)
+
+    def meta(self) -> dict:
+        return {"source": self.skew.meta.get("source"), "tokens": self.skew.meta.get("tokens"),
+                "per_prompt": self.options.prompt_skew}
