@@ -183,7 +183,7 @@ def _main(argv=None) -> int:
     policy, _ = planned(a, model, todo) if wants_plan(a) else policy_from_args(a)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                           device=a.device, dtype=a.dtype, kv_policy=kv,
-                           offload_dir=a.offload_dir, seed=a.seed)
+                          offload_dir=a.offload_dir, seed=a.seed)
     with lm, open(a.output, "a", encoding="utf-8") as out:
         template = store_template(lm.store_path)  # read once, not per request
         for r in todo:

@@ -85,7 +85,7 @@ def perplexity(a) -> dict:
     kv = kv_policy_from_args(a)
     lm = OffloadedLM.load(model=a.model or (None if a.path else DEFAULT_MODEL), path=a.path,
                           policy=policy, device=a.device, dtype=a.dtype, kv_policy=kv,
-                           offload_dir=a.offload_dir, seed=a.seed,
+                          offload_dir=a.offload_dir, seed=a.seed,
                           max_len_hint=(a.prefill_len, a.seq_len - a.prefill_len))
     with lm:
         count = len(ids) // a.seq_len

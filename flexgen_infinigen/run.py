@@ -237,7 +237,6 @@ def _main(argv=None) -> int:
     hint = None if texts else (a.prompt_len, a.gen_len)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                           device=a.device, dtype=a.dtype, kv_policy=kv,
-                          
                           offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
     with lm:
         prompts = chat_prompts(lm, a, texts)
