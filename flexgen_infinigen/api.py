@@ -63,7 +63,7 @@ class OffloadedLM:
         policy = (policy or Policy()).validate()
         dev = resolve_device(device)
         if policy.overlap is None:
-            policy = dataclasses.replace(policy, overlap=dev.type == "cuda")
+            policy = dataclasses.replace(policy, overlap=dev.type == "cuda" or policy.uses_disk)
         torch_dtype = resolve_dtype(dtype, dev)
         if isinstance(kv_policy, KVPolicy):
             if kv_options:
@@ -78,7 +78,7 @@ class OffloadedLM:
             check_lengths(cfg, *max_len_hint)
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
-        tiers = Tiers(dev, offload_dir)
+        tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io)
         try:
             weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress)
         except BaseException:

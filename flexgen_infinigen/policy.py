@@ -22,12 +22,15 @@ class Policy:
     cache_cpu_percent: float = 0
     act_gpu_percent: float = 100
     act_cpu_percent: float = 0
-    overlap: bool | None = None  # None: on with CUDA, off on a CPU-only machine
+    # None: on with CUDA; on a CPU-only machine on when anything is on disk (a reader waits on
+    # the disk, not on the cores), else off (a copy thread would compete with compute)
+    overlap: bool | None = None
     sep_layer: bool = True
     pin_weight: bool = True
     cpu_cache_compute: bool = False
     compress_weight: bool = False
     compress_cache: bool = False
+    direct_io: bool = False  # read the disk tier with O_DIRECT (bypassing the page cache)
 
     @property
     def block_size(self) -> int:
@@ -48,6 +51,12 @@ class Policy:
     @property
     def act_split(self) -> tuple[float, float, float]:
         return self._split(self.act_gpu_percent, self.act_cpu_percent)
+
+    @property
+    def uses_disk(self) -> bool:
+        """Anything (weights, cache, activations) placed on the disk tier."""
+        return any(split[2] > 0 for split in (self.weight_split, self.cache_split,
+                                              self.act_split))
 
     def validate(self) -> "Policy":
         names = ["weights", "cache", "activations"]

@@ -6,7 +6,7 @@ import sys
 
 from .guards import check_output_path, run_command
 from .loading import resolve_device
-from .planner.hardware import BUILTIN, GB, RATES, HardwareProfile
+from .planner.hardware import BUILTIN, GB, OPTIONAL_RATES, RATES, HardwareProfile
 from .planner.measure import cache_path, measure_hardware, save_to_cache
 from .run import write_json
 
@@ -27,7 +27,7 @@ def describe(p: HardwareProfile) -> str:
              "  matmul      " + "  ".join(f"m={m}: {f / 1e12:.3g}" for m, f in sorted(mm.items()))
              + " TFLOP/s"]
     lines.append("  rates in GB/s by operation size:")
-    for name in RATES:
+    for name in RATES + tuple(n for n in OPTIONAL_RATES if n in p.rates):
         table = p.rates.get(name, {})
         lines.append(f"    {name:<14}" + "  ".join(f"{_size(s)}: {v / GB:.2f}"
                                                     for s, v in sorted(table.items())))

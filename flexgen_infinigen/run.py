@@ -52,8 +52,13 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compress-weight", action="store_true")
     g.add_argument("--compress-cache", action="store_true")
     g.add_argument("--overlap", type=str2bool, default=None,
-                   help="overlap transfers with compute (default: on with CUDA; off on CPU, "
+                   help="overlap transfers with compute (default: on with CUDA; on a CPU on when "
+                        "anything is on disk, whose reads wait on the disk, and off otherwise, "
                         "where a copy thread only competes with compute for the cores)")
+    g.add_argument("--direct-io", type=str2bool, default=False,
+                   help="read the disk tier with O_DIRECT, bypassing the page cache (default "
+                        "false: buffered reads measured faster on the machines we tried; see "
+                        "the README's disk tier)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")
@@ -93,7 +98,7 @@ def policy_from_args(a, cfg=None,
     percent = parse_percent(a.percent)
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
-                    compress_cache=a.compress_cache)
+                    compress_cache=a.compress_cache, direct_io=a.direct_io)
     if not wants_plan(a):
         return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None

@@ -7,13 +7,11 @@ tier holds so that the report can give a peak per tier.
 """
 from __future__ import annotations
 
-import errno
 import math
 import os
 import shutil
 import tempfile
 import threading
-import uuid
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
+from .disk_io import ALIGN, DiskFiles
 from .offload_dir import DIR_PREFIX, OWNER_FILE, offload_root, remove_stale_folders
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -35,9 +33,6 @@ PAGE = 4096
 # of two: a few bytes here, 1.7x the plan for the large segments of a big model)
 EXACT_PIN_BYTES = 1 << 20
 
-_NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
-                  torch.bfloat16: np.int16, torch.uint8: np.uint8, torch.int64: np.int64}
-
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -47,7 +42,7 @@ class Tiers:
     """Owns the compute device, pinned host buffers, the disk folder, and the byte ledger."""
 
     def __init__(self, device: torch.device, offload_dir: str | None = None,
-                 pin_host: bool | None = None):
+                 pin_host: bool | None = None, direct_io: bool = False):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.pin_host = self.is_cuda if pin_host is None else (pin_host and self.is_cuda)
@@ -62,6 +57,7 @@ class Tiers:
         self._scratch: dict[str, list] = {}
         self._scratch_lock = threading.Lock()
         self._lock = threading.Lock()  # the ledger is updated from the lanes' threads too
+        self.disk = DiskFiles(lambda: self.disk_dir, direct_io)
 
     # ---- accounting -------------------------------------------------------------------------
     def count(self, link: str, kind: str, n: int) -> None:
@@ -145,30 +141,6 @@ class Tiers:
             self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
         return self._disk_dir
 
-    def _disk_file(self, count: int, dtype: torch.dtype) -> np.memmap:
-        """A file of ``count`` elements under the offload folder, its blocks reserved now: a
-        full disk is one clear error here, never a bus error when a page is first written."""
-        path = os.path.join(self.disk_dir, uuid.uuid4().hex + ".bin")
-        storage = _NUMPY_STORAGE[dtype]
-        size = max(count, 1) * np.dtype(storage).itemsize
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                os.close(fd)
-                os.unlink(path)
-                raise ConfigError(
-                    f"the offload folder {self.disk_dir} has no room for {size / 2**30:.2f} GiB "
-                    "more (disk full); free space there or point --offload-dir at another "
-                    "disk") from None
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                os.close(fd)
-                raise
-            os.ftruncate(fd, size)  # the filesystem cannot reserve: a sparse file
-        os.close(fd)
-        return np.memmap(path, dtype=storage, mode="r+", shape=(max(count, 1),))
-
     def empty(self, tier: str, shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         if tier == DEVICE:
             t = torch.empty(shape, dtype=dtype, device=self.device)
@@ -176,8 +148,7 @@ class Tiers:
             t = self.host_empty(shape, dtype, pinned=pin)
         else:
             count = int(np.prod(shape)) if len(shape) else 1
-            arr = self._disk_file(count, dtype)
-            t = torch.from_numpy(arr)[:count].view(dtype).view(shape)
+            t = self.disk.allocate(count, dtype).view(shape)
         return self.track(t, tier)
 
     def host_empty(self, shape, dtype: torch.dtype, pinned: bool = True,
@@ -241,6 +212,7 @@ class Tiers:
         return buf[:numel].view(shape)
 
     def close(self) -> None:
+        self.disk.close()
         if self._disk_dir is not None:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
             self._disk_dir = None
@@ -250,20 +222,31 @@ class Tiers:
         """Bring a tensor held in ``tier`` to the compute device (a view when already there)."""
         if tier == DEVICE:
             return src
-        if tier == DISK:
-            staged = self.host_empty(src.shape, src.dtype, staging=True)
-            staged.copy_(src)
-            src = staged
-        return self._upload(src, tier, kind)
+        return self._upload(self._read_disk(src) if tier == DISK else src, tier, kind)
+
+    def _read_disk(self, src: torch.Tensor) -> torch.Tensor:
+        """A disk tensor in a fresh host buffer (pinned on CUDA), read in large requests."""
+        if self.is_cuda:
+            out = self.host_empty(src.shape, src.dtype, staging=True)
+        else:  # aligned, so that O_DIRECT reads land in it without a bounce
+            raw = torch.empty(nbytes(src) + ALIGN, dtype=torch.uint8)
+            start = -raw.data_ptr() % ALIGN
+            out = raw[start:start + nbytes(src)].view(src.dtype).view(src.shape)
+        if not self.disk.read_into(out, src):
+            out.copy_(src)
+        return out
 
     def _upload(self, host: torch.Tensor, tier: str, kind: str) -> torch.Tensor:
         """Copy ``host`` (in host memory, read from ``tier``) to the compute device, counting
-        the bytes of each link it crossed."""
+        the bytes of each link it crossed. A buffer read from disk is already new memory:
+        on a CPU it becomes the device's copy as it is."""
+        self.count("host->device", kind, nbytes(host))
         if tier == DISK:
             self.count("disk->host", kind, nbytes(host))
+            if not self.is_cuda:
+                return self.track(host, DEVICE)
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         out.copy_(host, non_blocking=self.is_cuda)
-        self.count("host->device", kind, nbytes(host))
         return self.track(out, DEVICE)
 
     def gather_to_compute(self, src: torch.Tensor, tier: str, index: torch.Tensor,
@@ -305,9 +288,12 @@ class Tiers:
         """Bring a tensor held in ``tier`` to host memory (for compute on the CPU)."""
         if tier == HOST:
             return src
+        if tier == DISK:
+            self.count("disk->host", kind, nbytes(src))
+            return self._read_disk(src)
         out = self.host_empty(src.shape, src.dtype, staging=True)
         out.copy_(src)
-        self.count("disk->host" if tier == DISK else "device->host", kind, nbytes(src))
+        self.count("device->host", kind, nbytes(src))
         return out
 
     def write(self, dst: torch.Tensor, tier: str, src: torch.Tensor, kind: str,
@@ -320,10 +306,11 @@ class Tiers:
         if tier == DEVICE:  # from host (or disk, through a pinned staging buffer)
             if src_tier == DISK:
                 self.count("disk->host", kind, n)
-                if self.is_cuda:
-                    staged = self.host_empty(src.shape, src.dtype, staging=True)
-                    src = staged.copy_(src)
-            dst.copy_(src, non_blocking=self.is_cuda)
+                if self.is_cuda or not self.disk.read_into(dst, src):
+                    src = self._read_disk(src)
+                    dst.copy_(src, non_blocking=self.is_cuda)
+            else:
+                dst.copy_(src, non_blocking=self.is_cuda)
             self.count("host->device", kind, n)
             return
         if src_tier == DEVICE:
@@ -341,6 +328,11 @@ class Tiers:
                 return
         elif src_tier == DISK:  # disk to host memory
             self.count("disk->host", kind, n)
+            if not self.disk.read_into(dst, src):
+                dst.copy_(self._read_disk(src))
+            return
         if tier == DISK:
             self.count("host->disk", kind, n)
+            if self.disk.write_from(dst, src):
+                return
         dst.copy_(src)

@@ -98,10 +98,12 @@ def test_offloaded_activations_reuse_one_buffer_per_batch_and_shape(tiny_opt, tm
         with OffloadedLM.load(path=store, dtype="float32", policy=policy, progress=False,
                               offload_dir=str(tmp_path)) as lm:
             outs.append(lm.generate(PROMPTS * 2, STEPS, stop_token_id=None, keep_logits=True))
-            files = [f for f in (os.listdir(lm.tiers.disk_dir) if lm.tiers._disk_dir else [])
-                     if f.endswith(".bin")]  # the tensors (beside them: the owner's pid)
+            created = lm.tiers.disk.created
+            left = [f for f in (os.listdir(lm.tiers.disk_dir) if lm.tiers._disk_dir else [])
+                    if f.endswith(".bin")]  # the tensors (beside them: the owner's pid)
             moved = lm.tiers.bytes_moved["host->disk"]["activations"]
-    assert len(files) == 2 * 2  # 2 GPU batches x (prefill shape, decode shape)
+    assert created == 2 * 2  # 2 GPU batches x (prefill shape, decode shape)
+    assert left == []  # and each file was removed when the block let its buffer go
     assert moved > 0
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logits, outs[1].logits):

@@ -54,15 +54,22 @@ def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     return {"h2d": off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
             "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
             + off_h * hw.seconds("d2h", hid, copies),
-            "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached)
-            + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors),
+            "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io)
+            + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io) for t in sz.weight_tensors),
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": 0.0, "compute": compute, "cpu_compute": 0.0}
 
 
-def _disk_read(hw: HardwareProfile, total: float, pieces: float, cached: bool) -> float:
+def _disk_read(hw: HardwareProfile, total: float, pieces: float, cached: bool,
+               direct: bool = False) -> float:
+    """Seconds to read ``total`` bytes from the disk tier as ``pieces`` equal reads: from the
+    page cache, or cold at the profiled rate for that read size, with O_DIRECT or buffered
+    (the profile's one figure when it has no table by size)."""
     if cached:
         return hw.seconds("page_cache_read", total, pieces)
+    table = "disk_read" if direct else "disk_buffered_read"
+    if table in hw.rates:
+        return hw.seconds(table, total, pieces)
     return total / hw.disk_read_bw
 
 
@@ -103,9 +110,9 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
         compute += n * extra.layers * (
             _matmul(hw, b, extra.matmul_params) + hw.seconds("attention", extra.scan_bytes)
             + (hw.overhead(cfg.family, extra.overhead) if extra.overhead else 0.0))
-    disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached) \
-        + x["hd"] * _disk_read(hw, hid, copies, cached) \
-        + x["wd"] * sum(_disk_read(hw, t, 1, cached) for t in sz.weight_tensors)
+    disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached, policy.direct_io) \
+        + x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io) \
+        + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io) for t in sz.weight_tensors)
     return {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
@@ -145,8 +152,21 @@ def overlaps(policy: Policy, hw: HardwareProfile) -> bool:
     return bool(overlap and hw.copies_overlap_compute)
 
 
-def combine(terms: dict, overlapped: bool) -> float:
-    return max(terms.values()) if overlapped else sum(terms.values())
+def disk_apart(policy: Policy, hw: HardwareProfile) -> bool:
+    """On a machine whose copies take the compute cores, overlapped disk reads still run
+    beside the rest: a reader waits on the disk, not on a core."""
+    overlap = policy.uses_disk if policy.overlap is None else policy.overlap
+    return bool(overlap and not hw.copies_overlap_compute and policy.uses_disk)
+
+
+def combine(terms: dict, overlapped: bool, disk_beside: bool = False) -> float:
+    """A step's seconds from its terms: the slowest resource when everything overlaps; the
+    disk reads against the sum of the rest when only they do; else the sum."""
+    if overlapped:
+        return max(terms.values())
+    if disk_beside:
+        return max(terms["disk_read"], sum(v for k, v in terms.items() if k != "disk_read"))
+    return sum(terms.values())
 
 
 def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
@@ -156,15 +176,16 @@ def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
     x = fractions(policy)
     need = memory_needs(work, policy)
     # offloaded files that fit in spare host memory are read back from the page cache
+    # (unless the reads bypass it)
     room = hw.cpu_mem if hw.page_cache_mem is None else hw.page_cache_mem
     spare = room - need["host"] - (need["device"] if hw.shared_memory else 0)
-    cached = need["disk"] <= spare
-    overlapped = overlaps(policy, hw)
+    cached = need["disk"] <= spare and not policy.direct_io
+    overlapped, beside = overlaps(policy, hw), disk_apart(policy, hw)
     pre = prefill_terms(work, policy, hw, x, cached)
     dec = decode_terms(work, policy, hw, x, mean_context(work), cached)
     dec["compute"] += step_costs(work, policy, hw, mean_context(work))
     pre["compute"] += step_costs(work, policy, hw, None)
-    prefill_s, step_s = combine(pre, overlapped), combine(dec, overlapped)
+    prefill_s, step_s = combine(pre, overlapped, beside), combine(dec, overlapped, beside)
     decode_s = step_s * max(work.gen_len - 1, 0)
     tokens = policy.block_size * work.gen_len
     layers = work.cfg.num_layers

@@ -20,6 +20,8 @@ GIB = 1 << 30
 
 RATES = ("h2d", "d2h", "page_cache_read", "attention", "prefill_attention", "cpu_attention",
          "dequant", "device_copy", "host_gather")
+# measured where the machine allows it; a profile without them uses disk_read_bw
+OPTIONAL_RATES = ("disk_read", "disk_buffered_read")
 OVERHEADS = ("layer", "kv_offload", "weights_offload", "infinigen", "h2o")
 
 
@@ -50,7 +52,9 @@ class HardwareProfile:
     #   attention, by the
     #   K+V bytes it reads (cpu_attention: the same on the host); dequant: 4-bit
     #   decompression, by output bytes; device_copy: joining a tensor's tier segments;
-    #   host_gather: gathering selected KV rows on the host (bytes read + written)
+    #   host_gather: gathering selected KV rows on the host (bytes read + written); and
+    #   optionally (OPTIONAL_RATES) disk_read / disk_buffered_read: a cold read from the
+    #   disk tier with O_DIRECT / through the page cache, by read size
     rates: dict[str, dict[int, float]]
     # fixed seconds per layer and GPU batch at decode beyond flops and bytes (operator
     # dispatch, kernel launches), as "<family>/<what>" for what in OVERHEADS: "layer" for a

@@ -20,7 +20,7 @@ import pulp
 from .. import memory_plan
 from ..config import ConfigError
 from ..policy import Policy
-from .cost import decode_terms, overlaps, predict, prefill_terms
+from .cost import decode_terms, disk_apart, overlaps, predict, prefill_terms
 from .hardware import GB, HardwareProfile
 from .workload import Workload, extra_device_bytes, fractions, mean_context
 
@@ -98,6 +98,12 @@ def solve_placement(work: Workload, policy: Policy, hw: HardwareProfile,
             prob += t_pre >= term
         for term in dec.values():
             prob += t_dec >= term
+        prob += t_pre + steps * t_dec
+    elif disk_apart(policy, hw):  # disk reads beside the sum of the rest
+        t_pre, t_dec = prob.add_variable("t_prefill", 0), prob.add_variable("t_decode", 0)
+        for t, terms in ((t_pre, pre), (t_dec, dec)):
+            prob += t >= terms["disk_read"]
+            prob += t >= pulp.lpSum(v for k, v in terms.items() if k != "disk_read")
         prob += t_pre + steps * t_dec
     else:
         prob += pulp.lpSum(pre.values()) + steps * pulp.lpSum(dec.values())

@@ -37,10 +37,15 @@ def measure_hardware(dev: torch.device, offload_dir: str | None = None, quick: b
         got["rates"].update(tables)
         return {}
 
+    def disk() -> dict:
+        found = disk_bandwidths(dev, offload_dir, size)
+        rates(**found.pop("rates"))
+        return found
+
     steps = [
         ("memory", lambda: memory(dev, offload_dir)),
         ("links", lambda: link_bandwidths(dev, size)),
-        ("disk", lambda: disk_bandwidths(dev, offload_dir, size)),
+        ("disk", disk),
         ("matmul", lambda: {"matmul_flops": matmul_table(dev, dtype, 8192 if cuda else 2048,
                                                          size)}),
         ("cpu matmul", lambda: {"cpu_matmul_flops": matmul_table(cpu, torch.float32, 2048,

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from ...tiers import DEVICE, DISK, HOST, Tiers
@@ -49,6 +47,7 @@ def _each(copy, tensors, tier) -> None:
 
 
 def _drop_page_cache(path: str) -> bool:
+    """Ask the kernel to forget a file's cached pages (after writing them back)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -63,49 +62,61 @@ def _drop_page_cache(path: str) -> bool:
         os.close(fd)
 
 
-def disk_bandwidths(dev: torch.device, offload_dir: str | None, nbytes: int) -> dict[str, float]:
-    """Write and read a file in the disk tier's folder the way the engine does (memmap).
+DISK_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
-    Reads are timed into host memory only; the copy on to the device is the host link's.
-    A cold read maps the file afresh after asking the kernel to drop its cached pages.
-    """
-    tiers = Tiers(dev, offload_dir)
-    try:
-        n = nbytes // 4
-        src = torch.randn(n)
-        disk = tiers.empty(DISK, (n,), torch.float32)
-        path = str(next(Path(tiers.disk_dir).glob("*.bin")))  # not the folder's owner file
-        start = time.perf_counter()
-        tiers.write(disk, DISK, src, "kv_cache", src_tier=HOST)
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-        write_bw = nbytes / (time.perf_counter() - start)
-        warm = timed(lambda d=disk: tiers.to_host(d, DISK, "kv_cache"), dev)
-        del disk
-        cold = []
-        for _ in range(2):
-            if not _drop_page_cache(path):
-                break
-            mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c", shape=(n,)))
+
+def disk_bandwidths(dev: torch.device, offload_dir: str | None, nbytes: int) -> dict:
+    """Write a file in the disk tier's folder and read it back cold, the way the engine
+    does (``pwrite``; ``preadv`` in large requests), by read size: with O_DIRECT where the
+    folder's filesystem allows it (``disk_read``), and through the page cache
+    (``disk_buffered_read``). Reads land in host memory; the copy on is the host link's."""
+    out = {"rates": {}}
+    for direct, name in ((True, "disk_read"), (False, "disk_buffered_read")):
+        tiers = Tiers(dev, offload_dir, direct_io=direct)
+        try:
+            n = nbytes // 4
+            disk = tiers.empty(DISK, (n,), torch.float32)
+            path = tiers.disk.locate(disk)[0].path
             start = time.perf_counter()
-            tiers.to_host(mapped, DISK, "kv_cache")
-            cold.append(time.perf_counter() - start)
-            del mapped
-        return {"disk_write_bw": write_bw,
-                "disk_read_bw": nbytes / min(cold) if cold else nbytes / warm}
+            tiers.write(disk, DISK, torch.randn(n), "kv_cache", src_tier=HOST)
+            _sync_file(path)
+            if direct:
+                out["disk_write_bw"] = nbytes / (time.perf_counter() - start)
+            table = {}
+            for size in [s for s in DISK_SIZES if s <= nbytes]:
+                step = size // 4
+                parts = [disk[i:i + step] for i in range(0, n - step + 1, step)]
+                if not _drop_page_cache(path):
+                    break
+                start = time.perf_counter()
+                for part in parts:
+                    tiers.to_host(part, DISK, "weights")
+                table[size] = len(parts) * size / (time.perf_counter() - start)
+            if table:
+                out["rates"][name] = table
+        finally:
+            tiers.close()
+    cold = out["rates"].get("disk_read") or out["rates"].get("disk_buffered_read") or {0: 0.0}
+    out["disk_read_bw"] = max(cold.values())
+    return out
+
+
+def _sync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
-        tiers.close()
+        os.close(fd)
 
 
 def page_cache_rates(dev: torch.device, offload_dir: str | None, ws: int) -> dict[int, float]:
     """Reads of disk-tier data that is still in the page cache (an offloaded file smaller
-    than free memory), by read size, through the engine's disk path."""
-    tiers = Tiers(dev, offload_dir)
+    than free memory), by read size, through the engine's buffered disk path."""
+    tiers = Tiers(dev, offload_dir, direct_io=False)
     try:
         n = ws // 4
         disk = tiers.empty(DISK, (n,), torch.float32)
-        disk.copy_(torch.randn(n))
+        tiers.write(disk, DISK, torch.randn(n), "kv_cache", src_tier=HOST)
         out = {}
         for size in RATE_SIZES:
             step = size // 4
