@@ -93,6 +93,7 @@ class Engine:
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
+        self.running = False  # one block at a time: its caches and states are the engine's
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
@@ -106,6 +107,10 @@ class Engine:
 
         ``record``: run the prefill only, handing each layer's prompt q and k to it instead
         of keeping a cache (calibration)."""
+        if self.running:
+            raise RuntimeError("a block is already running on this engine; finish or close "
+                               "its generator first")
+        self.running = True
         dev = self.tiers.device
         prompt_len = batches[0][0].shape[1]
         self.states = []
@@ -145,6 +150,7 @@ class Engine:
             self.caches.clear()
             self._activations.clear()
             self.record = None
+            self.running = False
 
     def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
                   sampler: Sampler, keep_logits: bool = False) -> dict:

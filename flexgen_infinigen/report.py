@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from . import memory_plan
 from .api import Generation, OffloadedLM
 from .models import family_of
 from .planner.hardware import HardwareProfile
@@ -31,6 +32,8 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     else:
         peak_device = tiers.peak[DEVICE]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    planned = memory_plan.plan(cfg, policy, lm.engine.dtype, gen.prompt_tokens,
+                               gen.generated_tokens, kv=lm.engine.kv_policy)["total"]
     report = {
         "model": {"name": cfg.name, "family": cfg.family, "num_layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
@@ -51,6 +54,8 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
         "total_throughput": n * g / max(total_latency, 1e-9),
         "peak_memory_bytes": {DEVICE: peak_device, HOST: tiers.peak[HOST], DISK: tiers.peak[DISK],
                               "host_pinned_exact": tiers.pinned_bytes, "host_process_rss": rss},
+        # what the memory plan expected each tier to hold (on a CPU device and host are one)
+        "planned_memory_bytes": planned,
         "debug": {"host_syncs_per_step": list(lm.engine.debug["host_syncs_per_step"])},
         "bytes_moved": tiers.bytes_moved,
         "link_bandwidth": link_bandwidth(tiers.bytes_moved, sum(gen.step_times),
@@ -144,8 +149,11 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
         w(f"auto plan ({plan['hardware']} profile) predicted {plan['predicted_throughput']:.2f} "
           f"token/s overall, decode step {plan['predicted_decode_step_s'] * 1e3:.1f} ms")
     pk = r["peak_memory_bytes"]
+    plan = r["planned_memory_bytes"]
     w(f"peak memory: device {_gb(pk['device'])}, host {_gb(pk['host'])} "
-      f"(process RSS {_gb(pk['host_process_rss'])}), disk {_gb(pk['disk'])}")
+      f"(process RSS {_gb(pk['host_process_rss'])}), disk {_gb(pk['disk'])}; "
+      f"planned: device {_gb(plan['device'])}, host {_gb(plan['host'])}, "
+      f"disk {_gb(plan['disk'])}")
     w("bytes moved:")
     kinds = list(next(iter(r["bytes_moved"].values())))
     w(f"  {'link':<14}" + "".join(f"{k:>14}" for k in kinds))

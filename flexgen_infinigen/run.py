@@ -107,7 +107,10 @@ def policy_from_args(a, cfg=None,
         raise ConfigError("auto placement needs the model and lengths; it is available in "
                           "`run`, or use `python -m flexgen_infinigen.optimize`")
     from .loading import resolve_device, resolve_dtype
+    from .kv import policy_class
     from .planner.auto import check_possible, profile_for, search, summary
+
+    policy_class(a.kv_policy, plannable=True)  # before a minute of profiling
 
     b = None if a.gpu_batch_size == "auto" else a.gpu_batch_size
     n = a.num_gpu_batches

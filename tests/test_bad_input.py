@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from flexgen_infinigen import api, loading, run
-from flexgen_infinigen.config import ConfigError
-from flexgen_infinigen.weights import embedded, hf_convert
-from flexgen_infinigen.weights.store import StoreWriter, WeightStore
+from flexgen_infinigen.weights import embedded
 
 FAST_S = 2.0  # a bad input must be reported well before any long work
 
@@ -232,84 +230,6 @@ def test_dummy_with_prompt_file(capsys, tmp_path):
     f.write_text("Hello there")
     line = cli_error(capsys, ["--model", "opt-125m", "--dummy", "--prompt-file", f])
     assert_mentions(line, "--dummy", "--prompt-len")
-
-
-# ---- the Hugging Face converter --------------------------------------------------------------
-def convert_cli(capsys, argv) -> str:
-    from flexgen_infinigen import convert
-
-    capsys.readouterr()
-    start = time.perf_counter()
-    rc = convert.main([str(a) for a in argv])
-    elapsed = time.perf_counter() - start
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2, f"convert returned {rc}; stderr: {err!r}"
-    error_lines = [line for line in lines if line.startswith("error: ")]
-    assert len(error_lines) == 1, f"expected one error line: {err!r}"
-    # the conversion's own progress bar may precede it (a long read that found the fault)
-    others = [line for line in lines if line not in error_lines]
-    assert all(line.startswith("converting") for line in others), err
-    assert elapsed < FAST_S, f"took {elapsed:.2f} s to report: {error_lines[0]}"
-    return error_lines[0]
-
-
-def leftovers(folder, before):
-    return sorted(p.name for p in folder.iterdir() if p.name not in before)
-
-
-def test_convert_folder_without_config(capsys, tmp_path):
-    src = tmp_path / "ckpt"
-    src.mkdir()
-    line = convert_cli(capsys, ["--checkpoint", src, "--out", tmp_path / "out"])
-    assert_mentions(line, "config.json", "--checkpoint")
-    assert leftovers(tmp_path, {"ckpt"}) == []
-
-
-@pytest.fixture
-def hf_folder_copy(tiny_opt, tmp_path):
-    """A private copy of the tiny OPT's Hugging Face folder (config.json + safetensors)."""
-    src = tiny_opt[1].parent
-    dest = tmp_path / "ckpt"
-    dest.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy(f, dest / f.name)
-    return dest
-
-
-def test_convert_checkpoint_missing_tensor(capsys, hf_folder_copy, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    weights = hf_folder_copy / "model.safetensors"
-    state = load_file(str(weights))
-    key = next(k for k in state if k.endswith("layers.2.fc1.weight"))
-    del state[key]
-    save_file(state, str(weights), metadata={"format": "pt"})
-    line = convert_cli(capsys, ["--checkpoint", hf_folder_copy, "--out", tmp_path / "out"])
-    assert_mentions(line, "layers.2.fc1.weight", "partial")
-    assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
-
-
-@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError], ids=["ctrl-c", "disk-error"])
-def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_path, exc_type):
-    real_add = StoreWriter.add
-    calls = []
-
-    def add_then_fail(self, name, array, dtype=None):
-        if len(calls) == 5:
-            raise exc_type("interrupted")
-        calls.append(name)
-        real_add(self, name, array, dtype)
-
-    monkeypatch.setattr(StoreWriter, "add", add_then_fail)
-    out = tmp_path / "out"
-    with pytest.raises(exc_type):
-        hf_convert.convert_hf(hf_folder_copy, out, "tiny-opt")
-    assert len(calls) == 5
-    assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
-    with pytest.raises(ConfigError):
-        WeightStore(out)
 
 
 # ---- a newcomer's first hour -----------------------------------------------------------------

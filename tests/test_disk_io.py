@@ -81,8 +81,9 @@ def test_files_are_removed_with_their_tensors(tiers):
 def test_weights_and_cache_on_disk_equal_the_run_in_memory(tiny_opt, tmp_path, direct_io):
     prompts = [[2, 5, 17, 99, 45, 8, 200, 31], [2, 40, 41, 42]]
     runs = []
-    for percent, direct in (([0, 100, 0, 100, 100, 0], False),
-                            ([0, 0, 0, 0, 100, 0], direct_io), ([10, 30, 20, 30, 0, 50], direct_io)):
+    placements = (([0, 100, 0, 100, 100, 0], False), ([0, 0, 0, 0, 100, 0], direct_io),
+                  ([10, 30, 20, 30, 0, 50], direct_io))
+    for percent, direct in placements:
         policy = Policy.from_percent(percent, gpu_batch_size=2, direct_io=direct)
         with OffloadedLM.load(path=tiny_opt[1], policy=policy, dtype="float32", progress=False,
                               offload_dir=str(tmp_path)) as lm:

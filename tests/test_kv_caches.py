@@ -228,3 +228,15 @@ def test_a_new_policy_is_one_class_and_one_registry_line(tiny_opt, monkeypatch):
             if kv is policy:
                 assert lm.engine.kv_policy.report() == {"kv_policy": "toy", "label": "mine"}
     assert outs[0] == outs[1]
+
+
+def test_planning_an_unplannable_policy_is_refused_before_profiling(capsys):
+    """The oracle runs, but the optimizer does not plan for it: one line saying so, before a
+    minute of profiling this machine."""
+    from flexgen_infinigen import run
+
+    code = run.main(["--kv-policy", "oracle", "--percent", "auto", "--dummy",
+                     "--model", "opt-125m", "--gen-len", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "optimizer does not plan for --kv-policy oracle" in err[0]

@@ -23,6 +23,10 @@ POLICIES: dict[str, type[KVPolicy]] = {
 def policy_class(name: str, plannable: bool = False) -> type[KVPolicy]:
     """The registered class of ``name`` (one that the optimizer can plan, if asked)."""
     names = plannable_names() if plannable else list(POLICIES)
+    if name in POLICIES and name not in names:
+        raise ConfigError(f"the optimizer does not plan for --kv-policy {name} "
+                          f"({POLICIES[name].summary}); give --percent and --gpu-batch-size "
+                          f"yourself, or plan with one of: {', '.join(names)}")
     if name not in names:
         raise ConfigError(f"unknown --kv-policy {name!r}; pick one of: {', '.join(names)}")
     return POLICIES[name]

@@ -16,7 +16,7 @@ overlapped schedule may run on different lanes:
 * ``store_token(k_new, v_new, position)``: keep the new token's key and value.
 
 ``store_prompt(q, k, v, valid)`` keeps the prompt's keys and values after prefill, and
-``speculate(x, pos_enc, valid)`` (InfiniGen) receives the previous layer's attention input
+``speculate(x, pos_enc, valid, visible)`` (InfiniGen) receives the previous layer's attention input
 during decode, before this cache's ``load`` is waited for.
 Shapes: q ``[b, s, H, d]``; k, v ``[b, s, KV, d]``; ``valid`` ``[b, length + s]``
 (True for the keys the new token may see: real tokens, not left padding, and inside the

@@ -55,7 +55,8 @@ def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
             "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
             + off_h * hw.seconds("d2h", hid, copies),
             "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io)
-            + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io) for t in sz.weight_tensors),
+            + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io)
+                            for t in sz.weight_tensors),
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": 0.0, "compute": compute, "cpu_compute": 0.0}
 
@@ -108,8 +109,9 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
         gather = off_c * hw.seconds("host_gather", 2 * ctx, kv_copies)
     if extra.layers:
         compute += n * extra.layers * (
-            _matmul(hw, b, extra.matmul_params) + hw.seconds("attention", extra.scan_bytes)
-            + (hw.overhead(cfg.family, extra.overhead) if extra.overhead else 0.0))
+            _matmul(hw, b, extra.matmul_params)
+            + (hw.overhead(cfg.family, extra.overhead) if extra.overhead else 0.0)
+            + hw.seconds("attention", extra.scan_bytes))
     disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached, policy.direct_io) \
         + x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io) \
         + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io) for t in sz.weight_tensors)
