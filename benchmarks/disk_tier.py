@@ -181,9 +181,10 @@ def markdown(result: dict) -> str:
         rates = " | ".join(f"{v / GB:.2f}" for v in prof[name].values())
         lines.append(f"| {name} | {rates} |")
     lines += ["", "Disk bound: the bytes a decode step reads from disk over the profiled "
-              "direct-read rate (its best read size); raw: over the raw disk's best. Compute bound: OPT-13B"
-              " with its weights in memory, from 4 and 8 layers. Peak RSS is the process's whole"
-              " life (weight placement included); planned: the memory plan's device + host.", "",
+              "direct-read rate (its best read size); raw: over the raw disk's best. Compute "
+              "bound: OPT-13B with its weights in memory, from 4 and 8 layers. Peak RSS is the "
+              "process's whole life (weight placement included); planned: the memory plan's "
+              "device + host.", "",
               "| setting | decode step s | bound s (disk, raw disk, compute) | step / bound | "
               "read GB/s | tokens/s | peak RSS GB (planned) |", "|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
