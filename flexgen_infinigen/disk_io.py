@@ -3,9 +3,10 @@
 Each disk tensor is a file in the run's offload folder, its blocks reserved when it is
 created. It is also memory-mapped, for the one access that needs it (gathers of scattered
 rows), but whole-tensor and row-range reads go through ``preadv`` on a file descriptor into
-the caller's buffer: with ``O_DIRECT`` (no page cache, so the process's memory does not
-grow with the model) for the aligned part of a request, buffered for the rest, in requests of
-``REQUEST_BYTES`` of which ``READERS`` are in flight. Writes are ``pwrite`` calls. An I/O
+the caller's buffer (never faulted into the process's memory map, so its resident memory does
+not grow with the model), in requests of ``REQUEST_BYTES`` of which ``READERS`` are in flight:
+buffered by default, or with ``O_DIRECT`` (``direct=True``: no page cache either) for the
+aligned part of a request and buffered for the rest. Writes are ``pwrite`` calls. An I/O
 error or a short read is one :class:`OffloadIOError` naming the file.
 """
 from __future__ import annotations
@@ -53,13 +54,14 @@ def _buffer(t: torch.Tensor):
 class DiskFiles:
     """The files of one run's disk tier, and every read and write that moves whole rows."""
 
-    def __init__(self, folder, direct: bool = True):
+    def __init__(self, folder, direct: bool = False):
         self._folder = folder  # a callable: the folder is made on first use
         self.direct = direct
         self._files: list[DiskFile] = []
         self._bases: list[int] = []
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        # threads start on first use; read by every lane that reads the disk
+        self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="disk-read")
         self.direct_bytes = self.buffered_bytes = 0  # what was read each way
         self.created = 0  # files made so far (each is removed when its tensor is freed)
 
@@ -135,9 +137,7 @@ class DiskFiles:
         return (f, ptr - f.base) if end <= f.base + f.size else None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool.shutdown(wait=True)
         with self._lock:
             files, self._files, self._bases = self._files, [], []
         for f in files:
@@ -159,8 +159,6 @@ class DiskFiles:
         if len(requests) == 1:
             self._read(f, offset, buf, 0, n)
             return True
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="disk-read")
         for job in [self._pool.submit(self._read, f, offset, buf, pos, size)
                     for pos, size in requests]:
             job.result()
