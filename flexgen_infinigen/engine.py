@@ -111,22 +111,23 @@ class Engine:
             raise RuntimeError("a block is already running on this engine; finish or close "
                                "its generator first")
         self.running = True
-        dev = self.tiers.device
-        prompt_len = batches[0][0].shape[1]
-        self.states = []
-        for ids, valid in batches:
-            valid = valid.to(dev)
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
-        self.record = record
-        if record is None:
-            self._make_caches(len(batches[0][0]), prompt_len + steps)
-        else:
-            steps = 1
-        lanes = Lanes(dev, self.policy.overlap)
-        tokens = []
-        syncs = self.debug["host_syncs_per_step"] = []
+        lanes = None
         try:
+            dev = self.tiers.device
+            prompt_len = batches[0][0].shape[1]
+            self.states = []
+            for ids, valid in batches:
+                valid = valid.to(dev)
+                positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+                self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
+            self.record = record
+            if record is None:
+                self._make_caches(len(batches[0][0]), prompt_len + steps)
+            else:
+                steps = 1
+            lanes = Lanes(dev, self.policy.overlap)
+            tokens = []
+            syncs = self.debug["host_syncs_per_step"] = []
             for i in range(steps):
                 start, before = time.perf_counter(), self.tiers.host_syncs
                 decode = i > 0
@@ -146,7 +147,8 @@ class Engine:
                 cache.abort()
             raise
         finally:
-            lanes.close()
+            if lanes is not None:
+                lanes.close()
             self.caches.clear()
             self._activations.clear()
             self.record = None

@@ -97,3 +97,23 @@ def test_weights_and_cache_on_disk_equal_the_run_in_memory(tiny_opt, tmp_path, d
     assert runs[1][2]["disk->host"]["weights"] > 0 and runs[1][2]["disk->host"]["kv_cache"] > 0
     if not direct_io:
         assert runs[1][1] == 0
+
+
+def test_a_block_that_fails_to_start_leaves_the_engine_usable(tiny_opt, tmp_path, monkeypatch):
+    """A full disk while making the KV cache files: one clear error, and the next generate
+    runs (the engine is not left marked as running a block)."""
+    from flexgen_infinigen.config import ConfigError
+
+    policy = Policy.from_percent([100, 0, 0, 0, 100, 0])
+    with OffloadedLM.load(path=tiny_opt[1], policy=policy, dtype="float32", progress=False,
+                          offload_dir=str(tmp_path)) as lm:
+        real = lm.tiers.disk.allocate
+
+        def full_disk(count, dtype):
+            raise ConfigError("the offload folder has no room (disk full)")
+
+        monkeypatch.setattr(lm.tiers.disk, "allocate", full_disk)
+        with pytest.raises(ConfigError, match="disk full"):
+            lm.generate([[2, 5, 17]], 3, stop_token_id=None)
+        monkeypatch.setattr(lm.tiers.disk, "allocate", real)
+        assert len(lm.generate([[2, 5, 17]], 3, stop_token_id=None).token_ids[0]) == 3
