@@ -16,7 +16,7 @@ import torch
 
 from . import memory_plan
 from .config import ConfigError, ModelConfig
-from .engine import Engine
+from .engine import Engine, LayerSlice
 from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
@@ -52,12 +52,15 @@ class OffloadedLM:
              policy: Policy | None = None, device: str = "auto", dtype: str | None = None,
              kv_policy: str | KVPolicy = "full", kv_options: dict | None = None,
              offload_dir: str | None = None, seed: int = 0, progress: bool = True,
-             max_len_hint: tuple[int, int] | None = None) -> "OffloadedLM":
+             max_len_hint: tuple[int, int] | None = None, part: LayerSlice | None = None,
+             link=None) -> "OffloadedLM":
         """Find the weights, check that the policy fits, and place the weights on the tiers.
 
         ``kv_policy``: a :class:`~.kv.base.KVPolicy` (``InfiniGenPolicy(max_kv_fraction=0.2)``)
         or a registered name with its ``kv_options``. ``max_len_hint`` = (prompt_len, gen_len)
-        lets the memory check include the KV cache.
+        lets the memory check include the KV cache. ``part`` and ``link``: one rank of a
+        pipeline (:mod:`.pipeline`) loads and runs only its layers, talking to the others
+        over ``link``.
         """
         start = time.perf_counter()
         policy = (policy or Policy()).validate()
@@ -76,15 +79,21 @@ class OffloadedLM:
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
-        need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv)
+        need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
+                                part=part)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
         tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io)
         try:
-            weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress)
+            names = part.weight_names(cfg) if part is not None else None
+            weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names)
         except BaseException:
             tiers.close()
             raise
-        engine = Engine(cfg, weights, policy, tiers, kv, torch_dtype)
+        if link is None:
+            engine = Engine(cfg, weights, policy, tiers, kv, torch_dtype, part)
+        else:
+            from .pipeline.engine import PipelineEngine
+            engine = PipelineEngine(cfg, weights, policy, tiers, kv, torch_dtype, part, link)
         tokenizer = None
         if store is not None:
             from .tokenizer import load_tokenizer
@@ -158,6 +167,7 @@ class OffloadedLM:
         steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
         sampler = Sampler(sampling)
         self.engine.kv_policy.reset_stats()
+        self.engine.reset_counters()
         self.tiers.reset_peak()  # the run's peaks, not loading's or calibration's
         block = self.policy.block_size
         outputs: list[list[int]] = []
@@ -205,7 +215,7 @@ class OffloadedLM:
                             rows[r].append(t)
                             done[r] = stop_token_id is not None and t == stop_token_id
                     bar.update(real)
-                    if all(done[:real]):
+                    if all(done[:real]) and self.engine.stops_early:
                         break  # every real row has ended: the block stops here
             ran_here = len(step_times) - ran_before
             ran = max(ran, ran_here)

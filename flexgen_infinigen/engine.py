@@ -44,17 +44,47 @@ class Stage:
     weights: dict[str, str]  # name the family math uses -> name in the weight store
 
 
-def build_stages(cfg: ModelConfig, sep_layer: bool) -> list[Stage]:
+def build_stages(cfg: ModelConfig, sep_layer: bool, part: "LayerSlice | None" = None
+                 ) -> list[Stage]:
+    """The schedule's stages of the whole model, or of one pipeline rank's ``part``: its
+    layers, with the embedding only on the first rank and the head only on the last."""
     names = family_of(cfg).stage_weights(cfg)
-    stages = [Stage("embed", None, {n: n for n in names["embed"]})]
-    for i in range(cfg.num_layers):
+    part = part or LayerSlice.whole(cfg)
+    stages = [Stage("embed", None, {n: n for n in names["embed"]})] if part.embed else []
+    for i in part.layers:
         per = {kind: {n: f"layers.{i}.{n}" for n in names[kind]} for kind in ("attn", "mlp")}
         if sep_layer:
             stages += [Stage("attn", i, per["attn"]), Stage("mlp", i, per["mlp"])]
         else:
             stages.append(Stage("layer", i, {**per["attn"], **per["mlp"]}))
-    stages.append(Stage("head", None, {n: n for n in names["head"]}))
+    if part.head:
+        stages.append(Stage("head", None, {n: n for n in names["head"]}))
     return stages
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """The part of the model one process runs: layers ``start`` to ``stop`` (exclusive), and
+    whether it embeds the tokens (the first pipeline rank) and computes the logits (the
+    last). One process alone runs the whole model."""
+
+    start: int
+    stop: int
+    embed: bool = True
+    head: bool = True
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> "LayerSlice":
+        return cls(0, cfg.num_layers)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+    def weight_names(self, cfg: ModelConfig) -> set[str]:
+        """The weight store names this part reads (a tied embedding counts once)."""
+        return {full for stage in build_stages(cfg, True, self)
+                for full in stage.weights.values()}
 
 
 @dataclass
@@ -69,6 +99,7 @@ class BatchState:
     visible: torch.Tensor | None = None  # [b, length]: keys the newest token may see
     hidden: object = None
     logits: torch.Tensor | None = None
+    handoff: torch.Tensor | None = None  # the last layer's attention input, for the next rank
 
 
 @dataclass
@@ -84,19 +115,25 @@ class Step:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, weights: dict[str, TieredTensor], policy: Policy,
-                 tiers: Tiers, kv_policy: KVPolicy, dtype: torch.dtype):
+                 tiers: Tiers, kv_policy: KVPolicy, dtype: torch.dtype,
+                 part: LayerSlice | None = None):
         self.cfg, self.weights, self.policy, self.tiers = cfg, weights, policy, tiers
         self.kv_policy, self.dtype = kv_policy, dtype
         self.family = family_of(cfg)
-        self.stages = build_stages(cfg, policy.sep_layer)
+        self.part = part or LayerSlice.whole(cfg)
+        self.stages = build_stages(cfg, policy.sep_layer, self.part)
         self.states: list[BatchState] = []
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
         self.running = False  # one block at a time: its caches and states are the engine's
+        self.stops_early = True  # the caller may stop a block when every row has ended
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
+
+    def reset_counters(self) -> None:
+        """Start a generation's own statistics (the host syncs are per block already)."""
 
     # ---- one block --------------------------------------------------------------------------
     def generate_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
@@ -126,22 +163,8 @@ class Engine:
             else:
                 steps = 1
             lanes = Lanes(dev, self.policy.overlap)
-            tokens = []
-            syncs = self.debug["host_syncs_per_step"] = []
-            for i in range(steps):
-                start, before = time.perf_counter(), self.tiers.host_syncs
-                decode = i > 0
-                if decode:
-                    self._advance(tokens)
-                self._iteration(decode, lanes)
-                host = [self.tiers.host_values(s.logits)[0] for s in self.states]
-                tokens = [sampler(x, i, k) for k, x in enumerate(host)]
-                if self.tiers.is_cuda:
-                    torch.cuda.synchronize()
-                    self.tiers.count_sync()
-                syncs.append(self.tiers.host_syncs - before)
-                yield Step(i, tokens, time.perf_counter() - start,
-                           [x.float() for x in host] if keep_logits else None)
+            self.debug["host_syncs_per_step"] = []
+            yield from self._steps(steps, sampler, keep_logits, lanes)
         except BaseException:  # an error, an interrupt, or the caller stopped (GeneratorExit)
             for cache in self.caches.values():  # wake loads waiting for a speculation
                 cache.abort()
@@ -153,6 +176,32 @@ class Engine:
             self._activations.clear()
             self.record = None
             self.running = False
+
+    def _steps(self, steps: int, sampler: Sampler, keep_logits: bool,
+               lanes: Lanes) -> Iterator[Step]:
+        """The block's iterations in one process: every GPU batch through every stage."""
+        tokens = []
+        everything = range(len(self.states))
+        for i in range(steps):
+            start, before = time.perf_counter(), self.tiers.host_syncs
+            decode = i > 0
+            for k in everything if decode else ():
+                self._advance(k, tokens[k])
+            self._iteration(decode, lanes, everything)
+            logits = [self._logits(k) for k in everything]
+            tokens = [sampler(x, i, k) for k, x in enumerate(logits)]
+            self._end_step(before)
+            yield Step(i, tokens, time.perf_counter() - start,
+                       [x.float() for x in logits] if keep_logits else None)
+
+    def _logits(self, k: int) -> torch.Tensor:
+        return self.tiers.host_values(self.states[k].logits)[0]
+
+    def _end_step(self, syncs_before: int) -> None:
+        if self.tiers.is_cuda:
+            torch.cuda.synchronize()
+            self.tiers.count_sync()
+        self.debug["host_syncs_per_step"].append(self.tiers.host_syncs - syncs_before)
 
     def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
                   sampler: Sampler, keep_logits: bool = False) -> dict:
@@ -174,13 +223,14 @@ class Engine:
                 self.caches[(j, k)] = self.kv_policy.make_cache(spec)
                 self.attention_stage[stage.layer] = j
 
-    def _advance(self, tokens: list[torch.Tensor]) -> None:
-        for state, new in zip(self.states, tokens):
-            dev = state.valid.device
-            state.ids = new.view(-1, 1).to(dev)
-            state.positions = state.valid.long().sum(-1, keepdim=True)
-            state.valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
-            self._prepare(state)
+    def _advance(self, k: int, new: torch.Tensor) -> None:
+        """GPU batch ``k`` takes its next token ``new`` [b] as input."""
+        state = self.states[k]
+        dev = state.valid.device
+        state.ids = new.view(-1, 1).to(dev)
+        state.positions = state.valid.long().sum(-1, keepdim=True)
+        state.valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
+        self._prepare(state)
 
     def _prepare(self, state: BatchState) -> BatchState:
         """What every layer of this iteration shares: position encodings and the mask bias."""
@@ -213,21 +263,23 @@ class Engine:
         else:
             self.caches[(j, k)].store_prompt(q, key, value, valid)
 
-    def _iteration(self, decode: bool, lanes: Lanes) -> None:
-        num_batches = len(self.states)
+    def _iteration(self, decode: bool, lanes: Lanes, batches: range | list[int]) -> None:
+        """Every stage for the GPU batches ``batches`` (all of the block's, or one pipeline
+        micro-batch): each stage's weights loaded once for them, in the zig-zag order."""
+        first, last = batches[0], batches[-1]
         if not self.policy.overlap:
             for j in range(len(self.stages)):
                 weights = self._load_weights(j)
-                for k in range(num_batches):
+                for k in batches:
                     new = self._compute(decode, j, k, weights, self._load_cache(decode, j, k))
                     self._store_cache(decode, j, k, new)
             return
-        steps = [(j, k) for j in range(len(self.stages)) for k in range(num_batches)]
+        steps = [(j, k) for j in range(len(self.stages)) for k in batches]
         weight_loads = {0: self._submit_weights(lanes, 0)}
-        cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, decode, 0, 0)
+        cache_load = self._submit_cache(lanes, "cache_load", self._load_cache, decode, 0, first)
         previous = None  # ((j, k), new K/V) of the step before, stored while this one computes
         for n, (j, k) in enumerate(steps):
-            if k == 0 and j + 1 < len(self.stages):
+            if k == first and j + 1 < len(self.stages):
                 weight_loads[j + 1] = self._submit_weights(lanes, j + 1)
             next_load = None
             if n + 1 < len(steps):
@@ -239,7 +291,7 @@ class Engine:
             new = self._compute(decode, j, k, lanes.result(weight_loads[j]),
                                 lanes.result(cache_load))
             lanes.sync()  # the cache lanes only: a weight load is waited for where it is used
-            if k == num_batches - 1:
+            if k == last:
                 del weight_loads[j]
             cache_load, previous = next_load, ((j, k), new)
         self._store_cache(decode, *previous[0], previous[1])
@@ -280,6 +332,8 @@ class Engine:
             if following is not None:
                 self.caches[(following, k_batch)].speculate(x, state.pos_enc, state.valid,
                                                             state.visible)
+            elif self.stages[j].layer + 1 < cfg.num_layers:
+                state.handoff = x  # the next layer is on the next pipeline rank
         q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
         if decode:
             out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)

@@ -66,9 +66,13 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
 
 
 def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype: torch.dtype,
-                  progress: bool = True) -> dict[str, TieredTensor]:
-    """Every weight, split along its rows across the tiers as the policy's percentages say."""
+                  progress: bool = True, names: set[str] | None = None
+                  ) -> dict[str, TieredTensor]:
+    """Every weight (or those in ``names``: one pipeline rank's), split along its rows across
+    the tiers as the policy's percentages say."""
     shapes = family_of(cfg).weight_shapes(cfg)
+    if names is not None:
+        shapes = {n: s for n, s in shapes.items() if n in names}
     placed = {}
     for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
                             disable=not progress, leave=False):

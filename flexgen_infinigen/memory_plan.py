@@ -5,6 +5,7 @@ second with one line that says which tier is short and what to change.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -44,13 +45,22 @@ def _pow2(n: int) -> int:
 
 
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
-         gen_len: int, kv=None) -> dict[str, dict[str, int]]:
+         gen_len: int, kv=None, part=None) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
-    the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device."""
+    the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device; of the whole
+    model, or of one pipeline rank's ``part`` (a :class:`~.engine.LayerSlice`)."""
     item = torch.tensor([], dtype=dtype).element_size()
     shapes = family_of(cfg).weight_shapes(cfg)
+    ends = True
+    if part is not None:
+        names = part.weight_names(cfg)
+        shapes = {n: s for n, s in shapes.items() if n in names or n.startswith("layers.0.")}
+        ends = part.embed or part.head
+        cfg = dataclasses.replace(cfg, num_layers=len(part.layers))
     weights = [0, 0, 0]
-    for shape in shapes.values():
+    for name, shape in shapes.items():
+        if part is not None and name not in names:
+            continue  # layer 0's shapes stay known for the working set below
         for t, n in enumerate(_split_bytes(shape, 0, policy.weight_split, item,
                                            policy.compress_weight)):
             weights[t] += n
@@ -70,14 +80,14 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
                 (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
     biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
-    biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim) * item
+    biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim * ends) * item
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
     working = (2 * biggest_stage + loads
                + 3 * 4 * b * cfg.num_heads * prompt_len
                * min(prompt_len, score_rows(b, cfg.num_heads, prompt_len))
                + 4 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
-               + b * cfg.vocab_size * 4)
+               + b * cfg.vocab_size * 4 * ends)
     kv_terms = kv.device_bytes(cfg, policy, item, max_len) if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the
     # one in use and the next), from the pinned caching allocator, which rounds to a power of 2

@@ -10,6 +10,7 @@ import torch
 
 from . import memory_plan
 from .api import Generation, OffloadedLM
+from .engine import LayerSlice
 from .models import family_of
 from .planner.hardware import HardwareProfile
 from .planner.measure import saved_profile
@@ -32,8 +33,9 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     else:
         peak_device = tiers.peak[DEVICE]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    part = lm.engine.part if lm.engine.part != LayerSlice.whole(cfg) else None
     planned = memory_plan.plan(cfg, policy, lm.engine.dtype, gen.prompt_tokens,
-                               gen.generated_tokens, kv=lm.engine.kv_policy)["total"]
+                               gen.generated_tokens, kv=lm.engine.kv_policy, part=part)["total"]
     report = {
         "model": {"name": cfg.name, "family": cfg.family, "num_layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
@@ -173,6 +175,9 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
         decode = ("" if row["decode_bytes_per_s"] is None else
                   f" (decode steps {row['decode_bytes_per_s'] / GB:.3f} GB/s)")
         w(f"  {link:<14}{row['bytes_per_s'] / GB:>9.3f} GB/s{peak}{decode}")
+    if r.get("pipeline"):
+        from .pipeline.report import print_pipeline
+        print_pipeline(r["pipeline"], w)
     for key, value in r["kv_policy"].items():
         if key == "kv_policy":
             continue

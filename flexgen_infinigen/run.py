@@ -10,6 +10,7 @@ from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .guards import check_output_path, run_command
 from .kv import add_kv_args, kv_policy_from_args
 from .offload_dir import offload_root
+from .pipeline.args import add_pipeline_args, check_pipeline_args
 from .policy import Policy
 from .prompts import FILLER_TEXT, chat_prompts, synthesize_prompts  # noqa: F401 (re-exported)
 from .report import build_report, print_report
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     g.add_argument("--verbose", action="store_true",
                    help="also print the memory plan per tier and the time of every step")
+    add_pipeline_args(p)
     return p
 
 
@@ -194,6 +196,7 @@ def check_args(a) -> list[str]:
         texts.append(read_text(a.prompt_file, "--prompt-file"))
     check_output_path(a.json, "--json")
     check_policy_args(a)
+    check_pipeline_args(a)
     if a.dummy and (a.prompt or a.prompt_file):
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
@@ -230,6 +233,22 @@ def planned_policy(a, model: str, texts: list[str]) -> tuple[Policy, dict]:
     return policy_from_args(a, cfg, (prompt_len, a.gen_len))
 
 
+def make_prompts(lm: OffloadedLM, a, texts: list[str]) -> list[list[int]]:
+    """Token ids of the run's prompts: the texts (through the chat template when the model
+    has one), or synthesized prompts of ``--prompt-len`` tokens."""
+    prompts = chat_prompts(lm, a, texts)
+    if prompts is None and texts:
+        prompts = lm.encode(texts)
+    elif prompts is None:
+        policy = lm.policy
+        count = a.num_prompts or policy.block_size
+        prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
+        print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
+              f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
+              "sets the count)", file=sys.stderr)
+    return prompts
+
+
 def main(argv=None) -> int:
     return run_command(_main, argv)
 
@@ -237,6 +256,9 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     texts = check_args(a)  # --percent included: reported before the model is found
+    if a.pipeline_stages > 1:
+        from .pipeline.launch import run_pipeline
+        return run_pipeline(a, texts)
     kv = kv_policy_from_args(a)
     sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
                               a.repetition_penalty).validate()
@@ -247,16 +269,7 @@ def _main(argv=None) -> int:
                           device=a.device, dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
     with lm:
-        prompts = chat_prompts(lm, a, texts)
-        if prompts is None and texts:
-            prompts = lm.encode(texts)
-        elif prompts is None:
-            count = a.num_prompts or policy.block_size
-            prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
-            print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
-                  f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
-                  "sets the count)", file=sys.stderr)
-        gen = lm.generate(prompts, a.gen_len, sampling,
+        gen = lm.generate(make_prompts(lm, a, texts), a.gen_len, sampling,
                           stop_token_id=None if a.no_stop else -1,
                           cut_gen_len=a.cut_gen_len, progress=True)
         report = build_report(lm, gen, str(lm.tiers.device),

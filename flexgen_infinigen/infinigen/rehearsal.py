@@ -47,8 +47,8 @@ class Rehearsal:
     def _query_weights(self, engine, layer: int) -> dict:
         """The device-resident weights the rehearsal of ``layer`` needs (read through the
         ledger, which the loader resets afterwards)."""
-        if layer < self.options.first_layer:
-            return {}
+        if layer < self.options.first_layer or layer not in engine.part.layers:
+            return {}  # no speculation, or the layer is on another pipeline rank
         cfg = self.cfg
         w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone()
              for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights}

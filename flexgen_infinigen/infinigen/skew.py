@@ -106,13 +106,17 @@ class Skew:
 
 
 def compute_skew(records: dict[int, list], num_layers: int, kv_heads: int) -> Skew:
-    """Query and key Gram matrices of every layer from the recorded prompt tokens."""
-    gq, gk = [], []
-    for layer in range(num_layers):
-        q = torch.cat([r[0] for r in records[layer]])  # [n, H, d]
-        k = torch.cat([r[1] for r in records[layer]])  # [n, KV, d]
-        gq.append(query_gram(q, kv_heads))
-        gk.append(key_gram(k))
+    """Query and key Gram matrices of every layer from the recorded prompt tokens. A pipeline
+    rank records only its own layers: the others get identity matrices, never used."""
+    grams = {}
+    for layer, rows in records.items():
+        q = torch.cat([r[0] for r in rows])  # [n, H, d]
+        k = torch.cat([r[1] for r in rows])  # [n, KV, d]
+        grams[layer] = query_gram(q, kv_heads), key_gram(k)
+    some = next(iter(grams.values()))[0]
+    absent = torch.eye(some.shape[-1], dtype=some.dtype).expand(some.shape).clone()
+    gq = [grams[i][0] if i in grams else absent for i in range(num_layers)]
+    gk = [grams[i][1] if i in grams else absent for i in range(num_layers)]
     return Skew(torch.stack(gq), torch.stack(gk), {})
 
 

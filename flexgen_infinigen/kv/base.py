@@ -109,6 +109,7 @@ class KVPolicy(ABC):
     summary = ""  # one line for ``--kv-policy``'s help
     plannable = True  # the optimizer and cost model can plan for it
     attends_on_cpu = True  # it can attend where the cache lives (``--cpu-cache-compute``)
+    speculates = False  # its caches use ``speculate`` (a pipeline then sends its input on)
 
     # ---- command line -----------------------------------------------------------------------
     @classmethod

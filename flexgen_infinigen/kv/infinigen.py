@@ -161,6 +161,7 @@ class InfiniGenPolicy(SelectivePolicy):
     summary = ("rehearse the next layer's attention during this one and fetch only the K/V "
                "rows it will use")
     default_rule = "mass"
+    speculates = True
 
     def __init__(self, options: InfiniGenOptions | None = None, **kw):
         super().__init__()

@@ -48,6 +48,26 @@ class FetchStats:
             self.speculation_s += start.elapsed_time(end) / 1e3
         self.speculation_events.clear()
 
+    def tables(self) -> dict:
+        """The raw counts, to be added into another rank's (:meth:`absorb`)."""
+        self._settle()
+        return {"moved": dict(self.moved), "selected": dict(self.selected),
+                "cached": dict(self.cached), "speculative": sorted(self.speculative),
+                "speculation_s": self.speculation_s, "evicted": self.evicted,
+                "bytes_moved": self.bytes_moved, "bytes_full": self.bytes_full}
+
+    def absorb(self, t: dict) -> None:
+        """Add another pipeline rank's counts (its own layers) to these."""
+        self._settle()
+        for name in ("moved", "selected", "cached"):
+            for layer, n in t[name].items():
+                getattr(self, name)[layer] += n
+        self.speculative.update(t["speculative"])
+        self.speculation_s += t["speculation_s"]
+        self.evicted += t["evicted"]
+        self.bytes_moved += t["bytes_moved"]
+        self.bytes_full += t["bytes_full"]
+
     def report(self) -> dict:
         """The fractions every selective policy reports.
 

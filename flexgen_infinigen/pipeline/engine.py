@@ -1,0 +1,145 @@
+"""One pipeline rank's engine: the same zig-zag schedule over its own layers, with the GPU
+batches of a block as the pipeline's micro-batches.
+
+For each iteration (the prefill, then one token per decode step) and each micro-batch m,
+a rank takes m's input (the first rank: the token the last rank sampled for m, then the
+embedding; the others: the hidden state from the previous rank), runs every one of its
+stages for m (:meth:`~..engine.Engine._iteration`, with its overlapped loads and
+stores), and hands the result on (the last rank: samples m's token and sends it to the
+first). With at least as many micro-batches as ranks every rank is busy once the pipeline
+has filled: while rank 1 works on micro-batch 0, rank 0 works on micro-batch 1.
+
+InfiniGen in every stage: a layer's speculation uses the previous layer's attention
+input. For a rank's first layer that input is computed on the previous rank, which sends
+it beside the hidden state (``[b, 1, hidden]`` per decode step), so every layer selects
+exactly as in one process.
+
+The first rank learns the tokens of iteration i while it runs iteration i + 1, so it
+yields a step when the last micro-batch's token arrives; middle ranks never see tokens
+(their steps carry zeros) and every rank runs all steps (no early stop).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ..engine import Engine, Step
+from ..sampling import Sampler
+from ..streams import Lanes
+from ..tiered import TieredTensor
+
+
+class PipelineEngine(Engine):
+    def __init__(self, cfg, weights, policy, tiers, kv_policy, dtype, part, link):
+        super().__init__(cfg, weights, policy, tiers, kv_policy, dtype, part)
+        self.link = link
+        self.stops_early = False  # every rank must run the same steps
+        self.micro_batches = None  # GPU batches per micro-batch: None, one each
+        self.debug["pipeline_wait_s"] = 0.0
+
+    def reset_counters(self) -> None:
+        self.debug["pipeline_wait_s"] = 0.0  # seconds spent waiting for other ranks
+        self.link.reset_counters()  # a generation's traffic, not the calibration's
+
+    def _steps(self, steps: int, sampler: Sampler, keep_logits: bool,
+               lanes: Lanes) -> Iterator[Step]:
+        link = self.link
+        groups = micro_batches(len(self.states), self.micro_batches)
+        self._known: dict[int, dict[int, tuple]] = {}  # step -> GPU batch -> (tokens, logits)
+        self._last_yield = time.perf_counter()
+        for i in range(steps):
+            decode, before = i > 0, self.tiers.host_syncs
+            for g, group in enumerate(groups):
+                for m in group:
+                    if decode:
+                        self._advance(m, self._token(i - 1, m, keep_logits))
+                    if not link.is_first:
+                        self._receive(decode, m)
+                if decode and link.is_first and g == len(groups) - 1:
+                    yield self._step(i - 1, keep_logits)  # its last token has just arrived
+                self._iteration(decode, lanes, group)
+                for m in group:
+                    if link.is_last:
+                        self._sample(i, m, sampler, keep_logits)
+                    else:
+                        self._pass_on(decode, m)
+            self._end_step(before)
+            if not link.is_first:
+                yield self._step(i, keep_logits)
+        if link.is_first:
+            yield self._step(steps - 1, keep_logits)
+        link.flush()
+
+    # ---- what crosses between ranks ---------------------------------------------------------
+    def _token(self, i: int, m: int, keep_logits: bool) -> torch.Tensor:
+        """Micro-batch ``m``'s token of iteration ``i``: received (first rank), sampled here
+        (last rank), or a placeholder (a middle rank, which only needs its shape)."""
+        link, b = self.link, self.states[m].ids.shape[0]
+        known = self._known.setdefault(i, {})
+        if m not in known:
+            if link.is_first:
+                last = link.world - 1
+                tokens = self._wait(link.recv, (b,), torch.long, last, "tokens").cpu()
+                logits = self._wait(link.recv, (b, self.cfg.vocab_size), torch.float32, last,
+                                    "logits").cpu() if keep_logits else None
+                known[m] = (tokens, logits)
+            else:
+                known[m] = (torch.zeros(b, dtype=torch.long),
+                            torch.zeros(b, self.cfg.vocab_size) if keep_logits else None)
+        return known[m][0]
+
+    def _sample(self, i: int, m: int, sampler: Sampler, keep_logits: bool) -> None:
+        logits = self._logits(m)
+        tokens = sampler(logits, i, m)
+        kept = logits.float() if keep_logits else None
+        self._known.setdefault(i, {})[m] = (tokens, kept)
+        self.link.send(tokens, 0, "tokens")
+        if keep_logits:
+            self.link.send(kept, 0, "logits")
+
+    def _receive(self, decode: bool, m: int) -> None:
+        state, link = self.states[m], self.link
+        b, s = state.ids.shape
+        state.hidden = self._wait(link.recv, (b, s, self.cfg.hidden_size), self.dtype,
+                                  link.previous, "hidden")
+        if decode and self.kv_policy.speculates and self.record is None:
+            x = self._wait(link.recv, (b, 1, self.cfg.hidden_size), self.dtype,
+                           link.previous, "speculation_input")
+            first = self.attention_stage[self.part.start]
+            self.caches[(first, m)].speculate(x, state.pos_enc, state.valid, state.visible)
+
+    def _pass_on(self, decode: bool, m: int) -> None:
+        state, link = self.states[m], self.link
+        h = state.hidden
+        if isinstance(h, TieredTensor):  # its buffer is reused: send a copy
+            h = h.read().clone()
+        link.send(h, link.next, "hidden")
+        if decode and self.kv_policy.speculates and self.record is None:
+            link.send(state.handoff, link.next, "speculation_input")
+        state.handoff = None
+
+    def _wait(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.debug["pipeline_wait_s"] += time.perf_counter() - start
+        return out
+
+    def _step(self, i: int, keep_logits: bool) -> Step:
+        order = range(len(self.states))
+        for m in order:  # placeholders on a middle rank; known already on the others
+            self._token(i, m, keep_logits)
+        known = self._known.pop(i)
+        now = time.perf_counter()
+        seconds, self._last_yield = now - self._last_yield, now
+        return Step(i, [known[m][0] for m in order], seconds,
+                    [known[m][1] for m in order] if keep_logits else None)
+
+
+def micro_batches(num_gpu_batches: int, count: int | None) -> list[list[int]]:
+    """The block's GPU batches cut into ``count`` contiguous micro-batches (default: one GPU
+    batch each). A micro-batch's GPU batches share each weight load, as in one process."""
+    count = num_gpu_batches if count is None else min(count, num_gpu_batches)
+    bounds = [round(g * num_gpu_batches / count) for g in range(count + 1)]
+    return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]

@@ -1,0 +1,124 @@
+"""``run --pipeline-stages N`` on one rank: join the group, load this rank's layers, run the
+prompts rank 0 chose, and gather every rank's figures into rank 0's report.
+
+Any error on a rank ends that rank at once (exit status 1, or 2 for a bad argument) after
+its own clean-up, with one line naming the rank; the others notice within
+``--pipeline-timeout`` (at once when the failed rank's process is gone).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from ..config import DEFAULT_MODEL, ConfigError, get_config
+from ..guards import Terminated
+from ..loading import resolve_device, resolve_dtype
+from .link import Link
+from .partition import check_stages, plan_slices
+from .report import combine_reports, rank_summary
+
+
+def model_config(a):
+    """The model's configuration without reading any weight (the store's own, for --path)."""
+    if a.path:
+        from ..loading import find_weights
+        return find_weights(a.model, a.path, False, progress=False)[0]
+    return get_config(a.model or DEFAULT_MODEL)
+
+
+def run_pipeline(a, texts: list[str]) -> int:
+    cfg = model_config(a)
+    check_stages(a.pipeline_stages, cfg)  # more stages than layers: refused before joining
+    device = resolve_device(a.device)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    link = Link(device, a.pipeline_timeout)
+    code = 1
+    try:
+        code = _run_rank(a, texts, cfg, link)
+    except BaseException as e:  # noqa: BLE001 - every failure ends this rank the same way
+        link.record_failure(e)
+        code = _explain(e, link.rank)
+    if code != 0:
+        # the process group may still wait on ranks that are gone: leave without it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    link.close()
+    return 0
+
+
+def _explain(error: BaseException, rank: int) -> int:
+    if isinstance(error, ConfigError):
+        print(f"error: [rank {rank}] {error}", file=sys.stderr)
+        return 2
+    if isinstance(error, (KeyboardInterrupt, Terminated)):
+        print(f"[rank {rank}] stopped (signal); temporary files removed", file=sys.stderr)
+        return 130 if isinstance(error, KeyboardInterrupt) else 143
+    import traceback
+    if not isinstance(error, RuntimeError) or "pipeline rank" not in str(error):
+        traceback.print_exc()
+    print(f"error: [rank {rank}] {error}", file=sys.stderr)
+    return 1
+
+
+def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
+    from ..api import OffloadedLM
+    from ..kv import kv_policy_from_args
+    from ..loading import find_weights
+    from ..report import print_report
+    from ..run import make_prompts, policy_from_args, wants_plan, write_json
+    from ..sampling import SamplingConfig
+
+    kv = kv_policy_from_args(a)
+    sampling = SamplingConfig(a.temperature, a.top_p, a.seed, a.repetition_penalty).validate()
+    model = a.model if (a.model or a.path) else DEFAULT_MODEL
+    if link.is_first:  # the default model is converted once, by one rank
+        find_weights(model, a.path, a.dummy, a.seed, progress=True)
+    link.barrier("waiting for rank 0 to find the weights")
+    item = resolve_dtype(a.dtype, link.device).itemsize
+    lengths = (a.prompt_len, a.gen_len)
+    base, _ = policy_from_args(a) if not wants_plan(a) else (None, None)
+    from ..policy import Policy
+    parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profile(a))
+    part = parts[link.rank]
+    plan = None
+    if wants_plan(a):  # each rank plans its own layers, on the same hardware profile
+        if a.hw is None:
+            raise ConfigError("--percent auto with --pipeline-stages needs --hw (a profile "
+                              "from `python -m flexgen_infinigen.profile --out FILE`, or a "
+                              "built-in name), the same for every rank")
+        mine = dataclasses.replace(cfg, num_layers=len(part.layers))
+        base, plan = policy_from_args(a, mine, lengths)
+    lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=base,
+                          device=str(link.device.type), dtype=a.dtype, kv_policy=kv,
+                          offload_dir=a.offload_dir, seed=a.seed,
+                          max_len_hint=None if texts else lengths, part=part, link=link,
+                          progress=link.is_first)
+    with lm:
+        lm.engine.micro_batches = a.pipeline_micro_batches
+        prompts = link.broadcast(make_prompts(lm, a, texts) if link.is_first else None)
+        gen = lm.generate(prompts, a.gen_len, sampling, stop_token_id=None if a.no_stop else -1,
+                          cut_gen_len=a.cut_gen_len, progress=link.is_first)
+        summaries = link.gather(rank_summary(lm, gen, link, plan))
+        report = combine_reports(lm, gen, summaries) if link.is_first else None
+    if report is not None:
+        print_report(report)
+        write_json(a.json, report)
+    return 0
+
+
+def _profile(a):
+    """The hardware profile the layers are balanced with: ``--hw``, this machine's saved
+    profile, or a built-in one (only the ratio of a layer's time to the ends' matters)."""
+    from ..planner.hardware import BUILTIN, load_profile
+    from ..planner.measure import saved_profile
+
+    if a.hw:
+        return load_profile(a.hw)
+    return saved_profile() or BUILTIN["t4-pcie3"]

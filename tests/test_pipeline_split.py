@@ -1,0 +1,84 @@
+"""The layer split of a pipeline and each rank's share of the memory plan (no processes)."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from flexgen_infinigen import memory_plan
+from flexgen_infinigen.config import ConfigError, get_config
+from flexgen_infinigen.engine import LayerSlice, build_stages
+from flexgen_infinigen.models import family_of
+from flexgen_infinigen.pipeline.partition import plan_slices, split_layers
+from flexgen_infinigen.planner.hardware import BUILTIN
+from flexgen_infinigen.policy import Policy
+
+
+def brute_force(layers, stages, per_layer, embed, head) -> float:
+    """The least slowest-stage time over every split into contiguous non-empty slices."""
+    best = math.inf
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, layers))]
+        times = [per_layer * n for n in sizes]
+        times[0] += embed
+        times[-1] += head
+        best = min(best, max(times))
+    return best
+
+
+def test_split_is_contiguous_and_as_balanced_as_any_split():
+    rng = random.Random(0)
+    for _ in range(60):
+        layers, stages = rng.randint(1, 9), rng.randint(1, 4)
+        if stages > layers:
+            with pytest.raises(ConfigError):
+                split_layers(layers, stages)
+            continue
+        per_layer, embed, head = rng.uniform(0.1, 2), rng.uniform(0, 5), rng.uniform(0, 5)
+        parts = split_layers(layers, stages, per_layer, embed, head)
+        assert [p.start for p in parts] == [0] + [p.stop for p in parts[:-1]]
+        assert parts[-1].stop == layers and all(len(p.layers) >= 1 for p in parts)
+        assert [p.embed for p in parts] == [True] + [False] * (stages - 1)
+        assert [p.head for p in parts] == [False] * (stages - 1) + [True]
+        times = [per_layer * len(p.layers) + embed * p.embed + head * p.head for p in parts]
+        assert max(times) == pytest.approx(brute_force(layers, stages, per_layer, embed, head))
+
+
+def test_heavy_ends_take_layers_away_from_the_end_ranks():
+    cfg = get_config("smollm2-135m")
+    parts = plan_slices(cfg, 3, Policy.from_percent([30, 70, 20, 80, 100, 0]), 40, 8, 4,
+                        BUILTIN["t4-pcie3"])
+    sizes = [len(p.layers) for p in parts]
+    assert sum(sizes) == cfg.num_layers and sizes[1] > max(sizes[0], sizes[2])
+
+
+def test_stages_cover_every_weight_once_except_the_tied_embedding():
+    cfg = get_config("smollm2-135m")  # tied: the head reads the embedding
+    parts = split_layers(cfg.num_layers, 3)
+    names = [p.weight_names(cfg) for p in parts]
+    everything = set().union(*names)
+    assert everything == set(family_of(cfg).weight_shapes(cfg))
+    shared = [n for n in everything if sum(n in s for s in names) > 1]
+    assert shared == ["embed.weight"]
+    whole = build_stages(cfg, True)
+    sliced = [s for p in parts for s in build_stages(cfg, True, p)]
+    assert [(s.kind, s.layer) for s in sliced] == [(s.kind, s.layer) for s in whole]
+
+
+def test_each_rank_plans_its_own_weights_and_cache():
+    cfg = get_config("opt-125m")
+    policy = Policy.from_percent([40, 30, 50, 50, 100, 0], num_gpu_batches=2)
+    whole = memory_plan.plan(cfg, policy, torch.float32, 64, 16)
+    parts = split_layers(cfg.num_layers, 2)
+    plans = [memory_plan.plan(cfg, policy, torch.float32, 64, 16, part=p) for p in parts]
+    shapes = family_of(cfg).weight_shapes(cfg)
+    embed = math.prod(shapes["embed.weight"]) * 4  # tied: on both ends
+    for tier in ("device", "host", "disk"):
+        total = sum(p["kv_cache"][tier] for p in plans)
+        assert total == whole["kv_cache"][tier]
+    got = sum(sum(p["weights"].values()) for p in plans)
+    assert got == sum(whole["weights"].values()) + embed
+    assert LayerSlice.whole(cfg) == LayerSlice(0, cfg.num_layers)
