@@ -16,7 +16,8 @@ import torch
 
 from . import memory_plan
 from .config import ConfigError, ModelConfig
-from .engine import Engine, LayerSlice
+from .engine import Engine
+from .stages import LayerSlice
 from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy

@@ -48,7 +48,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
          gen_len: int, kv=None, part=None) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
     the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device; of the whole
-    model, or of one pipeline rank's ``part`` (a :class:`~.engine.LayerSlice`)."""
+    model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`)."""
     item = torch.tensor([], dtype=dtype).element_size()
     shapes = family_of(cfg).weight_shapes(cfg)
     ends = True

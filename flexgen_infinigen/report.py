@@ -10,7 +10,7 @@ import torch
 
 from . import memory_plan
 from .api import Generation, OffloadedLM
-from .engine import LayerSlice
+from .stages import LayerSlice
 from .models import family_of
 from .planner.hardware import HardwareProfile
 from .planner.measure import saved_profile

@@ -10,7 +10,7 @@ import torch
 
 from flexgen_infinigen import memory_plan
 from flexgen_infinigen.config import ConfigError, get_config
-from flexgen_infinigen.engine import LayerSlice, build_stages
+from flexgen_infinigen.stages import LayerSlice, build_stages
 from flexgen_infinigen.models import family_of
 from flexgen_infinigen.pipeline.partition import plan_slices, split_layers
 from flexgen_infinigen.planner.hardware import BUILTIN

@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from ..config import ConfigError, ModelConfig
-from ..engine import LayerSlice
+from ..stages import LayerSlice
 from ..models import family_of
 from ..policy import Policy
 

@@ -10,7 +10,7 @@ import torch
 from .. import memory_plan
 from ..compression import stored_bytes
 from ..config import ConfigError, ModelConfig
-from ..engine import build_stages
+from ..stages import build_stages
 from ..models import family_of
 from ..policy import Policy
 from .hardware import HardwareProfile

@@ -1,0 +1,58 @@
+"""The schedule's stages: what the engine runs in order (embedding, each layer's attention
+and MLP, output head) and which weights each reads; for one pipeline rank, its part."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .models import family_of
+
+
+@dataclass
+class Stage:
+    kind: str  # "embed", "attn", "mlp", "layer" (attention + MLP) or "head"
+    layer: int | None
+    weights: dict[str, str]  # name the family math uses -> name in the weight store
+
+
+def build_stages(cfg: ModelConfig, sep_layer: bool, part: "LayerSlice | None" = None
+                 ) -> list[Stage]:
+    """The schedule's stages of the whole model, or of one pipeline rank's ``part``: its
+    layers, with the embedding only on the first rank and the head only on the last."""
+    names = family_of(cfg).stage_weights(cfg)
+    part = part or LayerSlice.whole(cfg)
+    stages = [Stage("embed", None, {n: n for n in names["embed"]})] if part.embed else []
+    for i in part.layers:
+        per = {kind: {n: f"layers.{i}.{n}" for n in names[kind]} for kind in ("attn", "mlp")}
+        if sep_layer:
+            stages += [Stage("attn", i, per["attn"]), Stage("mlp", i, per["mlp"])]
+        else:
+            stages.append(Stage("layer", i, {**per["attn"], **per["mlp"]}))
+    if part.head:
+        stages.append(Stage("head", None, {n: n for n in names["head"]}))
+    return stages
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """The part of the model one process runs: layers ``start`` to ``stop`` (exclusive), and
+    whether it embeds the tokens (the first pipeline rank) and computes the logits (the
+    last). One process alone runs the whole model."""
+
+    start: int
+    stop: int
+    embed: bool = True
+    head: bool = True
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> "LayerSlice":
+        return cls(0, cfg.num_layers)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+    def weight_names(self, cfg: ModelConfig) -> set[str]:
+        """The weight store names this part reads (a tied embedding counts once)."""
+        return {full for stage in build_stages(cfg, True, self)
+                for full in stage.weights.values()}
