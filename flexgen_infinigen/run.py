@@ -46,7 +46,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="default 1, or auto when --gpu-batch-size is auto")
     g.add_argument("--hw", default=None,
                    help="hardware profile for auto choices: a JSON from `python -m "
-                        "flexgen_infinigen.profile` or a built-in name (default: this machine)")
+                        "flexgen_infinigen.profile` or a built-in name (default: this machine); "
+                        "with --pipeline-stages, one for all ranks or one per rank, "
+                        "comma-separated in rank order")
     g.add_argument("--sep-layer", type=str2bool, default=True)
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")

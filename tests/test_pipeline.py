@@ -136,9 +136,11 @@ def test_torchrun_command_line(tmp_path):
     single = tmp_path / "single.json"
     assert run.main([*args, "--json", str(single)]) == 0
     piped = tmp_path / "piped.json"
-    done = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m",
-                           "flexgen_infinigen.run", *args, "--pipeline-stages", "2",
-                           "--json", str(piped)], capture_output=True, text=True, timeout=300,
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    done = subprocess.run([*torchrun, "-m", "flexgen_infinigen.run", *args,
+                           "--pipeline-stages", "2", "--json", str(piped)],
+                          capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     one, two = json.loads(single.read_text()), json.loads(piped.read_text())
@@ -222,6 +224,8 @@ def cli_error(capsys, argv, monkeypatch, world=None) -> str:
     (["--pipeline-stages", "1"], 2, ["--pipeline-stages 2"]),
     (["--pipeline-stages", "2", "--pipeline-micro-batches", "0"], 2, ["micro-batches"]),
     (["--pipeline-stages", "2", "--pipeline-timeout", "0"], 2, ["timeout"]),
+    (["--pipeline-stages", "2", "--hw", "t4-pcie3,t4-pcie3,a100-pcie4"], 2,
+     ["3 profiles for 2 ranks"]),
 ])
 def test_bad_pipeline_flags_fail_before_loading(flags, world, words, capsys, monkeypatch):
     line = cli_error(capsys, ["--model", "opt-125m", "--dummy", *flags], monkeypatch, world)

@@ -20,9 +20,10 @@ from flexgen_infinigen.policy import Policy
 def brute_force(layers, stages, per_layer, embed, head) -> float:
     """The least slowest-stage time over every split into contiguous non-empty slices."""
     best = math.inf
+    rates = per_layer if isinstance(per_layer, list) else [per_layer] * stages
     for cuts in itertools.combinations(range(1, layers), stages - 1):
         sizes = [b - a for a, b in zip((0, *cuts), (*cuts, layers))]
-        times = [per_layer * n for n in sizes]
+        times = [rate * n for rate, n in zip(rates, sizes)]
         times[0] += embed
         times[-1] += head
         best = min(best, max(times))
@@ -38,12 +39,16 @@ def test_split_is_contiguous_and_as_balanced_as_any_split():
                 split_layers(layers, stages)
             continue
         per_layer, embed, head = rng.uniform(0.1, 2), rng.uniform(0, 5), rng.uniform(0, 5)
+        if rng.random() < 0.5:  # machines that differ: a layer's time per rank
+            per_layer = [rng.uniform(0.1, 2) for _ in range(stages)]
         parts = split_layers(layers, stages, per_layer, embed, head)
+        rates = per_layer if isinstance(per_layer, list) else [per_layer] * stages
         assert [p.start for p in parts] == [0] + [p.stop for p in parts[:-1]]
         assert parts[-1].stop == layers and all(len(p.layers) >= 1 for p in parts)
         assert [p.embed for p in parts] == [True] + [False] * (stages - 1)
         assert [p.head for p in parts] == [False] * (stages - 1) + [True]
-        times = [per_layer * len(p.layers) + embed * p.embed + head * p.head for p in parts]
+        times = [rate * len(p.layers) + embed * p.embed + head * p.head
+                 for rate, p in zip(rates, parts)]
         assert max(times) == pytest.approx(brute_force(layers, stages, per_layer, embed, head))
 
 
@@ -53,6 +58,16 @@ def test_heavy_ends_take_layers_away_from_the_end_ranks():
                         BUILTIN["t4-pcie3"])
     sizes = [len(p.layers) for p in parts]
     assert sum(sizes) == cfg.num_layers and sizes[1] > max(sizes[0], sizes[2])
+
+
+def test_a_slower_machine_gets_fewer_layers():
+    cfg = get_config("opt-1.3b")
+    policy = Policy.from_percent([0, 100, 0, 100, 100, 0])
+    fast, slow = BUILTIN["a100-pcie4"], BUILTIN["t4-pcie3"]
+    parts = plan_slices(cfg, 2, policy, 64, 16, 2, [slow, fast])
+    assert len(parts[0].layers) < len(parts[1].layers)
+    assert len(plan_slices(cfg, 2, policy, 64, 16, 2, [fast, slow])[0].layers) > \
+        cfg.num_layers // 2
 
 
 def test_stages_cover_every_weight_once_except_the_tied_embedding():

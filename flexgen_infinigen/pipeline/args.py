@@ -39,3 +39,6 @@ def check_pipeline_args(a) -> None:
                           f"start it with `torchrun --nproc-per-node {a.pipeline_stages} -m "
                           f"flexgen_infinigen.run --pipeline-stages {a.pipeline_stages} ...`")
     check_stages(a.pipeline_stages, world=world)
+    if a.pipeline_stages > 1:
+        from .launch import rank_profiles
+        rank_profiles(a.hw, a.pipeline_stages)

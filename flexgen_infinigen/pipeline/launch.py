@@ -35,6 +35,10 @@ def run_pipeline(a, texts: list[str]) -> int:
     device = resolve_device(a.device)
     if device.type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local} needs GPU {local} but this machine shows "
+                              f"{torch.cuda.device_count()}; start at most that many processes "
+                              "per machine (--nproc-per-node)")
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     link = Link(device, a.pipeline_timeout)
@@ -85,14 +89,17 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     lengths = (a.prompt_len, a.gen_len)
     base, _ = policy_from_args(a) if not wants_plan(a) else (None, None)
     from ..policy import Policy
-    parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profile(a))
+    specs = rank_profiles(a.hw, link.world)
+    parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profiles(specs))
     part = parts[link.rank]
     plan = None
-    if wants_plan(a):  # each rank plans its own layers, on the same hardware profile
+    if wants_plan(a):  # each rank plans its own layers, on its own machine's profile
         if a.hw is None:
             raise ConfigError("--percent auto with --pipeline-stages needs --hw (a profile "
                               "from `python -m flexgen_infinigen.profile --out FILE`, or a "
-                              "built-in name), the same for every rank")
+                              "built-in name; one for all ranks, or one per rank separated "
+                              "by commas)")
+        a.hw = specs[link.rank]
         mine = dataclasses.replace(cfg, num_layers=len(part.layers))
         base, plan = policy_from_args(a, mine, lengths)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=base,
@@ -113,12 +120,30 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     return 0
 
 
-def _profile(a):
-    """The hardware profile the layers are balanced with: ``--hw``, this machine's saved
-    profile, or a built-in one (only the ratio of a layer's time to the ends' matters)."""
+def rank_profiles(hw: str | None, world: int) -> list[str | None]:
+    """``--hw`` per rank: one profile for every rank, or one per rank separated by commas."""
+    specs = hw.split(",") if hw else [None]
+    if len(specs) == 1:
+        return specs * world
+    if len(specs) != world:
+        raise ConfigError(f"--hw names {len(specs)} profiles for {world} ranks; give one for "
+                          "every rank, or one per rank in rank order separated by commas")
+    return specs
+
+
+def _profiles(specs: list[str | None]):
+    """The hardware profiles the layers are balanced with: each rank's ``--hw``, else this
+    machine's saved profile, else a built-in one (only the ratio of a layer's time to the
+    ends' matters then)."""
     from ..planner.hardware import BUILTIN, load_profile
     from ..planner.measure import saved_profile
 
-    if a.hw:
-        return load_profile(a.hw)
-    return saved_profile() or BUILTIN["t4-pcie3"]
+    fallback = None
+    out = []
+    for spec in specs:
+        if spec:
+            out.append(load_profile(spec))
+            continue
+        fallback = fallback or saved_profile() or BUILTIN["t4-pcie3"]
+        out.append(fallback)
+    return out

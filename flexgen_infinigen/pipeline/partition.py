@@ -54,14 +54,16 @@ def stage_costs(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     return per_layer, ends * share, ends * (1 - share)
 
 
-def split_layers(num_layers: int, stages: int, per_layer: float = 1.0, embed: float = 0.0,
-                 head: float = 0.0) -> list[LayerSlice]:
-    """Contiguous slices, one per stage, that minimize the slowest stage's time."""
+def split_layers(num_layers: int, stages: int, per_layer: float | list[float] = 1.0,
+                 embed: float = 0.0, head: float = 0.0) -> list[LayerSlice]:
+    """Contiguous slices, one per stage, that minimize the slowest stage's time; a layer
+    takes ``per_layer`` seconds, or ``per_layer[r]`` on rank r (machines that differ)."""
     if not 1 <= stages <= num_layers:
         raise ConfigError(f"cannot split {num_layers} layers over {stages} stages")
+    rates = list(per_layer) if isinstance(per_layer, (list, tuple)) else [per_layer] * stages
 
     def cost(rank: int, layers: int) -> float:
-        return per_layer * layers + (embed if rank == 0 else 0.0) + \
+        return rates[rank] * layers + (embed if rank == 0 else 0.0) + \
             (head if rank == stages - 1 else 0.0)
 
     # best[r][n]: the least slowest-stage time for the first n layers on ranks 0..r
@@ -88,9 +90,12 @@ def split_layers(num_layers: int, stages: int, per_layer: float = 1.0, embed: fl
 
 def plan_slices(cfg: ModelConfig, stages: int, policy: Policy, prompt_len: int, gen_len: int,
                 dtype_bytes: int, hw) -> list[LayerSlice]:
-    """The balanced split of ``cfg`` over ``stages`` ranks for this run."""
+    """The balanced split of ``cfg`` over ``stages`` ranks for this run, on one hardware
+    profile ``hw`` for all, or a list of one per rank."""
     check_stages(stages, cfg)
     if stages == 1:
         return [LayerSlice.whole(cfg)]
-    return split_layers(cfg.num_layers, stages,
-                        *stage_costs(cfg, policy, prompt_len, gen_len, dtype_bytes, hw))
+    profiles = hw if isinstance(hw, (list, tuple)) else [hw] * stages
+    costs = [stage_costs(cfg, policy, prompt_len, gen_len, dtype_bytes, p) for p in profiles]
+    return split_layers(cfg.num_layers, stages, [c[0] for c in costs], costs[0][1],
+                        costs[-1][2])
