@@ -89,8 +89,16 @@ def measure(stages: int, a) -> dict:
     r = json.loads(out.read_text())
     links = {link: sum(kinds.values()) for link, kinds in r["bytes_moved"].items()}
     pipe = r.get("pipeline")
+    # what each rank placed in memory, from its own report (the split is the run's)
+    placed = [sum(x["weights_by_tier_bytes"][t] for t in ("device", "host"))
+              for x in pipe["ranks"]] if pipe else \
+        [sum(r["weights_by_tier_bytes"][t] for t in ("device", "host"))]
+    if max(placed) > a.budget_gb * GB * 1.01:
+        print(f"warning: a rank placed {max(placed) / GB:.2f} GB in memory, over the "
+              f"{a.budget_gb} GB budget (the run split the layers differently)", file=sys.stderr)
     return {"stages": stages, "weights_in_memory_percent": wg,
             "rank_weight_bytes": per_rank, "budget_bytes": a.budget_gb * GB,
+            "rank_weight_bytes_in_memory": placed,
             "command": " ".join(cmd), "wall_s": time.perf_counter() - start,
             "decode_tokens_per_s": r["decode_throughput"],
             "total_tokens_per_s": r["total_throughput"],

@@ -51,11 +51,11 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`)."""
     item = torch.tensor([], dtype=dtype).element_size()
     shapes = family_of(cfg).weight_shapes(cfg)
-    ends = True
+    ends = head = True
     if part is not None:
         names = part.weight_names(cfg)
         shapes = {n: s for n, s in shapes.items() if n in names or n.startswith("layers.0.")}
-        ends = part.embed or part.head
+        ends, head = part.embed or part.head, part.head
         cfg = dataclasses.replace(cfg, num_layers=len(part.layers))
     weights = [0, 0, 0]
     for name, shape in shapes.items():
@@ -87,7 +87,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
                + 3 * 4 * b * cfg.num_heads * prompt_len
                * min(prompt_len, score_rows(b, cfg.num_heads, prompt_len))
                + 4 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
-               + b * cfg.vocab_size * 4 * ends)
+               + b * cfg.vocab_size * 4 * head)
     kv_terms = kv.device_bytes(cfg, policy, item, max_len) if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the
     # one in use and the next), from the pinned caching allocator, which rounds to a power of 2

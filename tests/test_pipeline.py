@@ -226,6 +226,7 @@ def cli_error(capsys, argv, monkeypatch, world=None) -> str:
     (["--pipeline-stages", "2", "--pipeline-timeout", "0"], 2, ["timeout"]),
     (["--pipeline-stages", "2", "--hw", "t4-pcie3,t4-pcie3,a100-pcie4"], 2,
      ["3 profiles for 2 ranks"]),
+    (["--pipeline-stages", "2", "--gpu-batch-size", "auto"], 2, ["fixed --gpu-batch-size"]),
 ])
 def test_bad_pipeline_flags_fail_before_loading(flags, world, words, capsys, monkeypatch):
     line = cli_error(capsys, ["--model", "opt-125m", "--dummy", *flags], monkeypatch, world)

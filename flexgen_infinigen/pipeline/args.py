@@ -39,6 +39,10 @@ def check_pipeline_args(a) -> None:
                           f"start it with `torchrun --nproc-per-node {a.pipeline_stages} -m "
                           f"flexgen_infinigen.run --pipeline-stages {a.pipeline_stages} ...`")
     check_stages(a.pipeline_stages, world=world)
+    if a.pipeline_stages > 1 and "auto" in (a.gpu_batch_size, a.num_gpu_batches):
+        raise ConfigError("--pipeline-stages needs a fixed --gpu-batch-size and "
+                          "--num-gpu-batches (every rank runs the same GPU batches); "
+                          "--percent auto plans each rank's placement")
     if a.pipeline_stages > 1:
         from .launch import rank_profiles
         rank_profiles(a.hw, a.pipeline_stages)

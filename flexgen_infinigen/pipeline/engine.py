@@ -48,13 +48,14 @@ class PipelineEngine(Engine):
         link = self.link
         groups = micro_batches(len(self.states), self.micro_batches)
         self._known: dict[int, dict[int, tuple]] = {}  # step -> GPU batch -> (tokens, logits)
+        self._sampled: dict[int, torch.Tensor] = {}  # the last rank: each batch's last token
         self._last_yield = time.perf_counter()
         for i in range(steps):
             decode, before = i > 0, self.tiers.host_syncs
             for g, group in enumerate(groups):
                 for m in group:
                     if decode:
-                        self._advance(m, self._token(i - 1, m, keep_logits))
+                        self._advance(m, self._input_token(i - 1, m, keep_logits))
                     if not link.is_first:
                         self._receive(decode, m)
                 if decode and link.is_first and g == len(groups) - 1:
@@ -73,21 +74,27 @@ class PipelineEngine(Engine):
         link.flush()
 
     # ---- what crosses between ranks ---------------------------------------------------------
-    def _token(self, i: int, m: int, keep_logits: bool) -> torch.Tensor:
-        """Micro-batch ``m``'s token of iteration ``i``: received (first rank), sampled here
-        (last rank), or a placeholder (a middle rank, which only needs its shape)."""
-        link, b = self.link, self.states[m].ids.shape[0]
+    def _input_token(self, i: int, m: int, keep_logits: bool) -> torch.Tensor:
+        """GPU batch ``m``'s token of iteration ``i``, its next input: received (first
+        rank), sampled here (last rank), or a placeholder (a middle rank, which embeds
+        nothing and only needs its shape)."""
+        if self.link.is_first:
+            return self._receive_token(i, m, keep_logits)
+        if self.link.is_last:
+            return self._sampled[m]
+        return torch.zeros(self.states[m].ids.shape[0], dtype=torch.long)
+
+    def _receive_token(self, i: int, m: int, keep_logits: bool) -> torch.Tensor:
+        """The first rank: the last rank's token (and logits) of batch ``m``, iteration
+        ``i``, received once (tokens and logits come over the gloo group, never NCCL: rank 0
+        wants them on the host, and the return path must not queue behind hidden states)."""
         known = self._known.setdefault(i, {})
         if m not in known:
-            if link.is_first:
-                last = link.world - 1
-                tokens = self._wait(link.recv, (b,), torch.long, last, "tokens").cpu()
-                logits = self._wait(link.recv, (b, self.cfg.vocab_size), torch.float32, last,
-                                    "logits").cpu() if keep_logits else None
-                known[m] = (tokens, logits)
-            else:
-                known[m] = (torch.zeros(b, dtype=torch.long),
-                            torch.zeros(b, self.cfg.vocab_size) if keep_logits else None)
+            link, b, last = self.link, self.states[m].ids.shape[0], self.link.world - 1
+            tokens = self._wait(link.recv, (b,), torch.long, last, "tokens", True)
+            logits = self._wait(link.recv, (b, self.cfg.vocab_size), torch.float32, last,
+                                "logits", True) if keep_logits else None
+            known[m] = (tokens, logits)
         return known[m][0]
 
     def _sample(self, i: int, m: int, sampler: Sampler, keep_logits: bool) -> None:
@@ -95,9 +102,10 @@ class PipelineEngine(Engine):
         tokens = sampler(logits, i, m)
         kept = logits.float() if keep_logits else None
         self._known.setdefault(i, {})[m] = (tokens, kept)
-        self.link.send(tokens, 0, "tokens")
+        self._sampled[m] = tokens
+        self.link.send(tokens, 0, "tokens", True)
         if keep_logits:
-            self.link.send(kept, 0, "logits")
+            self.link.send(kept, 0, "logits", True)
 
     def _receive(self, decode: bool, m: int) -> None:
         state, link = self.states[m], self.link
@@ -127,15 +135,20 @@ class PipelineEngine(Engine):
         return out
 
     def _step(self, i: int, keep_logits: bool) -> Step:
+        """Iteration ``i``'s step: every batch's token (placeholders on a middle rank)."""
         order = range(len(self.states))
-        for m in order:  # placeholders on a middle rank; known already on the others
-            self._token(i, m, keep_logits)
-        known = self._known.pop(i)
+        if self.link.is_first:
+            for m in order:
+                self._receive_token(i, m, keep_logits)
+        known = self._known.pop(i, {})
+        vocab = self.cfg.vocab_size
+        rows = [known.get(m) or (torch.zeros(self.states[m].ids.shape[0], dtype=torch.long),
+                                 torch.zeros(self.states[m].ids.shape[0], vocab)
+                                 if keep_logits else None) for m in order]
         now = time.perf_counter()
         seconds, self._last_yield = now - self._last_yield, now
-        return Step(i, [known[m][0] for m in order], seconds,
-                    [known[m][1] for m in order] if keep_logits else None)
-
+        return Step(i, [r[0] for r in rows], seconds,
+                    [r[1] for r in rows] if keep_logits else None)
 
 def micro_batches(num_gpu_batches: int, count: int | None) -> list[list[int]]:
     """The block's GPU batches cut into ``count`` contiguous micro-batches (default: one GPU

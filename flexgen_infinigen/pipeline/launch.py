@@ -82,16 +82,18 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     kv = kv_policy_from_args(a)
     sampling = SamplingConfig(a.temperature, a.top_p, a.seed, a.repetition_penalty).validate()
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
-    if link.is_first:  # the default model is converted once, by one rank
-        find_weights(model, a.path, a.dummy, a.seed, progress=True)
-    link.barrier("waiting for rank 0 to find the weights")
+    if int(os.environ.get("LOCAL_RANK", link.rank)) == 0:  # one rank per machine converts
+        find_weights(model, a.path, a.dummy, a.seed, progress=True)  # the default model
+    link.barrier("waiting for each machine's first rank to find the weights")
     item = resolve_dtype(a.dtype, link.device).itemsize
     lengths = (a.prompt_len, a.gen_len)
     base, _ = policy_from_args(a) if not wants_plan(a) else (None, None)
     from ..policy import Policy
     specs = rank_profiles(a.hw, link.world)
-    parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profiles(specs))
-    part = parts[link.rank]
+    parts = None
+    if link.is_first:  # one split for all: the ranks' saved profiles may differ
+        parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profiles(specs))
+    part = link.broadcast(parts, "receiving rank 0's split of the layers")[link.rank]
     plan = None
     if wants_plan(a):  # each rank plans its own layers, on its own machine's profile
         if a.hw is None:
@@ -109,7 +111,15 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
                           progress=link.is_first)
     with lm:
         lm.engine.micro_batches = a.pipeline_micro_batches
-        prompts = link.broadcast(make_prompts(lm, a, texts) if link.is_first else None)
+        shape = (lm.policy.gpu_batch_size, lm.policy.num_gpu_batches, a.pipeline_micro_batches)
+        prompts, first = link.broadcast((make_prompts(lm, a, texts), shape) if link.is_first
+                                        else None, "receiving rank 0's prompts")
+        if first != shape:
+            raise ConfigError(f"rank {link.rank} runs GPU batches of {shape[0]} x {shape[1]} "
+                              f"(micro-batches {shape[2]}) but rank 0 runs {first[0]} x "
+                              f"{first[1]} ({first[2]}): give every rank the same "
+                              "--gpu-batch-size, --num-gpu-batches and "
+                              "--pipeline-micro-batches")
         gen = lm.generate(prompts, a.gen_len, sampling, stop_token_id=None if a.no_stop else -1,
                           cut_gen_len=a.cut_gen_len, progress=link.is_first)
         summaries = link.gather(rank_summary(lm, gen, link, plan))

@@ -5,8 +5,8 @@ point-to-point sends (NCCL between GPUs, gloo on CPUs); prompts, barriers and th
 go over a gloo group. Every wait has a time limit (``--pipeline-timeout``): a rank that
 died, raised or hung makes the others fail with an error that names it, never hang. Sends
 do not wait for their receiver (the last rank's tokens are read by the first only one
-step later); they are completed lazily and at the end of a block. The bytes sent to and
-received from each rank are counted by kind.
+step later); finished ones are dropped after every send, and a block ends when all are.
+The bytes sent to and received from each rank are counted by kind.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ..config import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
-MAX_PENDING_SENDS = 64  # sends in flight before the oldest is waited for
 FAILED_KEY = "flexgen_infinigen/failed/"  # + rank: the rank it blames for stopping
 STORE_TIMEOUT_S = 2.0
 BLAME_GRACE_S = 3.0  # how long a failing rank waits for the rank it lost to say why
@@ -62,7 +61,8 @@ class Link:
         self.comm_device = device if backend == "nccl" else torch.device("cpu")
         try:
             dist.init_process_group(backend, timeout=self.timeout)
-            self.control = dist.new_group(backend="gloo") if backend == "nccl" else None
+            self.control = dist.new_group(backend="gloo", timeout=self.timeout) \
+                if backend == "nccl" else None
         except (RuntimeError, ValueError) as e:
             raise PipelineError(f"rank {self.rank}: could not join the pipeline's process "
                                 f"group within {timeout_s:.0f} s: {_short(e)}") from None
@@ -89,26 +89,32 @@ class Link:
         return self.rank + 1
 
     # ---- point to point ---------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, to: int, kind: str) -> None:
-        tensor = tensor.detach().to(self.comm_device).contiguous()
+    def send(self, tensor: torch.Tensor, to: int, kind: str, host: bool = False) -> None:
+        """Start sending ``tensor``; ``host``: over the gloo group, from host memory."""
+        device = torch.device("cpu") if host else self.comm_device
+        tensor = tensor.detach().to(device).contiguous()
         try:
-            work = dist.isend(tensor, to)
+            work = dist.isend(tensor, to, group=self.control if host else None)
         except RuntimeError as e:
             raise self._lost(to, f"sending {kind} to", e, 0.0) from None
         self.pending.append((work, tensor, to, kind))
         self.sent[to][kind] += tensor.numel() * tensor.element_size()
-        while len(self.pending) > MAX_PENDING_SENDS:
-            self._finish_send()
+        while self.pending and self.pending[0][0].is_completed():
+            self._finish_send()  # drop finished sends (and their tensors) as we go
 
-    def recv(self, shape, dtype: torch.dtype, frm: int, kind: str) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=self.comm_device)
+    def recv(self, shape, dtype: torch.dtype, frm: int, kind: str,
+             host: bool = False) -> torch.Tensor:
+        """Receive what ``frm`` sent with the same ``host``; on the compute device, or in
+        host memory with ``host``."""
+        out = torch.empty(shape, dtype=dtype,
+                          device=torch.device("cpu") if host else self.comm_device)
         start = time.perf_counter()
         try:
-            dist.irecv(out, frm).wait(self.timeout)
+            dist.irecv(out, frm, group=self.control if host else None).wait(self.timeout)
         except RuntimeError as e:
             raise self._lost(frm, f"waiting for {kind} from", e, start) from None
         self.received[frm][kind] += out.numel() * out.element_size()
-        return out.to(self.device)
+        return out if host else out.to(self.device)
 
     def flush(self) -> None:
         """Wait until every send has been received (the end of a block)."""
@@ -183,10 +189,10 @@ class Link:
             return None
 
     # ---- the whole group (gloo) -------------------------------------------------------------
-    def broadcast(self, obj):
+    def broadcast(self, obj, what: str):
         """Rank 0's ``obj`` on every rank."""
         box = [obj]
-        self._collective("receiving rank 0's prompts",
+        self._collective(what,
                          lambda: dist.broadcast_object_list(box, src=0, group=self.control))
         return box[0]
 
@@ -196,6 +202,13 @@ class Link:
         self._collective("gathering the ranks' reports",
                          lambda: dist.gather_object(obj, out, dst=0, group=self.control))
         return out
+
+    def any(self, flag: bool, what: str) -> bool:
+        """True on every rank when ``flag`` is true on any."""
+        flags = [None] * self.world
+        self._collective(what, lambda: dist.all_gather_object(flags, bool(flag),
+                                                              group=self.control))
+        return any(flags)
 
     def barrier(self, what: str) -> None:
         """Every rank reached this point; the error names the ranks that did not."""
