@@ -94,10 +94,11 @@ def wants_plan(a) -> bool:
     return "auto" in ([v.lower() for v in a.percent] + [a.gpu_batch_size, a.num_gpu_batches])
 
 
-def policy_from_args(a, cfg=None,
-                     lengths: tuple[int, int] | None = None) -> tuple[Policy, dict | None]:
+def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
+                     weight_reads: int = 1) -> tuple[Policy, dict | None]:
     """(policy, plan): the policy the flags give, or with ``auto`` anywhere the optimizer's
-    choice for ``cfg`` at ``lengths`` = (prompt, generated) tokens and its prediction."""
+    choice for ``cfg`` at ``lengths`` = (prompt, generated) tokens and its prediction
+    (``weight_reads``: see :func:`~.planner.auto.search`)."""
     percent = parse_percent(a.percent)
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
@@ -127,7 +128,7 @@ def policy_from_args(a, cfg=None,
     if percent is not None:
         base = Policy.from_percent(percent, **switches)
     best, _ = search(cfg, *lengths, hw, base, a.kv_policy, fraction, b, n, item,
-                     fixed_placement=percent is not None)
+                     fixed_placement=percent is not None, weight_reads=weight_reads)
     print(f"auto policy ({hw.name} profile): --percent {' '.join(map(str, best.percent()))} "
           f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
           f"{best.policy.num_gpu_batches}" + (" --cpu-cache-compute" if

@@ -97,3 +97,28 @@ def test_each_rank_plans_its_own_weights_and_cache():
     got = sum(sum(p["weights"].values()) for p in plans)
     assert got == sum(whole["weights"].values()) + embed
     assert LayerSlice.whole(cfg) == LayerSlice(0, cfg.num_layers)
+
+
+def test_a_rank_that_rereads_weights_per_micro_batch_pays_for_it_and_plans_for_it():
+    """A pipeline rank reads each offloaded weight once per micro-batch: the cost model
+    charges that (``Workload.weight_reads``) and the optimizer keeps more weights on the GPU
+    for it."""
+    import dataclasses
+
+    from flexgen_infinigen.planner import cost
+    from flexgen_infinigen.planner.auto import search
+    from flexgen_infinigen.planner.workload import Sizes, Workload
+
+    cfg = dataclasses.replace(get_config("opt-30b"), num_layers=12)  # one rank's share
+    hw = BUILTIN["t4-pcie3"]
+    policy = Policy.from_percent([20, 80, 0, 100, 100, 0], gpu_batch_size=8, num_gpu_batches=4)
+    once, per_batch = (cost.predict(Workload(cfg, 256, 32, 2, weight_reads=r), policy, hw)
+                       for r in (1, 4))
+    offloaded = 0.8 * cost._weights_time(hw, Sizes.of(Workload(cfg, 256, 32, 2), policy))
+    grew = per_batch["decode_terms_s"]["h2d"] - once["decode_terms_s"]["h2d"]
+    assert grew == pytest.approx(3 * offloaded) and offloaded > 0
+    assert per_batch["decode_step_s"] > once["decode_step_s"]
+    plans = [search(cfg, 256, 32, hw, Policy(), "full", None, 8, 4, 2, progress=False,
+                    weight_reads=r)[0] for r in (1, 4)]
+    assert plans[1].policy.w_gpu_percent > plans[0].policy.w_gpu_percent
+    assert plans[1].prediction["decode_step_s"] >= plans[0].prediction["decode_step_s"]

@@ -17,6 +17,7 @@ from ..config import DEFAULT_MODEL, ConfigError, get_config
 from ..guards import Terminated
 from ..loading import resolve_device, resolve_dtype
 from .link import Link
+from .engine import micro_batches
 from .partition import check_stages, plan_slices
 from .report import combine_reports, rank_summary
 
@@ -103,7 +104,8 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
                               "by commas)")
         a.hw = specs[link.rank]
         mine = dataclasses.replace(cfg, num_layers=len(part.layers))
-        base, plan = policy_from_args(a, mine, lengths)
+        groups = micro_batches(a.num_gpu_batches or 1, a.pipeline_micro_batches)
+        base, plan = policy_from_args(a, mine, lengths, weight_reads=len(groups))
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=base,
                           device=str(link.device.type), dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed,

@@ -64,14 +64,15 @@ def search(cfg: ModelConfig, prompt_len: int, gen_len: int, hw: HardwareProfile,
            base: Policy, kv_policy: str = "full", kv_fraction: float | None = None,
            gpu_batch_size: int | None = None, num_gpu_batches: int | None = None,
            dtype_bytes: int | None = None, progress: bool = True,
-           fixed_placement: bool = False) -> tuple[Plan, list[Plan]]:
+           fixed_placement: bool = False, weight_reads: int = 1) -> tuple[Plan, list[Plan]]:
     """Best plan with the batch shape searched where ``gpu_batch_size``/``num_gpu_batches``
     are None and fixed where given; the placement is ``base``'s with ``fixed_placement``,
-    else chosen by the linear program."""
+    else chosen by the linear program. ``weight_reads``: times a step reads each offloaded
+    weight (a pipeline rank: once per micro-batch)."""
     if kv_fraction is None:
         kv_fraction = default_kv_fraction(kv_policy)
     work = Workload(cfg, prompt_len, gen_len, dtype_bytes or hw.dtype_bytes, kv_policy,
-                    kv_fraction).validate()
+                    kv_fraction, weight_reads).validate()
     for flag, v in (("--gpu-batch-size", gpu_batch_size), ("--num-gpu-batches", num_gpu_batches)):
         if v is not None and v < 1:
             raise ConfigError(f"{flag} must be at least 1 or auto (got {v})")

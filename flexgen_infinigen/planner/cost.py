@@ -45,18 +45,19 @@ def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
                              + hw.seconds("device_copy", passes, 16)
                              + hw.overhead(cfg.family))
                    + _matmul(hw, b, sz.head_params))
+    r = work.weight_reads
     if policy.compress_weight:
-        compute += sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
-                       for n in sz.weight_tensors)
+        compute += r * sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
+                           for n in sz.weight_tensors)
     if policy.compress_cache:
         compute += hw.seconds("dequant", n * b * p * sz.kv_token_raw * layers, 2 * n * layers)
     copies, kv_copies = n * sz.num_stages, 2 * n * layers
-    return {"h2d": off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
+    return {"h2d": r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
             "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
             + off_h * hw.seconds("d2h", hid, copies),
             "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io)
-            + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io)
-                            for t in sz.weight_tensors),
+            + r * x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io)
+                                for t in sz.weight_tensors),
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": 0.0, "compute": compute, "cpu_compute": 0.0}
 
@@ -86,7 +87,8 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     kv_new = n * b * sz.kv_token * layers
     off_w, off_c, off_h = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"] + x["hd"]
     copies, kv_copies = n * sz.num_stages, 2 * n * layers  # K and V are separate copies
-    h2d = off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies)
+    r = work.weight_reads
+    h2d = r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies)
     d2h = off_c * hw.seconds("d2h", kv_new, kv_copies) + off_h * hw.seconds("d2h", hid, copies)
     compute = n * (layers * (_matmul(hw, b, sz.layer_params) + hw.overhead(cfg.family))
                    + _matmul(hw, b, sz.head_params))
@@ -100,8 +102,8 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
         h2d += off_c * hw.seconds("h2d", ctx, kv_copies)
         compute += hw.seconds("attention", ctx_raw, n * layers)
     if policy.compress_weight:
-        compute += sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
-                       for n in sz.weight_tensors)
+        compute += r * sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
+                           for n in sz.weight_tensors)
     if policy.compress_cache:
         compute += hw.seconds("dequant", ctx_raw, kv_copies)
     extra = work.kv.decode_work(cfg, b, context, item)  # what the KV policy adds
@@ -114,7 +116,8 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
             + hw.seconds("attention", extra.scan_bytes))
     disk_read = x["cd"] * _disk_read(hw, ctx, kv_copies, cached, policy.direct_io) \
         + x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io) \
-        + x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io) for t in sz.weight_tensors)
+        + r * x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io)
+                            for t in sz.weight_tensors)
     return {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
@@ -132,10 +135,12 @@ def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
     n, layers = policy.num_gpu_batches, cfg.num_layers
     w, c = policy.weight_split, policy.cache_split
     t = 0.0
+    r = work.weight_reads
     if w[0] < 1:
-        t += layers * hw.overhead(cfg.family, "weights_offload")
+        t += r * layers * hw.overhead(cfg.family, "weights_offload")
     if sum(v > 0 for v in w) > 1:  # a split tensor is read into one buffer: the device
-        t += sum(hw.seconds("device_copy", w[0] * v) for v in sz.weight_tensors)  # part copies
+        t += r * sum(hw.seconds("device_copy", w[0] * v)  # part copies
+                     for v in sz.weight_tensors)
     if context is None:
         return t
     per = policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction() / 2

@@ -28,10 +28,16 @@ class Workload:
     kv_policy: str = "full"  # a registered name the optimizer can plan (kv.POLICIES)
     # fraction of the context read in each layer that selects (see KVPolicy.planned)
     kv_fraction: float = 1.0
+    # times a step reads each weight that is off the device: 1 in one process (every GPU
+    # batch of the block shares the load); a pipeline rank reads once per micro-batch
+    weight_reads: int = 1
 
     def validate(self) -> "Workload":
         from ..kv import policy_class
         policy_class(self.kv_policy, plannable=True)
+        if self.weight_reads < 1:
+            raise ConfigError(f"weight reads per step must be at least 1 (got "
+                              f"{self.weight_reads})")
         if not 0 < self.kv_fraction <= 1:
             raise ConfigError(f"the KV fraction must be in (0, 1] (got {self.kv_fraction})")
         for flag, v in (("--prompt-len", self.prompt_len), ("--gen-len", self.gen_len)):
