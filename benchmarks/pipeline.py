@@ -112,17 +112,15 @@ def measure(stages: int, a) -> dict:
 def on_paper(gpus: int) -> dict:
     """Predicted OPT-175B throughput on ``gpus`` T4s, one stage each, as this runtime runs a
     pipeline: S = ``gpus`` micro-batches of n GPU batches of b sequences in flight. A stage
-    holds the KV cache of all of them (its placement is planned for S x n GPU batches) but
-    shares each weight load only within a micro-batch, so its decode step is S times the
-    step of one micro-batch (n GPU batches); the prefill fills and drains the pipeline:
-    2S - 1 micro-batch prefills. The best (b, n) wins."""
+    is planned by the optimizer as a rank's ``--percent auto`` is: for its layers, the KV
+    cache of all S x n GPU batches, and each offloaded weight read once per micro-batch
+    (``weight_reads`` = S); the prefill fills and drains the pipeline (2S - 1 micro-batch
+    prefills, S of which are the stage's own). The best (b, n) wins."""
     import dataclasses
 
     from flexgen_infinigen.config import ConfigError, get_config
     from flexgen_infinigen.planner.auto import search
-    from flexgen_infinigen.planner.cost import predict
     from flexgen_infinigen.planner.hardware import BUILTIN
-    from flexgen_infinigen.planner.workload import Workload
     from flexgen_infinigen.policy import Policy
 
     cfg, hw = get_config("opt-175b"), BUILTIN["t4-pcie3"]
@@ -132,20 +130,19 @@ def on_paper(gpus: int) -> dict:
     for n in (1, 2, 4, 8, 16) if gpus > 1 else (None,):
         try:
             plan, _ = search(mine, 512, 32, hw, Policy(), "full",
-                             num_gpu_batches=None if n is None else gpus * n, progress=False)
+                             num_gpu_batches=None if n is None else gpus * n, progress=False,
+                             weight_reads=gpus)
         except ConfigError:
             continue
-        p = plan.policy
-        group = p if n is None else dataclasses.replace(p, num_gpu_batches=n)
-        pred = predict(Workload(mine, 512, 32, 2), group, hw)
-        step = gpus * pred["decode_step_s"]
-        prefill = (2 * gpus - 1) * pred["prefill_s"]
-        sequences = gpus * group.block_size
+        p, pred = plan.policy, plan.prediction
+        step = pred["decode_step_s"]
+        prefill = pred["prefill_s"] * (2 * gpus - 1) / gpus
         row = {"gpus": gpus, "layers_per_stage": layers, "percent": plan.percent(),
-               "gpu_batch_size": p.gpu_batch_size, "gpu_batches_per_micro_batch":
-                   group.num_gpu_batches, "sequences_in_flight": sequences,
-               "generation_tokens_per_s": sequences * 32 / (prefill + 31 * step),
-               "decode_tokens_per_s": sequences / step, "stage_decode_step_s": step}
+               "gpu_batch_size": p.gpu_batch_size,
+               "gpu_batches_per_micro_batch": p.num_gpu_batches // gpus,
+               "sequences_in_flight": p.block_size,
+               "generation_tokens_per_s": p.block_size * 32 / (prefill + 31 * step),
+               "decode_tokens_per_s": p.block_size / step, "stage_decode_step_s": step}
         if best is None or row["generation_tokens_per_s"] > best["generation_tokens_per_s"]:
             best = row
     return best
