@@ -83,7 +83,8 @@ def calibration(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def cases(smollm2_store, calibration, tmp_path_factory):
     """OPT-125M (dummy) and SmolLM2-135M, each with the full cache and InfiniGen, run with
-    1 and 3 micro-batches (3 GPU batches of 2), and the one-process results to match."""
+    1, 2 (uneven: 2 + 1 GPU batches) and 3 micro-batches (3 GPU batches of 2), and the
+    one-process results to match."""
     kvs = [{"name": "full", "options": {}},
            {"name": "infinigen", "options": {"calibration": calibration}}]
     models = [{"name": "opt", "model": "opt-125m", "path": None, "dummy": True, "vocab": 50272},
@@ -92,7 +93,7 @@ def cases(smollm2_store, calibration, tmp_path_factory):
     reference = {}
     for m in models:
         m.update(percent=PERCENT, batch=2, gpu_batches=3, prompt_len=10, gen_len=4,
-                 prompts=prompts(m["vocab"]), kv_policies=kvs, micro_batches=[1, 3],
+                 prompts=prompts(m["vocab"]), kv_policies=kvs, micro_batches=[1, 2, 3],
                  offload_dir=str(tmp_path_factory.mktemp("offload")))
         policy = Policy.from_percent(PERCENT, gpu_batch_size=2, num_gpu_batches=3)
         with OffloadedLM.load(m["model"], m["path"], m["dummy"], policy, device="cpu",
@@ -118,13 +119,13 @@ def test_ranks_match_one_process(world, cases, tmp_path):
     assert codes == [0] * world, read_logs(tmp_path / "logs")
     checked = 0
     for (model, kv), (tokens, logits) in reference.items():
-        for k in (1, 3):
+        for k in (1, 2, 3):
             got = torch.load(out / f"{model}-{kv}-{k}.pt", weights_only=True)
             assert got["part"][0] == 0 and got["part"][1] < (12 if model == "opt" else 30)
             assert got["tokens"] == tokens, (model, kv, k)
             torch.testing.assert_close(got["logits"], logits, rtol=1e-5, atol=1e-5)
             checked += 1
-    assert checked == 8
+    assert checked == 12
 
 
 def test_torchrun_command_line(tmp_path):
