@@ -17,6 +17,7 @@ import torch
 from . import memory_plan
 from .config import ConfigError, ModelConfig
 from .engine import Engine
+from .guards import raise_if_interrupted
 from .stages import LayerSlice
 from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
@@ -216,6 +217,7 @@ class OffloadedLM:
                             rows[r].append(t)
                             done[r] = stop_token_id is not None and t == stop_token_id
                     bar.update(real)
+                    raise_if_interrupted()
                     if all(done[:real]) and self.engine.stops_early:
                         break  # every real row has ended: the block stops here
             ran_here = len(step_times) - ran_before

@@ -16,8 +16,21 @@ class Terminated(BaseException):
     """Raised in the main thread on SIGTERM, so that the same cleanup as Ctrl-C runs."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_stopping: list[type[BaseException]] = []  # the interruption received, if any
+
+
+def _on_signal(signum, frame):
+    stop = KeyboardInterrupt if signum == signal.SIGINT else Terminated
+    _stopping[:] = [stop]
+    raise stop()
+
+
+def raise_if_interrupted() -> None:
+    """Raise the Ctrl-C or SIGTERM received earlier again: Python drops an exception that a
+    signal handler raises while a finalizer (garbage collection) runs, so long loops call
+    this once per step and a signal is never lost."""
+    if _stopping:
+        raise _stopping[0]()
 
 
 def check_output_path(path: str | None, flag: str) -> None:
@@ -36,7 +49,8 @@ def check_output_path(path: str | None, flag: str) -> None:
 
 def run_command(main, argv=None) -> int:
     """Run a command's ``main`` with the shared handling of errors and interruptions."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    _stopping.clear()
     try:
         return main(argv)
     except ConfigError as e:
@@ -56,4 +70,6 @@ def run_command(main, argv=None) -> int:
             return 2
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stopping.clear()
