@@ -2,6 +2,7 @@
 folder is created, a full disk is one clear line, leftovers of killed runs are removed."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -96,3 +97,32 @@ def test_full_disk_is_one_clear_error_not_a_bus_error(tmp_path):
         assert _ours(mount) == []
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_dropped_inside_a_finalizer_still_stops_the_command(capsys):
+    """Python drops what a signal handler raises while a finalizer runs (CI once saw a run
+    ignore Ctrl-C this way); the command still stops, at its next step, with its one line."""
+    import gc
+    import weakref
+
+    from flexgen_infinigen.guards import raise_if_interrupted, run_command
+
+    def main(argv):
+        class Held:
+            pass
+
+        def finalizer():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10000):  # the handler runs here, inside the finalizer
+                pass
+
+        held = Held()
+        weakref.finalize(held, finalizer)
+        del held
+        gc.collect()
+        raise_if_interrupted()  # what every generation step does
+        return 0
+
+    assert run_command(main) == 130
+    assert "interrupted" in capsys.readouterr().err
