@@ -7,6 +7,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import ConfigError, ModelConfig, get_config
+from .guards import raise_if_interrupted
 from .models import family_of
 from .policy import Policy
 from .tiered import TieredTensor
@@ -76,6 +77,7 @@ def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype:
     placed = {}
     for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
                             disable=not progress, leave=False):
+        raise_if_interrupted()
         tensor = TieredTensor(tiers, shape, dtype, policy.weight_split, "weights",
                               compress=policy.compress_weight, pin=policy.pin_weight)
         tensor.write(source(name, shape).to(dtype), src_tier="host")

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..chat import CHAT_FILE
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
+from ..guards import raise_if_interrupted
 from ..models import llama
 from .store import StoreWriter
 
@@ -203,6 +204,7 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     with StoreWriter(dest, cfg, source=f"gguf:{src.name}") as writer:
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
                       disable=not progress):
+            raise_if_interrupted()
             key = store_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
             if key not in expected:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..chat import CHAT_FILE, template_from_hf_folder
 from ..config import ConfigError, ModelConfig
+from ..guards import raise_if_interrupted
 from ..models import family_of
 from .hf_config import config_from_hf
 from .store import StoreWriter
@@ -171,6 +172,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
     with StoreWriter(dest, cfg, source=str(folder)) as w:
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
+            raise_if_interrupted()
             ours = store_name(cfg, hf_name)
             if ours is None or ours not in expected:
                 continue
