@@ -18,11 +18,11 @@ from . import memory_plan
 from .config import ConfigError, ModelConfig
 from .engine import Engine
 from .guards import raise_if_interrupted
-from .stages import LayerSlice
 from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
+from .stages import LayerSlice
 from .tiers import TIERS, Tiers
 
 

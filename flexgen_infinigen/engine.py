@@ -65,6 +65,8 @@ class Step:
 
 
 class Engine:
+    stops_early = True  # the caller may stop a block when every row has ended
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, TieredTensor], policy: Policy,
                  tiers: Tiers, kv_policy: KVPolicy, dtype: torch.dtype,
                  part: LayerSlice | None = None):
@@ -78,13 +80,16 @@ class Engine:
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
         self.running = False  # one block at a time: its caches and states are the engine's
-        self.stops_early = True  # the caller may stop a block when every row has ended
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
 
     def reset_counters(self) -> None:
         """Start a generation's own statistics (the host syncs are per block already)."""
+
+    def any_rank(self, flag: bool, what: str) -> bool:
+        """``flag`` on any rank of the run: this process is the only one."""
+        return flag
 
     # ---- one block --------------------------------------------------------------------------
     def generate_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,

@@ -24,8 +24,8 @@ class Rehearsal:
         self.cfg, self.family, self.options = cfg, engine.family, options
         store = getattr(lm, "store_path", None)
         skew = None if options.calibration or store is None else Skew.load(store)
-        link = getattr(engine, "link", None)  # pipeline ranks calibrate together or not at all
-        if link is not None and link.any(skew is None, "agreeing on InfiniGen's calibration"):
+        # pipeline ranks calibrate together or not at all
+        if engine.any_rank(skew is None, "agreeing on InfiniGen's calibration"):
             skew = None
         if skew is None:
             text = read_text(options.calibration, "--calibration") if options.calibration \

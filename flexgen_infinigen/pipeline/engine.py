@@ -32,16 +32,20 @@ from ..tiered import TieredTensor
 
 
 class PipelineEngine(Engine):
+    stops_early = False  # every rank must run the same steps
+
     def __init__(self, cfg, weights, policy, tiers, kv_policy, dtype, part, link):
         super().__init__(cfg, weights, policy, tiers, kv_policy, dtype, part)
         self.link = link
-        self.stops_early = False  # every rank must run the same steps
         self.micro_batches = None  # GPU batches per micro-batch: None, one each
         self.debug["pipeline_wait_s"] = 0.0
 
     def reset_counters(self) -> None:
         self.debug["pipeline_wait_s"] = 0.0  # seconds spent waiting for other ranks
         self.link.reset_counters()  # a generation's traffic, not the calibration's
+
+    def any_rank(self, flag: bool, what: str) -> bool:
+        return self.link.any(flag, what)
 
     def _steps(self, steps: int, sampler: Sampler, keep_logits: bool,
                lanes: Lanes) -> Iterator[Step]:
@@ -149,6 +153,7 @@ class PipelineEngine(Engine):
         seconds, self._last_yield = now - self._last_yield, now
         return Step(i, [r[0] for r in rows], seconds,
                     [r[1] for r in rows] if keep_logits else None)
+
 
 def micro_batches(num_gpu_batches: int, count: int | None) -> list[list[int]]:
     """The block's GPU batches cut into ``count`` contiguous micro-batches (default: one GPU

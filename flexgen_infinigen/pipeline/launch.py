@@ -16,8 +16,8 @@ import torch
 from ..config import DEFAULT_MODEL, ConfigError, get_config
 from ..guards import Terminated
 from ..loading import resolve_device, resolve_dtype
-from .link import Link
 from .engine import micro_batches
+from .link import Link
 from .partition import check_stages, plan_slices
 from .report import combine_reports, rank_summary
 
@@ -76,6 +76,7 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     from ..api import OffloadedLM
     from ..kv import kv_policy_from_args
     from ..loading import find_weights
+    from ..policy import Policy
     from ..report import print_report
     from ..run import make_prompts, policy_from_args, wants_plan, write_json
     from ..sampling import SamplingConfig
@@ -89,7 +90,6 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     item = resolve_dtype(a.dtype, link.device).itemsize
     lengths = (a.prompt_len, a.gen_len)
     base, _ = policy_from_args(a) if not wants_plan(a) else (None, None)
-    from ..policy import Policy
     specs = rank_profiles(a.hw, link.world)
     parts = None
     if link.is_first:  # one split for all: the ranks' saved profiles may differ

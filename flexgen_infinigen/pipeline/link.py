@@ -160,7 +160,8 @@ class Link:
     def _first_failure(self, peer: int) -> int:
         """Follow the ranks' words of blame from ``peer`` to the rank that failed first.
         ``peer`` gets a moment to leave its word: it may have timed out waiting on another
-        rank just as this one timed out waiting on it."""
+        rank just as this one waited on it (its connections close as it times out, before it
+        writes), so even a closed connection is no proof that it has said all it will."""
         store, rank, seen = self._store(), peer, {peer}
         grace = time.monotonic() + BLAME_GRACE_S
         while store is not None:
