@@ -120,6 +120,13 @@ class OffloadedLM:
         self.tiers.reset_counters()
 
     @property
+    def stop_token_ids(self) -> set[int]:
+        """What ends a sequence: the model's EOS and, with a tokenizer, the end of a chat turn
+        (``<|im_end|>``, ``<|eot_id|>``, the GGUF's end-of-turn id)."""
+        extra = self.tokenizer.stop_token_ids if self.tokenizer is not None else set()
+        return {self.cfg.eos_token_id, *extra}
+
+    @property
     def policy(self) -> Policy:
         return self.engine.policy
 
@@ -152,7 +159,8 @@ class OffloadedLM:
                  forced=None) -> Generation:
         """Generate ``gen_len`` tokens for each prompt (strings or token id lists).
 
-        ``stop_token_id``: -1 means the model's end-of-sequence token; None never stops.
+        ``stop_token_id``: -1 means the model's stop tokens (:attr:`stop_token_ids`); None
+        never stops.
         ``cut_gen_len``: run only that many steps and project the decode latency to ``gen_len``.
         ``forced``: teacher forcing; one list of ``gen_len`` tokens per prompt that are fed
         back instead of the sampled ones (the logits still score them).
@@ -164,8 +172,8 @@ class OffloadedLM:
         if cut_gen_len is not None and cut_gen_len < 1:
             raise ConfigError(f"--cut-gen-len must be at least 1 (got {cut_gen_len})")
         check_lengths(self.cfg, max(map(len, ids)), gen_len)
-        if stop_token_id == -1:
-            stop_token_id = self.cfg.eos_token_id
+        stops = self.stop_token_ids if stop_token_id == -1 else \
+            set() if stop_token_id is None else {stop_token_id}
         steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
         sampler = Sampler(sampling)
         self.engine.kv_policy.reset_stats()
@@ -215,7 +223,7 @@ class OffloadedLM:
                     for r, t in enumerate(torch.cat(step.tokens).tolist()):
                         if not done[r]:
                             rows[r].append(t)
-                            done[r] = stop_token_id is not None and t == stop_token_id
+                            done[r] = t in stops
                     bar.update(real)
                     raise_if_interrupted()
                     if all(done[:real]) and self.engine.stops_early:

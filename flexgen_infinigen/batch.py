@@ -202,7 +202,7 @@ def _main(argv=None) -> int:
                 block = group[i:i + policy.block_size]
                 gen = lm.generate([r["ids"] for r in block], settings["gen_len"], sampling)
                 for r, ids, text in zip(block, gen.token_ids, gen.texts):
-                    stopped = bool(ids) and ids[-1] == lm.cfg.eos_token_id
+                    stopped = bool(ids) and ids[-1] in lm.stop_token_ids
                     out.write(json.dumps({"id": r["id"], "text": text, "token_ids": ids,
                                           "prompt_tokens": len(r["ids"]),
                                           "finish_reason": "stop" if stopped else "length"})

@@ -36,6 +36,9 @@ class ModelConfig:
     sliding_window: int = 0  # each token sees only the newest this many keys (Mistral); 0: all
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
+    # the architecture's own name (config.json's model_type, GGUF's general.architecture);
+    # empty: derived from the flags (see ``architecture``)
+    model_type: str = ""
 
     def __post_init__(self):
         if self.attn_head_dim * self.num_heads == self.hidden_size:
@@ -48,6 +51,20 @@ class ModelConfig:
     def rope(self) -> dict:
         """The RoPE scaling parameters as a dict (empty: no scaling)."""
         return dict(self.rope_scaling)
+
+    @property
+    def architecture(self) -> str:
+        """What users call the model's architecture (``qwen2``, ``mistral``, ...), which the
+        report shows; ``family`` is only the math module that computes it."""
+        if self.model_type:
+            return self.model_type
+        if self.family == "opt":
+            return "opt"
+        if self.qk_norm:
+            return "qwen3"
+        if self.qkv_bias:
+            return "qwen2"
+        return "mistral" if self.sliding_window else "llama"
 
     @property
     def head_dim(self) -> int:

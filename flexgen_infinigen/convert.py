@@ -32,6 +32,9 @@ def _main(argv=None) -> int:
     p.add_argument("--out", default=None,
                    help="the weight store folder to write (default: stores/<source name>)")
     p.add_argument("--name", default=None, help="model name recorded in the store")
+    p.add_argument("--pre-tokenizer", default=None, metavar="TYPE",
+                   help="GGUF only: split text with the rule of this tokenizer.ggml.pre type "
+                        "instead of the file's (for types this runtime does not know)")
     p.add_argument("--allow-field", action="append", default=[], metavar="FIELD",
                    help="a config.json field to accept although it is not understood (only "
                         "when you know it does not change the math); repeatable")
@@ -45,7 +48,7 @@ def _main(argv=None) -> int:
         out = convert_hf(source, out, a.name, tuple(a.allow_field))
     else:
         from .weights.gguf_convert import convert_gguf
-        out = convert_gguf(source, out, a.name)
+        out = convert_gguf(source, out, a.name, pre_tokenizer=a.pre_tokenizer)
     print(f"weight store written to {out}; run it with "
           f"`python -m flexgen_infinigen.run --path {out}`")
     return 0

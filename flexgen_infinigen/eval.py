@@ -53,6 +53,9 @@ def check_args(a) -> tuple[list[int], object]:
         raise ConfigError(f"--max-windows must be at least 1 (got {a.max_windows})")
     if a.dummy:
         raise ConfigError("perplexity needs a tokenizer; drop --dummy")
+    from .weights.local_model import is_model_path, store_for
+    if is_model_path(a.model) and not a.path:  # a GGUF or HF folder: converted on first use
+        a.path, a.model = str(store_for(a.model)), None
     if a.path:
         from .weights.store import WeightStore
         store_path = a.path
@@ -60,7 +63,8 @@ def check_args(a) -> tuple[list[int], object]:
     else:
         cfg = get_config(a.model or DEFAULT_MODEL)
         if cfg.name != DEFAULT_MODEL:
-            raise ConfigError(f"no weights for {cfg.name}: pass --path to a converted store")
+            raise ConfigError(f"no weights for {cfg.name}: pass --model with a .gguf file or "
+                              "a Hugging Face folder, or --path to a converted store")
         from .weights.embedded import default_model_store
         store_path = default_model_store()
     if a.seq_len > cfg.max_positions:

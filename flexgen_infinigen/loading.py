@@ -37,9 +37,33 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def model_config(model: str | None, path: str | None = None) -> ModelConfig:
+    """The config of what a command was pointed at (a store, a GGUF or HF path, a registry
+    name, else the default model), without converting or reading any weight."""
+    from .config import DEFAULT_MODEL
+    from .weights.local_model import is_model_path, source_config
+
+    if path:
+        if not Path(path).exists():
+            raise ConfigError(f"weight folder {path} does not exist; convert a checkpoint "
+                              "with `python -m flexgen_infinigen.convert` or use --dummy")
+        return WeightStore(path).config
+    if is_model_path(model):
+        return source_config(model)
+    return get_config(model or DEFAULT_MODEL)
+
+
 def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0,
                  progress: bool = True):
-    """(config, source, store or None) for a model name, a store folder, or dummy weights."""
+    """(config, source, store or None) for a model name, a GGUF file or Hugging Face folder
+    (converted into the cache on first use), a store folder, or dummy weights."""
+    from .weights.local_model import is_model_path, store_for
+
+    if is_model_path(model):
+        if path is not None or dummy:
+            raise ConfigError(f"--model {model} is a path to weights; drop "
+                              f"{'--path' if path is not None else '--dummy'}")
+        model, path = None, str(store_for(model, progress=progress))
     if dummy:
         if model is None:
             raise ConfigError("--dummy needs --model NAME to know the shapes")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DEFAULT_MODEL, get_config
+from .config import DEFAULT_MODEL
+from .loading import model_config
 from .guards import check_output_path
 from .guards import run_command as run_guarded
 from .kv import plannable_names
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m flexgen_infinigen.optimize",
         description="Choose --percent, --gpu-batch-size and --num-gpu-batches from a cost model "
                     "of the hardware (a linear program per batch shape, solved with PuLP).")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a registry name, a .gguf file or a Hugging Face checkpoint folder")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--hw", default=None,
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
-    cfg = get_config(a.model)
+    cfg = model_config(a.model)
     if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)

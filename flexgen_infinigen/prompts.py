@@ -25,8 +25,10 @@ FILLER_TEXT = (
 
 
 def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
-    if lm.tokenizer is not None:
-        ids = lm.tokenizer.encode(FILLER_TEXT)
+    """``count`` prompts of ``prompt_len`` tokens: the filler text repeated, or seeded random
+    ids when there is no tokenizer (or its vocabulary spells none of the filler)."""
+    ids = lm.tokenizer.encode(FILLER_TEXT) if lm.tokenizer is not None else []
+    if ids:
         ids = (ids * (prompt_len // len(ids) + 1))[:prompt_len]
         return [ids] * count
     gen = torch.Generator().manual_seed(seed)

@@ -37,7 +37,8 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     planned = memory_plan.plan(cfg, policy, lm.engine.dtype, gen.prompt_tokens,
                                gen.generated_tokens, kv=lm.engine.kv_policy, part=part)["total"]
     report = {
-        "model": {"name": cfg.name, "family": cfg.family, "num_layers": cfg.num_layers,
+        "model": {"name": cfg.name, "architecture": cfg.architecture, "family": cfg.family,
+                  "num_layers": cfg.num_layers,
                   "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads,
                   "num_kv_heads": cfg.num_kv_heads},
         "device": device,
@@ -115,7 +116,8 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
     out = out or sys.stdout  # looked up per call: the stream may be replaced after import
     w = lambda s="": print(s, file=out)  # noqa: E731
     m = r["model"]
-    w(f"model: {m['name']} ({m['family']}, {m['num_layers']} layers, hidden {m['hidden_size']}) "
+    w(f"model: {m['name']} ({m['architecture']}, {m['num_layers']} layers, "
+      f"hidden {m['hidden_size']}) "
       f"on {r['device']}, {r['dtype']}, kv policy {r['kv_policy']['kv_policy']}")
     pol = r["policy"]
     w("policy: percent {} {} {} {} {} {}, gpu batch {} x {}, overlap {}, sep-layer {}, "

@@ -13,6 +13,9 @@ from pathlib import Path
 from .config import ModelConfig
 
 MANIFEST = "manifest.json"  # mirrors weights.store.MANIFEST without importing numpy
+# special tokens that end a chat turn in the templates of common model families
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                   "<|endoftext|>")
 
 
 class Tokenizer:
@@ -25,6 +28,11 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else eos_token_id
+        # ids that end generation: EOS, and the turn-end tokens the vocabulary has as specials
+        specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        self.stop_token_ids = {i for i in [eos_token_id, *(tok.token_to_id(t) for t in
+                                                          TURN_END_TOKENS if t in specials)]
+                               if i is not None}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, cfg: ModelConfig | None = None,
@@ -117,8 +125,7 @@ def load_tokenizer(store_or_folder, cfg: ModelConfig | None = None) -> Tokenizer
     if store_or_folder is None:
         return None
     if hasattr(store_or_folder, "manifest"):  # an open WeightStore
-        cfg = cfg or store_or_folder.config
-        return _from_store_file(store_or_folder.tokenizer_path, cfg)
+        return load_tokenizer(store_or_folder.path, cfg or store_or_folder.config)
     folder = Path(store_or_folder)
     if folder.is_file():  # a tokenizer.json passed directly
         return Tokenizer.from_file(folder, cfg)
@@ -128,7 +135,11 @@ def load_tokenizer(store_or_folder, cfg: ModelConfig | None = None) -> Tokenizer
         if cfg is None and "config" in info:
             cfg = ModelConfig.from_dict(info["config"])
         name = info.get("tokenizer")
-        return _from_store_file(folder / name if name else None, cfg)
+        tok = _from_store_file(folder / name if name else None, cfg)
+        if tok is not None:  # a GGUF's end-of-turn ids stop generation too
+            ids = info.get("special_ids") or {}
+            tok.stop_token_ids |= {ids[k] for k in ("eos", "eot", "eom") if k in ids}
+        return tok
     if (folder / "tokenizer.json").is_file():
         return Tokenizer.from_file(folder / "tokenizer.json", cfg)
     if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():

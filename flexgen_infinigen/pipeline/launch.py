@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..config import DEFAULT_MODEL, ConfigError, get_config
+from ..config import DEFAULT_MODEL, ConfigError
 from ..guards import Terminated
 from ..loading import resolve_device, resolve_dtype
 from .engine import micro_batches
@@ -27,7 +27,8 @@ def model_config(a):
     if a.path:
         from ..loading import find_weights
         return find_weights(a.model, a.path, False, progress=False)[0]
-    return get_config(a.model or DEFAULT_MODEL)
+    from ..loading import model_config as config_of
+    return config_of(a.model)
 
 
 def run_pipeline(a, texts: list[str]) -> int:

@@ -5,9 +5,9 @@ names. For the llama architecture, llama.cpp stores ``attn_q``/``attn_k`` with t
 rows of each head interleaved for its rotary kernel; we undo that so the store
 matches Hugging Face's layout (the ``rotate_half`` convention that
 :func:`flexgen_infinigen.models.llama.rotary` implements). qwen2 files keep Hugging
-Face's order (llama.cpp rotates them the NeoX way) and carry q/k/v biases. A
-byte-level BPE ("gpt2") vocabulary becomes a Hugging Face ``tokenizer.json`` stored
-next to the weights; other vocabularies are reported, not silently dropped.
+Face's order (llama.cpp rotates them the NeoX way) and carry q/k/v biases. The
+vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
+(:mod:`.gguf_tokenizer`: byte-level BPE by its pre-tokenizer type, or SentencePiece).
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from ..chat import CHAT_FILE
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from ..guards import raise_if_interrupted
 from ..models import llama
+from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
 
 GGUF_MAGIC = b"GGUF"
-TOKEN_TYPE_CONTROL = 3
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed.weight",
@@ -140,7 +140,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
         pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
-        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
+        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope, model_type=arch,
     )
     if name is None or name not in KNOWN_MODELS:
         return meta
@@ -158,40 +158,19 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     return known
 
 
-def tokenizer_json_from_gguf(reader) -> str | None:
-    """A Hugging Face tokenizer.json for a GGUF "gpt2" (byte-level BPE) vocabulary, else None."""
-    if field_value(reader, "tokenizer.ggml.model") != "gpt2":
-        return None
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    tokens = list(field_value(reader, "tokenizer.ggml.tokens"))
-    types = list(field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ")) for m in field_value(reader, "tokenizer.ggml.merges", [])]
-    if any(len(m) != 2 for m in merges):
-        raise ConfigError("GGUF tokenizer has malformed merges; re-download the GGUF file")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-    if field_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        # Record "this model wants a BOS" the way HF tokenizer.json files do.
-        tok.post_processor = processors.TemplateProcessing(
-            single=[tokens[bos], "$A"], pair=[tokens[bos], "$A", "$B"],
-            special_tokens=[(tokens[bos], int(bos))])
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    specials = [t for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return tok.to_str(pretty=True)
+def tokenizer_json_from_gguf(reader, pre_tokenizer: str | None = None) -> str | None:
+    """The GGUF's tokenizer as a Hugging Face tokenizer.json (None: the file has none)."""
+    tok = tokenizer_from_gguf(reader, pre_tokenizer)
+    return None if tok is None else tok.to_str(pretty=True)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
-                 name: str | None = None, progress: bool = True) -> Path:
-    """Convert ``gguf_path`` into a weight store at ``dest`` (written atomically)."""
+                 name: str | None = None, progress: bool = True,
+                 pre_tokenizer: str | None = None, extra: dict | None = None) -> Path:
+    """Convert ``gguf_path`` into a weight store at ``dest`` (written atomically).
+
+    ``pre_tokenizer`` overrides the file's ``tokenizer.ggml.pre``; ``extra`` goes into the
+    store's manifest (the source identity of a ``--model FILE`` conversion)."""
     from gguf.quants import dequantize
     from tqdm import tqdm
 
@@ -200,8 +179,13 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     cfg = config_from_gguf(reader, name, str(src))
     expected = llama.weight_shapes(cfg)
     permuted = PERMUTED[field_value(reader, "general.architecture")]
+    tokenizer = tokenizer_json_from_gguf(reader, pre_tokenizer)  # refused before any tensor
+    if tokenizer is None:
+        print("note: the GGUF has no tokenizer; the store has none: run it with --prompt-len",
+              file=sys.stderr)
+    info = {"special_ids": special_ids(reader), **(extra or {})}
     seen = set()
-    with StoreWriter(dest, cfg, source=f"gguf:{src.name}") as writer:
+    with StoreWriter(dest, cfg, source=f"gguf:{src.name}", extra=info) as writer:
         for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
                       disable=not progress):
             raise_if_interrupted()
@@ -232,13 +216,6 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
         template = field_value(reader, "tokenizer.chat_template")
         if template:
             writer.add_text(CHAT_FILE, template)
-        text = tokenizer_json_from_gguf(reader)
-        if text is not None:
-            writer.add_tokenizer_json(text)
-        else:
-            kind = field_value(reader, "tokenizer.ggml.model")
-            print(f"note: the GGUF's tokenizer ({kind!r}, not byte-level BPE) is not converted; "
-                  "the store has no tokenizer: run it with --prompt-len, or copy the model's "
-                  "tokenizer.json into the store and set \"tokenizer\" in its manifest.json",
-                  file=sys.stderr)
+        if tokenizer is not None:
+            writer.add_tokenizer_json(tokenizer)
     return dest

@@ -136,7 +136,7 @@ def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
         eos_token_id=eos, pad_token_id=_first(hf.get("pad_token_id"), eos),  # pads are masked
         attn_head_dim=head_dim if head_dim * heads != hf["hidden_size"] else 0,
         qkv_bias=bias or kind == "qwen2", o_bias=bias, qk_norm=kind == "qwen3",
-        sliding_window=window, rope_scaling=scaling)
+        sliding_window=window, rope_scaling=scaling, model_type=kind)
 
 
 def opt(hf: dict, name: str) -> ModelConfig:

@@ -159,7 +159,8 @@ def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
 
 
 def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
-               allow_fields: tuple[str, ...] = (), progress: bool = True) -> Path:
+               allow_fields: tuple[str, ...] = (), progress: bool = True,
+               extra: dict | None = None) -> Path:
     folder, dest = Path(folder), Path(dest)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -169,7 +170,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
     expected = family_of(cfg).weight_shapes(cfg)
     total, tensors = read_checkpoint(folder)
     seen = set()
-    with StoreWriter(dest, cfg, source=str(folder)) as w:
+    with StoreWriter(dest, cfg, source=str(folder), extra=extra) as w:
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
             raise_if_interrupted()

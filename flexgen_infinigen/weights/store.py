@@ -32,10 +32,12 @@ MANIFEST = "manifest.json"
 class StoreWriter:
     """Writes a store atomically: ``with StoreWriter(dest, cfg) as w: w.add(name, array)``."""
 
-    def __init__(self, dest: str | os.PathLike, config: ModelConfig, source: str = ""):
+    def __init__(self, dest: str | os.PathLike, config: ModelConfig, source: str = "",
+                 extra: dict | None = None):
         self.dest = Path(dest)
         self.config = config
         self.source = source
+        self.extra = dict(extra or {})  # more manifest fields (special ids, source identity)
         self.tmp = self.dest.parent / (f".{self.dest.name}.partial-{os.getpid()}-"
                                        f"{uuid.uuid4().hex[:8]}")
         self.tensors: dict[str, dict] = {}
@@ -80,7 +82,7 @@ class StoreWriter:
             return
         manifest = {"format": FORMAT_VERSION, "config": self.config.to_dict(),
                     "tensors": self.tensors, "tokenizer": self.tokenizer_file,
-                    "source": self.source}
+                    "source": self.source, **self.extra}
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if self.dest.exists():
             shutil.rmtree(self.dest)
