@@ -74,9 +74,59 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     return (out, mass) if return_key_mass else out
 
 
+def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                  window: int = 0, return_key_mass: bool = False, rows: int | None = None):
+    """Causal attention of a prompt (or a chunk of one) without any [q, k]-sized mask.
+
+    q: [b, s, H, d]; k, v: [b, t, KV, d], the last ``s`` keys being the queries' own;
+    ``valid`` [b, t]. Query rows go in chunks (``rows``, default: float32 scores under
+    ``SCORE_CHUNK_BYTES``); each chunk builds its own bias and reads only the keys it may see
+    (up to its last query), so the causal half of the score matrix is never computed.
+    Equal to ``attend(q, k, v, mask_bias(valid, s, ...))``; with ``return_key_mass`` also
+    the attention each key receives, summed over query heads and positions: [b, KV, t].
+    """
+    b, s, heads, _ = q.shape
+    t, kv_heads = k.shape[1], k.shape[2]
+    rows = rows or score_rows(b, heads, t)
+    offset = t - s  # keys before the first query (a cached prefix)
+    outs = []
+    mass = torch.zeros(b, kv_heads, t, device=q.device) if return_key_mass else None
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        first = max(0, offset + start + 1 - window) if window else 0  # the window's oldest key
+        end = offset + stop  # keys after the chunk's last query are never seen
+        bias = _chunk_bias(valid[:, first:end], start + offset - first, stop - start, q.dtype,
+                           window)
+        real = valid[:, offset + start:offset + stop]  # padding queries: zero output, no mass
+        got = _attend_block(q[:, start:stop], k[:, first:end], v[:, first:end], bias,
+                            return_key_mass, real)
+        if return_key_mass:
+            got, m = got
+            mass[:, :, first:end] += m
+        outs.append(got)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return (out, mass) if return_key_mass else out
+
+
+def _chunk_bias(valid: torch.Tensor, first_query: int, n: int, dtype: torch.dtype,
+                window: int) -> torch.Tensor:
+    """Bias [b, 1, n, k] for queries at key columns ``first_query .. first_query + n`` of the
+    keys ``valid`` [b, k] covers: real keys at or before the query (inside the window)."""
+    k_len = valid.shape[1]
+    q_col = torch.arange(first_query, first_query + n, device=valid.device)[:, None]
+    k_col = torch.arange(k_len, device=valid.device)[None, :]
+    allowed = k_col <= q_col
+    if window:
+        allowed = allowed & (q_col - k_col < window)
+    allowed = valid[:, None, None, :] & allowed
+    neg = torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
+
+
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                  return_key_mass: bool = False):
-    """One chunk of query rows of :func:`attend`."""
+                  return_key_mass: bool = False, real: torch.Tensor | None = None):
+    """One chunk of query rows of :func:`attend`; ``real`` [b, s]: queries that count (the
+    others give zeros and no key mass)."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -87,6 +137,8 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     scores = torch.matmul(qg * (1.0 / math.sqrt(d)), kt).float()
     scores = scores.view(b, kv_heads, group, s, -1) + bias[:, :, None].float()
     probs = torch.softmax(scores, dim=-1)
+    if real is not None:
+        probs = probs * real[:, None, None, :, None]
     out = torch.matmul(probs.to(v.dtype).view(b, kv_heads, group * s, -1), v.permute(0, 2, 1, 3))
     out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
     return (out, probs.sum((2, 3))) if return_key_mass else out

@@ -17,13 +17,14 @@ the speculation it needs and wait forever).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .attention import attend, mask_bias, visible
+from .attention import attend_prompt, mask_bias, score_rows, visible
 from .config import ModelConfig
 from .kv.base import CacheSpec, KVPolicy
 from .models import family_of
@@ -79,6 +80,7 @@ class Engine:
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
+        self.prefill_chunk = 1 << 30  # tokens per prefill chunk, set for each block
         self.running = False  # one block at a time: its caches and states are the engine's
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
@@ -114,6 +116,7 @@ class Engine:
                 positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
                 self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
             self.record = record
+            self.prefill_chunk = self._prefill_chunk(len(batches[0][0]), prompt_len)
             if record is None:
                 self._make_caches(len(batches[0][0]), prompt_len + steps)
             else:
@@ -132,6 +135,11 @@ class Engine:
             self._activations.clear()
             self.record = None
             self.running = False
+
+    def _prefill_chunk(self, batch_size: int, prompt_len: int) -> int:
+        from .memory_plan import prefill_chunk
+        policy = dataclasses.replace(self.policy, gpu_batch_size=batch_size)
+        return prefill_chunk(self.cfg, policy, self.dtype.itemsize, prompt_len)
 
     def _steps(self, steps: int, sampler: Sampler, keep_logits: bool,
                lanes: Lanes) -> Iterator[Step]:
@@ -191,8 +199,9 @@ class Engine:
     def _prepare(self, state: BatchState) -> BatchState:
         """What every layer of this iteration shares: position encodings and the mask bias."""
         state.pos_enc = self.family.encode_positions(self.cfg, state.positions)
-        state.bias = mask_bias(state.valid, state.ids.shape[1], self.dtype,
-                               self.cfg.sliding_window)
+        # decode's mask (one query row); a prompt's is built per chunk by attend_prompt
+        state.bias = mask_bias(state.valid, 1, self.dtype, self.cfg.sliding_window) \
+            if state.ids.shape[1] == 1 else None
         # what the newest token may attend to (the KV policies select among these only)
         state.visible = visible(state.valid, self.cfg.sliding_window)
         return state
@@ -273,7 +282,7 @@ class Engine:
         if stage.kind in ("attn", "layer"):
             h, new = self._attention(decode, j, k, w, h, loaded)
         if stage.kind in ("mlp", "layer"):
-            h = fam.mlp(cfg, w, h)
+            h = self._mlp(w, h)
         if stage.kind == "head":
             state.logits = fam.head(cfg, w, h[:, -1:, :])[:, -1]
             h = None
@@ -294,8 +303,20 @@ class Engine:
         if decode:
             out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)
         else:
-            out = attend(q, k, v, state.bias)
+            rows = min(self.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
+            out = attend_prompt(q, k, v, state.valid, cfg.sliding_window, rows=rows)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
+
+    def _mlp(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """The MLP, a prompt in chunks of ``prefill_chunk`` tokens (it works token by token,
+        so only one chunk's wide temporaries are alive at a time)."""
+        n, chunk = h.shape[1], self.prefill_chunk
+        if n <= chunk:
+            return self.family.mlp(self.cfg, w, h)
+        out = torch.empty_like(h)
+        for start in range(0, n, chunk):
+            out[:, start:start + chunk] = self.family.mlp(self.cfg, w, h[:, start:start + chunk])
+        return out
 
     def _keep_hidden(self, k: int, h):
         """Offload batch ``k``'s hidden state as the policy says, into one buffer per batch and

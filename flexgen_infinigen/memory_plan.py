@@ -44,6 +44,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+PREFILL_CHUNK_BYTES = 256 << 20  # one prefill chunk's MLP temporaries stay near this
+
+
+def prefill_chunk(cfg: ModelConfig, policy: Policy, item: int, prompt_len: int) -> int:
+    """Prompt tokens a layer's MLP takes at a time: ``--prefill-chunk``, else as many as keep
+    the chunk's widest temporaries (gate, up, their product, the output) near
+    ``PREFILL_CHUNK_BYTES``, at least 16; never more than the prompt."""
+    if policy.prefill_chunk:
+        return max(1, min(prompt_len, policy.prefill_chunk))
+    width = max(cfg.intermediate_size, cfg.hidden_size)
+    tokens = PREFILL_CHUNK_BYTES // (4 * policy.gpu_batch_size * width * item)
+    return max(1, min(prompt_len, max(16, tokens)))
+
+
+def prompt_activation_bytes(cfg: ModelConfig, batch: int, prompt_len: int, item: int) -> int:
+    """What a layer holds for the whole prompt while it runs: the hidden state in and out, the
+    normed input, q (before and after RoPE), k and v, attention's output, and the o_proj
+    product (the widest prompt-sized tensors alive at once in the attention stage)."""
+    per_token = 4 * cfg.hidden_size + 3 * cfg.q_dim + 4 * cfg.kv_dim
+    return batch * prompt_len * per_token * item
+
+
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
          gen_len: int, kv=None, part=None) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
@@ -75,18 +97,20 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # working set on the device: two stages of weights in flight (a stage is attention and MLP
     # together without --sep-layer), the loaded K and V of the batch computing and of the
     # next (prefetched) one when any of the cache is off the device, prefill activations (the
-    # MLP's widest temporaries) and one chunk of attention scores (float32 scores, their
-    # softmax, and its cast)
+    # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
+    # one chunk of attention scores (float32 scores, their softmax, and its cast)
     per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
                 (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
     biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim * ends) * item
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
+    chunk = prefill_chunk(cfg, policy, item, prompt_len)
+    rows = min(prompt_len, chunk, score_rows(b, cfg.num_heads, prompt_len))
     working = (2 * biggest_stage + loads
-               + 3 * 4 * b * cfg.num_heads * prompt_len
-               * min(prompt_len, score_rows(b, cfg.num_heads, prompt_len))
-               + 4 * b * prompt_len * max(cfg.intermediate_size, cfg.hidden_size) * item
+               + 3 * 4 * b * cfg.num_heads * prompt_len * rows
+               + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
+               + prompt_activation_bytes(cfg, b, prompt_len, item)
                + b * cfg.vocab_size * 4 * head)
     kv_terms = kv.device_bytes(cfg, policy, item, max_len) if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the

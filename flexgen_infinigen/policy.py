@@ -31,6 +31,9 @@ class Policy:
     compress_weight: bool = False
     compress_cache: bool = False
     direct_io: bool = False  # read the disk tier with O_DIRECT (bypassing the page cache)
+    # prompt tokens per chunk through a layer's MLP (and attention's query rows at most);
+    # None: the memory plan's choice (memory_plan.prefill_chunk)
+    prefill_chunk: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -72,7 +75,9 @@ class Policy:
                 raise ConfigError(f"--percent for {what} puts {g}% on GPU and {c}% on CPU, over "
                                   "100 in all; make each GPU+CPU pair sum to at most 100")
         for flag, v in [("--gpu-batch-size", self.gpu_batch_size),
-                        ("--num-gpu-batches", self.num_gpu_batches)]:
+                        ("--num-gpu-batches", self.num_gpu_batches),
+                        ("--prefill-chunk", 1 if self.prefill_chunk is None
+                         else self.prefill_chunk)]:
             if v < 1:
                 raise ConfigError(f"{flag} must be at least 1 (got {v})")
         return self

@@ -6,9 +6,10 @@ import json
 import sys
 
 from .api import OffloadedLM, check_lengths
-from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
+from .config import DEFAULT_MODEL, ConfigError, read_text
 from .guards import check_output_path, run_command
 from .kv import add_kv_args, kv_policy_from_args
+from .loading import model_config
 from .offload_dir import offload_root
 from .pipeline.args import add_pipeline_args, check_pipeline_args
 from .policy import Policy
@@ -49,6 +50,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "flexgen_infinigen.profile` or a built-in name (default: this machine); "
                         "with --pipeline-stages, one for all ranks or one per rank, "
                         "comma-separated in rank order")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens a layer's MLP and attention take at a time (default: "
+                        "the memory plan's choice, which keeps each chunk's temporaries near "
+                        "256 MB); nothing prompt x prompt is ever held")
     g.add_argument("--sep-layer", type=str2bool, default=True)
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
@@ -71,7 +76,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help=f"model name (default {DEFAULT_MODEL})")
+    g.add_argument("--model", default=None,
+                   help=f"a registry name (default {DEFAULT_MODEL}), a .gguf file or a Hugging "
+                        "Face checkpoint folder (converted into the cache on first use)")
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
@@ -102,7 +109,8 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
     percent = parse_percent(a.percent)
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
-                    compress_cache=a.compress_cache, direct_io=a.direct_io)
+                    compress_cache=a.compress_cache, direct_io=a.direct_io,
+                    prefill_chunk=a.prefill_chunk)
     if not wants_plan(a):
         return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None
@@ -204,7 +212,7 @@ def check_args(a) -> list[str]:
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
     if a.model is not None and not a.path:
-        cfg = get_config(a.model)
+        cfg = model_config(a.model)
         if not texts:
             check_lengths(cfg, a.prompt_len, a.gen_len)
     return texts

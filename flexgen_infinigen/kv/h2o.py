@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..attention import attend, mask_bias
+from ..attention import attend_prompt
 from ..config import ConfigError
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected
@@ -43,8 +43,7 @@ class H2OCache(SelectiveCache):
     def store_prompt(self, q, k, v, valid) -> None:
         super().store_prompt(q, k, v, valid)
         length = k.shape[1]
-        _, mass = attend(q, k, v, mask_bias(valid, length, q.dtype, self.spec.window),
-                         return_key_mass=True)
+        _, mass = attend_prompt(q, k, v, valid, self.spec.window, return_key_mass=True)
         kv_valid = valid[:, None, :].expand(-1, self.spec.kv_heads, -1)
         self.score[:, :length] = self._columns(mass)
         self.alive[:, :length] = self._columns(kv_valid)
