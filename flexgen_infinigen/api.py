@@ -84,7 +84,8 @@ class OffloadedLM:
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
                                 part=part)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
-        tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io)
+        tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io,
+                      host_in_place=policy.host_in_place)
         try:
             names = part.weight_names(cfg) if part is not None else None
             weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names)

@@ -38,7 +38,7 @@ class ModelConfig:
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
     # empty: derived from the flags (see ``architecture``)
-    model_type: str = ""
+    model_type: str = dataclasses.field(default="", compare=False)  # a name, not math
 
     def __post_init__(self):
         if self.attn_head_dim * self.num_heads == self.hidden_size:

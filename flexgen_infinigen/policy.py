@@ -34,6 +34,9 @@ class Policy:
     # prompt tokens per chunk through a layer's MLP (and attention's query rows at most);
     # None: the memory plan's choice (memory_plan.prefill_chunk)
     prefill_chunk: int | None = None
+    # CPU-only: a KV cache in CPU memory is read where it is (False: copied per step as over
+    # a GPU's link, which exercises the transfer path on a machine without one)
+    host_in_place: bool = True
 
     @property
     def block_size(self) -> int:

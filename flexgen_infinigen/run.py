@@ -54,6 +54,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens a layer's MLP and attention take at a time (default: "
                         "the memory plan's choice, which keeps each chunk's temporaries near "
                         "256 MB); nothing prompt x prompt is ever held")
+    g.add_argument("--host-in-place", type=str2bool, default=True,
+                   help="CPU-only machines: read a KV cache held in CPU memory where it is "
+                        "(default); false copies it every step as a GPU's link would (to "
+                        "test or measure the transfer path without a GPU)")
     g.add_argument("--sep-layer", type=str2bool, default=True)
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
@@ -110,7 +114,7 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
                     compress_cache=a.compress_cache, direct_io=a.direct_io,
-                    prefill_chunk=a.prefill_chunk)
+                    prefill_chunk=a.prefill_chunk, host_in_place=a.host_in_place)
     if not wants_plan(a):
         return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None

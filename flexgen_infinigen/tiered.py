@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compression
-from .tiers import DEVICE, TIERS, Tiers, nbytes
+from .tiers import DEVICE, HOST, TIERS, Tiers, nbytes
 
 
 def split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
@@ -50,6 +50,11 @@ class TieredTensor:
             start += size
         # nothing to move: every segment sits on the compute device, uncompressed
         self.resident = not self.compressed and all(s.tier == DEVICE for s in self.segments)
+        # the compute device can read it where it is: one uncompressed segment on the device,
+        # or in CPU memory when the compute device is the CPU (``Tiers.host_in_place``)
+        self.addressable = not self.compressed and len(self.segments) == 1 and (
+            self.segments[0].tier == DEVICE
+            or (self.segments[0].tier == HOST and tiers.host_in_place))
 
     def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
         if not self.compressed:
@@ -91,6 +96,11 @@ class TieredTensor:
             else:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
+
+    def view(self, rows: slice | None = None) -> torch.Tensor:
+        """Rows of an ``addressable`` tensor as they are stored: no copy, nothing counted."""
+        assert self.addressable, "view() needs an addressable tensor"
+        return self.segments[0].data[slice(None) if rows is None else rows]
 
     def _read_into_place(self, sel: slice, to: str, out: torch.Tensor | None) -> torch.Tensor:
         """A split tensor read into one buffer, each segment copied straight to its place

@@ -42,9 +42,13 @@ class Tiers:
     """Owns the compute device, pinned host buffers, the disk folder, and the byte ledger."""
 
     def __init__(self, device: torch.device, offload_dir: str | None = None,
-                 pin_host: bool | None = None, direct_io: bool = False):
+                 pin_host: bool | None = None, direct_io: bool = False,
+                 host_in_place: bool = True):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        # on a CPU the host tier is the compute device's own memory: a KV cache held there is
+        # read where it is (nothing crosses a link); False copies it as a GPU's link would
+        self.host_in_place = host_in_place and not self.is_cuda
         self.pin_host = self.is_cuda if pin_host is None else (pin_host and self.is_cuda)
         self._offload_root = offload_dir
         self._disk_dir: str | None = None

@@ -24,8 +24,10 @@ def _expected(model, prompt_len, steps, batch=1):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_host_tier(tiny_opt, overlap):
+    """The cache in CPU memory copied every step as over a GPU's link (``host_in_place``
+    off, which is how a CPU-only machine exercises that path)."""
     model, store = tiny_opt
-    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap)
+    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap, host_in_place=False)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         lm.generate([PROMPT], STEPS, stop_token_id=None)
         moved = lm.tiers.bytes_moved
@@ -35,6 +37,31 @@ def test_host_tier(tiny_opt, overlap):
     assert moved["device->host"]["kv_cache"] == kv_written
     assert moved["disk->host"] == {"weights": 0, "kv_cache": 0, "activations": 0}
     assert moved["host->disk"] == {"weights": 0, "kv_cache": 0, "activations": 0}
+
+
+@pytest.mark.parametrize("kv", ["full", "infinigen", "h2o"])
+def test_host_cache_read_in_place_on_a_cpu(tiny_opt, kv):
+    """On a CPU the host tier is the compute device's memory: the cache is read where it is
+    (no KV bytes cross a link; the new token's row is still written there), with the same
+    tokens and logits as the copying path."""
+    model, store = tiny_opt
+    outs = []
+    for in_place in (True, False):
+        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=in_place)
+        with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, progress=False) as lm:
+            outs.append(lm.generate([PROMPT, PROMPT[:4]], STEPS, stop_token_id=None,
+                                    keep_logits=True))
+            moved = lm.tiers.bytes_moved
+        if in_place:
+            assert moved["host->device"]["kv_cache"] == 0
+            if kv == "full":
+                assert moved["device->host"]["kv_cache"] == sum(  # one block per prompt
+                    _expected(model, n, STEPS)[2] for n in (len(PROMPT), 4))
+        else:
+            assert moved["host->device"]["kv_cache"] > 0
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert (a - b).abs().max().item() < 1e-5
 
 
 def test_disk_tier(tiny_opt):

@@ -87,7 +87,7 @@ def test_each_sequence_gets_what_it_gets_alone(tiny_opt):
 
 
 def test_selection_moves_fewer_bytes_and_reports_them(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
     _, full_report, full_moved = _run(tiny_opt[1], policy)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options)
@@ -103,7 +103,8 @@ def test_selection_moves_fewer_bytes_and_reports_them(tiny_opt):
 
 
 def test_compressed_cache_fetches_compressed_rows(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True,
+                                 host_in_place=False)
     full = _run(tiny_opt[1], policy)
     keep_all = _run(tiny_opt[1], policy, "infinigen", KEEP_ALL)
     # same bytes as the full compressed cache when everything is selected
@@ -170,7 +171,7 @@ def test_pool_runs_in_the_decode_path(tiny_opt):
 
 
 def test_report_counts_bytes_against_full_fetching(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
     _, _, full_moved = _run(tiny_opt[1], policy, prompts=[PROMPTS[0]])
@@ -285,7 +286,7 @@ def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
         return order, counts
 
     monkeypatch.setattr(module, "select", recording_select)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(max_kv_fraction=0.3, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
     d, kv, item = 32, 4, 4  # tiny OPT: head_dim 32, 4 heads, float32

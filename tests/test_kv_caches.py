@@ -76,8 +76,15 @@ def _close(got, want, tol=1e-5):
 @pytest.mark.parametrize("where", list(PLACEMENTS))
 def test_full_cache_equals_attention_over_every_key(tiers, where):
     cache = FullPolicy().make_cache(_spec(tiers, PLACEMENTS[where]))
-    assert cache.inline == (where == "device")  # only a device cache moves nothing
+    # a cache the compute device addresses moves nothing: on the device, or (this CPU) in
+    # host memory; split or on disk it is copied
+    assert cache.inline == (where in ("device", "host"))
     _close(*_drive(cache))
+    if where == "host":  # the copying path, as over a GPU's link
+        tiers.host_in_place = False
+        cache = FullPolicy().make_cache(_spec(tiers, PLACEMENTS[where]))
+        assert not cache.inline
+        _close(*_drive(cache))
 
 
 def test_full_cache_sliding_window_and_compression(tiers):

@@ -54,9 +54,10 @@ class FullCache(KVCache):
                                        split_dim=1, compress=spec.compress) for _ in range(2))
         # attention on the CPU, where the cache lives (only q and the output cross the link)
         self.cpu_compute = spec.cpu_compute
-        # all on the device, uncompressed: attention reads the cache where it is, the new
-        # token written in place first, and load and store move nothing (run inline)
-        self.in_place = self.k.resident and not self.cpu_compute
+        # where the compute device can read it (on the device, or in CPU memory when the CPU
+        # computes), uncompressed: attention reads the cache where it is, the new token
+        # written in place first, and load and store move nothing (run inline)
+        self.in_place = self.k.addressable and not self.cpu_compute
         self.inline = self.in_place
 
     def store_prompt(self, q, k, v, valid) -> None:
@@ -86,7 +87,7 @@ class FullCache(KVCache):
         if self.in_place:
             self._store(k_new, v_new, length)
             rows = slice(first, length + q.shape[1])
-            return attend_rows(q, self.k.read(rows), self.v.read(rows), bias)
+            return attend_rows(q, self.k.view(rows), self.v.view(rows), bias)
         tiers = self.spec.tiers
         if self.cpu_compute:
             q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))

@@ -82,7 +82,7 @@ class H2OCache(SelectiveCache):
     def load(self, length: int):
         b, kv = self.spec.batch_size, self.spec.kv_heads
         tiers = self.spec.tiers
-        if self.k.resident:  # on the device: gather there, padded to the budget, no sync
+        if self.k.addressable:  # on the device: gather there, padded to the budget, no sync
             alive = self.alive[:, :length]
             top = min(length, math.ceil(length * (self.policy.hh_ratio
                                                    + self.policy.recent_ratio)) + 1)

@@ -101,7 +101,7 @@ class InfiniGenCache(SelectiveCache):
     def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
         """Give the ranking to the load lane. Unless the cache is on the device, its copy to
         the host starts here, without a wait."""
-        if self.k.resident:
+        if self.k.addressable:
             done = torch.cuda.current_stream().record_event() if order.is_cuda else None
             self.selection = (order, counts, done)
         else:
@@ -124,7 +124,7 @@ class InfiniGenCache(SelectiveCache):
         self.ready.clear()
         order, counts, pending = self.selection
         self.selection = None
-        if self.k.resident:  # gathered where it lives, no sync
+        if self.k.addressable:  # gathered where it lives, no sync
             if pending is not None:  # the load stream must see the finished speculation
                 torch.cuda.current_stream().wait_event(pending)
             k_sel, v_sel = gather_on_device(self, order)

@@ -17,8 +17,10 @@ class SelectiveCache(FullCache):
     def __init__(self, spec: CacheSpec, policy: "SelectivePolicy", selecting: bool = True):
         super().__init__(spec)
         self.policy, self.selecting = policy, selecting
-        # attention reads the rows a load chose: never in place, and loads run on a lane
-        self.in_place = self.inline = False
+        # a selecting layer's attention reads the rows its load chose (never in place; loads
+        # run on a lane); a layer that reads every row reads it where it is when it can
+        self.in_place = self.inline = (not selecting and self.k.addressable
+                                       and not self.cpu_compute)
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
             spec.max_len * spec.batch_size * spec.kv_heads)
@@ -34,9 +36,6 @@ class SelectiveCache(FullCache):
         cols = self.spec.batch_size * self.spec.kv_heads
         n = (length - self.spec.first_visible(length)) * cols
         self.policy.stats.add(self.spec.layer, n, n, n, self.row_bytes, speculative=False)
-
-    def store_token(self, k_new, v_new, position: int) -> None:
-        self._store(k_new, v_new, position)
 
 
 class SelectivePolicy(FullPolicy):
@@ -85,12 +84,17 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
 
 
 def gather_on_device(cache: FullCache, order: torch.Tensor):
-    """A cache held whole on the compute device: the ranked rows gathered there, no host round
-    trip. Buffers ``[n + 1, b*KV, d]`` with every head padded to ``order``'s width ``n`` (rows
-    past a head's count are masked by attention)."""
+    """A cache the compute device can address (on the device, or in CPU memory on a CPU): the
+    ranked rows gathered where they are, one pass, no host round trip. Buffers
+    ``[n + 1, b*KV, d]`` with every head padded to ``order``'s width ``n`` (rows past a head's
+    count are masked by attention)."""
     b, kv, n = order.shape
-    index = order.reshape(b * kv, n).t()[..., None].expand(n, b * kv, cache.spec.head_dim)
+    cols, d = b * kv, cache.spec.head_dim
+    # row r of column c sits at flat row r * cols + c of the token-major [t, cols, d] cache
+    flat = order.reshape(cols, n).t() * cols + torch.arange(cols, device=order.device)
+    flat = flat.reshape(-1)
     buffers = row_buffers(cache.spec, n + 1, "selected")
     for tensor, buf in zip((cache.k, cache.v), buffers):
-        torch.gather(tensor.segments[0].data, 0, index, out=buf[:n])
+        data = tensor.view()
+        torch.index_select(data.view(-1, d), 0, flat, out=buf[:n].view(-1, d))
     return buffers

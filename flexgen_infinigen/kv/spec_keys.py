@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import score_packed
+
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 
 
@@ -35,6 +37,7 @@ class SpeculationKeys:
                                                 device=dev), "device")
             return
         self.per_byte = 8 // self.bits
+        self.use_kernel = not tiers.is_cuda and dtype == torch.float32
         packed = -(-width // self.per_byte)
         self.codes = tiers.track(torch.zeros(max_len, columns, packed, dtype=torch.uint8,
                                              device=dev), "device")
@@ -87,6 +90,13 @@ class SpeculationKeys:
         codes = self.codes[:length]  # [t, cols, packed]
         cols, packed = codes.shape[1], codes.shape[2]
         width, mask = packed * self.per_byte, (1 << self.bits) - 1
+        if self.use_kernel:  # codes expanded in registers, read once (see kernels.py)
+            qf = pq.float().reshape(cols, g, w)
+            if width > w:
+                qf = torch.nn.functional.pad(qf, (0, width - w))
+            out = score_packed(codes, self.scale[:length], self.lo[:length], qf, self.bits)
+            if out is not None:
+                return out.view(b, kv, g, length)
         unpacked = self.tiers.scratch("speculation.unpacked", (length, cols, width), self.dtype)
         planes = unpacked.view(length, cols, self.per_byte, packed)
         for slot in range(self.per_byte):  # column j * per_byte + slot of the key

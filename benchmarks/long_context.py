@@ -1,0 +1,233 @@
+"""Long context on one machine: prefill and decode speed of each KV policy against the step's
+memory bound, with the KV cache in CPU memory.
+
+    python benchmarks/long_context.py --quick          # SmolLM2, 4K, batch 1 (a few minutes)
+    python benchmarks/long_context.py                  # SmolLM2 4K/8K x batch 1/8
+    python benchmarks/long_context.py --model path/to/qwen2.5-coder-0.5b-instruct.gguf \\
+        --contexts 16384 32768 --batches 1 --tag qwen
+
+A decode step's **bound** is the bytes it must read over this machine's read bandwidth
+(one large ``sum`` over all threads, measured in the run): every weight once (the tied
+embedding once, by the head; an untied embedding only its rows); for the full cache every
+cached K and V row once; for InfiniGen, in the layers that select, its speculation keys plus
+the rows it selected (the others read every row); for H2O the rows it keeps; a 4-bit cache
+its packed bytes. What the engine happens to copy is not counted. Each configuration runs
+in its own process, so that its peak RSS is its own; the memory plan's prediction is
+reported beside it. llama.cpp's figures (measured separately on this machine, 2 threads;
+see issue 27) are printed for comparison, labelled as such.
+
+Writes ``benchmarks/results/long_context_<tag>.{json,md,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+OUT = ROOT / "benchmarks" / "results"
+
+# policy label -> (kv policy, options, compress cache)
+POLICIES = {
+    "full": ("full", {}, False),
+    "infinigen": ("infinigen", {}, False),
+    "h2o": ("h2o", {"hh_ratio": 0.1, "recent_ratio": 0.1}, False),
+    "full-4bit": ("full", {}, True),
+}
+# llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
+# machine and quoted in issue 27: decode tokens/s by depth, prefill tokens/s by depth
+LLAMA_CPP = {"smollm2-135m": {"decode": {0: 212, 4096: 77.9, 8192: 44.3},
+                              "prefill": {0: 468, 4096: 258, 8192: 140}},
+             "qwen2.5-coder-0.5b": {"decode": {0: 81, 4096: 45.6, 16384: 20.1},
+                                    "prefill": {0: 335, 4096: 170, 16384: 62.8}}}
+
+
+def read_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second one large ``sum`` reads, all threads, best of ``repeats``."""
+    x = torch.ones(size // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def weight_read_bytes(lm) -> int:
+    """Bytes of weights one decode step must read: all of them, except that an untied
+    embedding table is only looked up (its head is read in full)."""
+    total = sum(sum(t.bytes_by_tier().values()) for t in lm.engine.weights.values())
+    if not lm.cfg.tie_word_embeddings:
+        total -= sum(lm.engine.weights["embed.weight"].bytes_by_tier().values())
+    return total
+
+
+def kv_read_bytes(lm, report: dict, batch: int, context: float, compress: bool) -> float:
+    """Bytes of KV cache (and speculation keys) one decode step must read at ``context``."""
+    from flexgen_infinigen.compression import stored_bytes
+    from flexgen_infinigen.kv.spec_keys import bytes_per_key
+
+    cfg, item = lm.cfg, lm.engine.dtype.itemsize
+    rows = batch * cfg.num_kv_heads
+    per_layer = 2 * stored_bytes((int(context), rows, cfg.head_dim), item, compress)
+    fractions = report.get("kv_fetch_fraction_per_layer")
+    if not fractions:
+        return cfg.num_layers * per_layer
+    total = sum(f * per_layer for f in fractions)
+    if report["kv_policy"] == "infinigen":
+        kind = report["speculation_keys"]
+        cols = max(1, round(report["partial_weight_ratio"] * cfg.head_dim))
+        selecting = sum(1 for f in fractions if f < 0.999)
+        total += selecting * context * rows * bytes_per_key(kind, cols, item)
+    return total
+
+
+def run_one(spec: dict) -> dict:
+    """One configuration, in this process: load, prefill, decode; speed, bound and memory."""
+    from long_prompts import natural_prompts
+
+    from flexgen_infinigen import OffloadedLM, Policy, memory_plan
+
+    kv, options, compress = POLICIES[spec["policy"]]
+    b, ctx, gen = spec["batch"], spec["context"], spec["gen_len"]
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
+                                 compress_cache=compress, prefill_chunk=spec.get("chunk"))
+    with OffloadedLM.load(model=spec["model"], policy=policy, kv_policy=kv,
+                          kv_options=options or None, max_len_hint=(ctx, gen),
+                          progress=False) as lm:
+        prompts, source = natural_prompts(lm.tokenizer, ctx, b)
+        out = lm.generate(prompts, gen, stop_token_id=None)
+        report = lm.engine.kv_policy.report()
+        steps = out.step_times[1:]
+        step = statistics.median(steps[2:] if len(steps) > 4 else steps)
+        plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
+                                kv=lm.engine.kv_policy)
+        weights = weight_read_bytes(lm)
+        kv_bytes = kv_read_bytes(lm, report, b, ctx + gen / 2, compress)
+        name = lm.cfg.name
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    bandwidth = spec["bandwidth"]
+    return {**spec, "model_name": name, "prompt_source": source,
+            "prefill_s": out.prefill_latency_s, "prefill_tokens_s": b * ctx / out.prefill_latency_s,
+            "decode_step_s": step, "decode_tokens_s": b / step,
+            "must_read_bytes": {"weights": weights, "kv": kv_bytes},
+            "bound_s": (weights + kv_bytes) / bandwidth,
+            "step_over_bound": step / ((weights + kv_bytes) / bandwidth),
+            "speculation_share": report.get("speculation_time_s", 0.0)
+            / max(out.decode_latency_s, 1e-9),
+            "kv_fetch_fraction": report.get("kv_fetch_fraction", 1.0),
+            "peak_rss_bytes": rss,
+            "planned_bytes": plan["total"]["device"] + plan["total"]["host"]}
+
+
+def run_reference(spec: dict) -> dict:
+    """transformers' forward and ``generate`` on the same GGUF (its own loader), batch 1."""
+    from long_prompts import natural_prompts
+    from transformers import AutoModelForCausalLM
+
+    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.weights.local_model import store_for
+
+    path = Path(spec["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    tok = load_tokenizer(store_for(spec["model"], progress=False))
+    prompts, _ = natural_prompts(tok, spec["context"], 1)
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=spec["gen_len"] + 1, do_sample=False,
+                       min_new_tokens=spec["gen_len"] + 1)
+        total = time.perf_counter() - start
+    decode = max(total - prefill, 1e-9) / spec["gen_len"]
+    return {**spec, "prefill_s": prefill, "prefill_tokens_s": spec["context"] / prefill,
+            "decode_step_s": decode, "decode_tokens_s": 1 / decode,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def in_subprocess(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--one", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        lines = (proc.stderr or "").strip().splitlines()
+        return {**spec, "error": lines[-1] if lines else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf / folder")
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--gen-len", type=int, default=12)
+    p.add_argument("--reference-gguf", default=None,
+                   help="the model's GGUF: also time transformers at batch 1 (its own loader)")
+    p.add_argument("--llama-cpp", default=None, choices=list(LLAMA_CPP),
+                   help="print llama.cpp's separately measured figures for this model")
+    p.add_argument("--tag", default="smollm2")
+    p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--quick", action="store_true", help="4K, batch 1, full and infinigen")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        spec = json.loads(a.one)
+        print(json.dumps(run_reference(spec) if spec.get("reference") else run_one(spec)))
+        return 0
+    if a.quick:
+        a.contexts, a.batches, a.policies = [4096], [1], ["full", "infinigen"]
+    from long_context_report import write_outputs
+    from machine import machine_info
+    from tqdm.auto import tqdm
+
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (1 GiB sum, all threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    specs = [{"model": a.model, "context": c, "batch": b, "policy": pol, "gen_len": a.gen_len,
+              "bandwidth": bandwidth} for c in a.contexts for b in a.batches for pol in a.policies]
+    if a.reference_gguf:
+        specs += [{"model": a.model, "context": c, "batch": 1, "policy": "transformers",
+                   "gen_len": a.gen_len, "reference": True, "gguf": a.reference_gguf}
+                  for c in a.contexts]
+    rows = []
+    for spec in tqdm(specs, desc="configurations", unit="run"):
+        row = in_subprocess(spec, a.timeout)
+        rows.append(row)
+        tqdm.write(_line(row))
+    result = {"machine": machine_info(), "read_bandwidth_bytes_s": bandwidth,
+              "llama_cpp_separately_measured": LLAMA_CPP.get(a.llama_cpp),
+              "rows": rows}
+    write_outputs(result, OUT / f"long_context_{a.tag}")
+    return 0
+
+
+def _line(r: dict) -> str:
+    head = f"{r['policy']:<12} ctx {r['context']:>6} b {r['batch']}"
+    if "error" in r:
+        return f"{head}: error: {r['error']}"
+    text = (f"{head}: prefill {r['prefill_tokens_s']:.0f} tok/s, decode "
+            f"{r['decode_tokens_s']:.2f} tok/s ({1e3 * r['decode_step_s']:.0f} ms/step")
+    if "bound_s" in r:
+        text += (f", bound {1e3 * r['bound_s']:.0f} ms = {r['step_over_bound']:.2f}x; "
+                 f"spec {100 * r['speculation_share']:.0f}%; RSS "
+                 f"{r['peak_rss_bytes'] / 1e9:.2f} GB, plan {r['planned_bytes'] / 1e9:.2f} GB")
+    return text + ")"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Small CPU kernels compiled on first use: scoring packed speculation keys in place.
+
+InfiniGen's quantized speculation keys are 4 (or 2) bit codes with a per-row minimum and
+scale. Scoring them in torch means unpacking every code into a float buffer the size of the
+keys and reading it back (about 830 bytes touched per token and KV head where the codes are
+40). The kernel here expands a row's codes in registers and dots them with each query of the
+group, so a step reads the codes once.
+
+It is plain C (no torch headers), built with the system's C compiler into
+``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (about a second, once per machine and source),
+loaded with ``ctypes`` and handed raw tensor pointers. Without a compiler, or with
+``FLEXGEN_INFINIGEN_KERNELS=0``, callers use their torch path (same scores to rounding;
+tested against it).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = r"""
+#include <stdint.h>
+
+/* One row's codes as floats, slot plane after slot plane: x[s * P + j] is the code at
+   bit s * bits of byte j (the query's columns are permuted to match by the caller). */
+static inline __attribute__((always_inline)) void expand(const uint8_t *row, float *x,
+                                                         const int64_t P, const int64_t bits) {
+    const int64_t per = 8 / bits, mask = (1 << bits) - 1;
+    for (int64_t s = 0; s < per; s++)
+        for (int64_t j = 0; j < P; j++)
+            x[s * P + j] = (float)((row[j] >> (s * bits)) & mask);
+}
+
+static inline __attribute__((always_inline)) void score_rows(
+        const uint8_t *codes, const float *scale, const float *lo, const float *qc,
+        const float *qs, float *out, int64_t T, int64_t C, int64_t c, int64_t t0, int64_t t1,
+        const int64_t P, const int64_t G, const int64_t bits) {
+    const int64_t W = P * (8 / bits);
+    float x[256];
+    for (int64_t t = t0; t < t1; t++) {
+        expand(codes + (t * C + c) * P, x, P, bits);
+        const float sc = scale[t * C + c], mn = lo[t * C + c];
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qc + g * W;
+            float acc = 0.0f;
+            for (int64_t w = 0; w < W; w++)
+                acc += qg[w] * x[w];
+            out[g * T + t] = sc * acc + mn * qs[g];
+        }
+    }
+}
+
+/* out[c, g, t] = scale[t, c] * sum_w q[c, g, w] * code(t, c, w) + lo[t, c] * qsum[c, g]
+   codes: [T, C, P] bytes of 8 / bits codes; scale, lo: [T, C]; q: [C, G, W] (W = P * 8 /
+   bits, columns in slot-plane order); qsum: [C, G]. Common shapes get constant sizes, so
+   that the compiler unrolls and vectorizes them. */
+void score_packed(const uint8_t *codes, const float *scale, const float *lo, const float *q,
+                  const float *qsum, float *out, int64_t T, int64_t C, int64_t P, int64_t G,
+                  int64_t bits, int64_t nthreads) {
+    const int64_t W = P * (8 / bits), block = 256, blocks = (T + block - 1) / block;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < C; c++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t t0 = b * block, t1 = t0 + block < T ? t0 + block : T;
+            const float *qc = q + c * G * W, *qs = qsum + c * G;
+            float *oc = out + c * G * T;
+            if (P == 32 && bits == 4 && G == 1)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 1, 4);
+            else if (P == 32 && bits == 4 && G == 2)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 2, 4);
+            else if (P == 32 && bits == 4 && G == 3)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 3, 4);
+            else if (P == 32 && bits == 4 && G == 4)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 4, 4);
+            else if (P == 32 && bits == 4 && G == 7)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 7, 4);
+            else if (P == 32 && bits == 4 && G == 8)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, 8, 4);
+            else if (P == 32 && bits == 4)
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, 32, G, 4);
+            else
+                score_rows(codes, scale, lo, qc, qs, oc, T, C, c, t0, t1, P, G, bits);
+        }
+    }
+}
+"""
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+ENV = "FLEXGEN_INFINIGEN_KERNELS"
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _build(folder: Path) -> Path | None:
+    """The shared library for this source and these flags, compiled if missing."""
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    lib = folder / f"spec_scores-{digest}.so"
+    if lib.is_file():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / f".spec_scores-{digest}-{os.getpid()}.c"
+    tmp = folder / f".spec_scores-{digest}-{os.getpid()}.so"
+    try:
+        src.write_text(_SOURCE)
+        subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp)], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, lib)  # whole or not at all
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        src.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, compilation failed, or switched off)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get(ENV, "1") == "0":
+            return None
+        from ..weights.embedded import default_cache_dir
+        path = _build(default_cache_dir() / "kernels")
+        if path is None:
+            print("note: no C compiler for the speculation kernel; scoring packed keys in "
+                  "torch (slower at long context)", file=sys.stderr)
+            return None
+        lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.score_packed.argtypes = [ptr] * 6 + [i64] * 6
+        lib.score_packed.restype = None
+        _lib = lib
+        return lib
+
+
+def score_packed(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, q: torch.Tensor,
+                 bits: int) -> torch.Tensor | None:
+    """Scores ``[C, G, T]`` of float32 queries ``q [C, G, W]`` against packed codes
+    ``[T, C, P]`` (float32 ``scale``/``lo`` ``[T, C, 1]``), or None when the kernel is
+    unavailable or the inputs are not what it takes (CPU, float32, contiguous)."""
+    if codes.is_cuda or q.dtype != torch.float32 or scale.dtype != torch.float32:
+        return None
+    t, c, p = codes.shape
+    g, w = q.shape[1], q.shape[2]
+    if w != p * (8 // bits) or w > 256 or not codes.is_contiguous():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    per = 8 // bits
+    qsum = q.sum(-1).contiguous()
+    # the query's columns in the kernel's slot-plane order: column j * per + s -> s * P + j
+    q = q.view(c, g, p, per).transpose(-1, -2).contiguous()
+    scale, lo = scale.contiguous(), lo.contiguous()
+    out = torch.empty(c, g, t, dtype=torch.float32)
+    lib.score_packed(codes.data_ptr(), scale.data_ptr(), lo.data_ptr(), q.data_ptr(),
+                     qsum.data_ptr(), out.data_ptr(), t, c, p, g, bits,
+                     torch.get_num_threads())
+    return out

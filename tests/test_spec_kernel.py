@@ -1,0 +1,47 @@
+"""The compiled scoring kernel for packed speculation keys gives the torch path's scores (to
+float rounding) and so the same selection, tokens and fetched rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.kv import kernels, spec_keys
+from flexgen_infinigen.kv.spec_keys import SpeculationKeys
+from flexgen_infinigen.tiers import Tiers
+
+if kernels.library() is None:
+    pytest.skip("no C compiler here: the kernel falls back to torch", allow_module_level=True)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2"])
+@pytest.mark.parametrize("length,cols,group,width", [(1, 2, 1, 64), (700, 6, 3, 64),
+                                                    (1300, 4, 7, 50), (33, 3, 2, 128)])
+def test_kernel_scores_equal_torch(kind, length, cols, group, width):
+    torch.manual_seed(length)
+    keys = SpeculationKeys(kind, length + 5, cols, width, torch.float32, Tiers("cpu"))
+    keys.write(torch.randn(length, cols, width) * 3, 0)
+    pq = torch.randn(1, cols, group, width)
+    fast = keys.scores(pq, length)
+    keys.use_kernel = False
+    slow = keys.scores(pq, length)
+    assert fast.shape == slow.shape == (1, cols, group, length)
+    assert (fast - slow).abs().max().item() <= 1e-5 * slow.abs().max().item() + 1e-5
+
+
+def test_generation_with_the_kernel_equals_without(tiny_llama, monkeypatch):
+    prompts = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
+    runs = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)
+        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
+        with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
+                              kv_options={"max_kv_fraction": 0.3}, progress=False) as lm:
+            out = lm.generate(prompts, 8, stop_token_id=None, keep_logits=True)
+            runs.append((out, lm.engine.kv_policy.report()))
+    (a, ra), (b, rb) = runs
+    assert a.token_ids == b.token_ids
+    assert ra["kv_fetch_fraction_per_layer"] == rb["kv_fetch_fraction_per_layer"]
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-4
