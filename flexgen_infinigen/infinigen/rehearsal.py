@@ -9,8 +9,8 @@ projected on those columns: what speculation scores against the speculation keys
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..cpu_kernels import linear
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
 from .skew import Skew, calibrate, projection, query_gram
@@ -89,7 +89,7 @@ class Rehearsal:
         cfg, w = self.cfg, self.weights[layer]
         b, group = x.shape[0], cfg.num_heads // kv_heads
         if self.folded:
-            return F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
+            return linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
                                                                                group, -1)
         q = self.family.query(cfg, w, x, pos_enc)  # [b, 1, H, d]
         return torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv_heads, group, cfg.head_dim),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import score_packed
+from ..cpu_kernels import score_packed
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 

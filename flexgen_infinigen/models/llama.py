@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..cpu_kernels import linear
 from ..config import ModelConfig
 
 
@@ -124,7 +125,7 @@ def _project(cfg: ModelConfig, w: dict, x: torch.Tensor, part: str, heads: int):
     """x through ``{part}_proj`` (with its bias, if any) as [b, s, heads, d], then the
     per-head norm where the config has one (q and k of Qwen3), before RoPE."""
     b, s, _ = x.shape
-    y = F.linear(x, w[f"{part}_proj.weight"], w.get(f"{part}_proj.bias"))
+    y = linear(x, w[f"{part}_proj.weight"], w.get(f"{part}_proj.bias"))
     y = y.view(b, s, heads, cfg.head_dim)
     if f"{part}_norm.weight" in w:
         y = rms_norm(y, w[f"{part}_norm.weight"], cfg.norm_eps)
@@ -148,16 +149,16 @@ def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    return h + F.linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
+    return h + linear(attn, w["o_proj.weight"], w.get("o_proj.bias"))
 
 
 def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = rms_norm(h, w["mlp_norm.weight"], cfg.norm_eps)
-    gated = F.silu(F.linear(x, w["gate_proj.weight"])) * F.linear(x, w["up_proj.weight"])
-    return h + F.linear(gated, w["down_proj.weight"])
+    gated = F.silu(linear(x, w["gate_proj.weight"])) * linear(x, w["up_proj.weight"])
+    return h + linear(gated, w["down_proj.weight"])
 
 
 def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = rms_norm(h, w["final_norm.weight"], cfg.norm_eps)
     table = w["embed.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-    return F.linear(x, table)
+    return linear(x, table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cpu_kernels import linear
 from ..config import ModelConfig
 
 POSITION_OFFSET = 2
@@ -58,7 +59,7 @@ def _ln(x, w, name, eps=1e-5):
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     x = F.embedding(ids, w["embed.weight"])
     if "project_in.weight" in w:
-        x = F.linear(x, w["project_in.weight"])
+        x = linear(x, w["project_in.weight"])
     return x + F.embedding(positions + POSITION_OFFSET, w["pos_embed.weight"])
 
 
@@ -76,7 +77,7 @@ SKEW_FOLDS_INTO_WEIGHTS = True
 
 def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:
     b, s, _ = x.shape
-    return F.linear(x, w["q_proj.weight"], w["q_proj.bias"]).view(b, s, cfg.num_heads,
+    return linear(x, w["q_proj.weight"], w["q_proj.bias"]).view(b, s, cfg.num_heads,
                                                                    cfg.head_dim)
 
 
@@ -84,20 +85,20 @@ def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc):
     b, s, _ = x.shape
     shape = (b, s, cfg.num_heads, cfg.head_dim)
     q = query(cfg, w, x, pos_enc)
-    k = F.linear(x, w["k_proj.weight"], w["k_proj.bias"]).view(shape)
-    v = F.linear(x, w["v_proj.weight"], w["v_proj.bias"]).view(shape)
+    k = linear(x, w["k_proj.weight"], w["k_proj.bias"]).view(shape)
+    v = linear(x, w["v_proj.weight"], w["v_proj.bias"]).view(shape)
     return q, k, v
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    h = h + F.linear(attn, w["o_proj.weight"], w["o_proj.bias"])
+    h = h + linear(attn, w["o_proj.weight"], w["o_proj.bias"])
     return h if cfg.do_layer_norm_before else _ln(h, w, "attn_norm")
 
 
 def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = _ln(h, w, "mlp_norm") if cfg.do_layer_norm_before else h
-    x = F.relu(F.linear(x, w["fc1.weight"], w["fc1.bias"]))
-    x = F.linear(x, w["fc2.weight"], w["fc2.bias"])
+    x = F.relu(linear(x, w["fc1.weight"], w["fc1.bias"]))
+    x = linear(x, w["fc2.weight"], w["fc2.bias"])
     h = h + x
     return h if cfg.do_layer_norm_before else _ln(h, w, "mlp_norm")
 
@@ -106,5 +107,5 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     if _has_final_norm(cfg):
         h = _ln(h, w, "final_norm")
     if "project_out.weight" in w:
-        h = F.linear(h, w["project_out.weight"])
-    return F.linear(h, w["embed.weight"])
+        h = linear(h, w["project_out.weight"])
+    return linear(h, w["embed.weight"])

@@ -1,12 +1,14 @@
-"""The compiled scoring kernel for packed speculation keys gives the torch path's scores (to
-float rounding) and so the same selection, tokens and fetched rows."""
+"""The compiled CPU kernels equal torch: packed speculation keys get the torch path's scores
+(to float rounding) and so the same selection, tokens and fetched rows; the decode-step
+linear layer equals ``F.linear``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.kv import kernels, spec_keys
+from flexgen_infinigen import cpu_kernels as kernels
+from flexgen_infinigen.kv import spec_keys
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys
 from flexgen_infinigen.tiers import Tiers
 
@@ -45,3 +47,25 @@ def test_generation_with_the_kernel_equals_without(tiny_llama, monkeypatch):
     assert ra["kv_fetch_fraction_per_layer"] == rb["kv_fetch_fraction_per_layer"]
     for x, y in zip(a.logits, b.logits):
         assert (x - y).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("out_f,in_f", [(7, 5), (64, 576), (1030, 97)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_kernel_equals_f_linear(rows, out_f, in_f, with_bias):
+    torch.manual_seed(rows * out_f)
+    x = torch.randn(1, rows, in_f)
+    w = torch.randn(out_f, in_f)
+    b = torch.randn(out_f) if with_bias else None
+    ours = kernels.linear(x, w, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1)
+
+
+def test_linear_hands_other_cases_to_torch():
+    w = torch.randn(8, 4)
+    many = torch.randn(kernels.MAX_LINEAR_ROWS + 1, 4)  # a prefill: BLAS's job
+    assert torch.equal(kernels.linear(many, w), torch.nn.functional.linear(many, w))
+    half = torch.randn(2, 4, dtype=torch.bfloat16)
+    assert kernels.linear(half, w.bfloat16()).dtype == torch.bfloat16

@@ -1,4 +1,5 @@
-"""Small CPU kernels compiled on first use: scoring packed speculation keys in place.
+"""Small CPU kernels compiled on first use: packed speculation keys scored in place, and the
+few-row linear layers of a decode step.
 
 InfiniGen's quantized speculation keys are 4 (or 2) bit codes with a per-row minimum and
 scale. Scoring them in torch means unpacking every code into a float buffer the size of the
@@ -90,6 +91,65 @@ void score_packed(const uint8_t *codes, const float *scale, const float *lo, con
         }
     }
 }
+
+/* out[m, o] = sum_k x[m, k] * w[o, k] (+ bias[o]): a decode step's linear layer, each weight
+   row read once and dotted with every row of x while it is in cache. Four weight rows at a
+   time, so that four independent sums hide the multiply-add latency. */
+static inline __attribute__((always_inline)) void dot4(const float *x, const float *w,
+                                                       int64_t K, float *acc) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        const float xk = x[k];
+        a0 += w0[k] * xk; a1 += w1[k] * xk; a2 += w2[k] * xk; a3 += w3[k] * xk;
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+}
+
+static inline __attribute__((always_inline)) void dot4x2(const float *x, const float *y,
+                                                         const float *w, int64_t K,
+                                                         float *acc) {
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f,
+          b3 = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        const float xk = x[k], yk = y[k];
+        a0 += w0[k] * xk; a1 += w1[k] * xk; a2 += w2[k] * xk; a3 += w3[k] * xk;
+        b0 += w0[k] * yk; b1 += w1[k] * yk; b2 += w2[k] * yk; b3 += w3[k] * yk;
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+    acc[4] = b0; acc[5] = b1; acc[6] = b2; acc[7] = b3;
+}
+
+void linear_rows(const float *x, const float *w, const float *bias, float *out, int64_t M,
+                 int64_t N, int64_t K, int64_t nthreads) {
+    const int64_t blocks = N / 4;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < blocks; b++) {
+        float acc[8];
+        int64_t m = 0;
+        for (; m + 1 < M; m += 2) {  /* two rows of x against the four weight rows */
+            dot4x2(x + m * K, x + (m + 1) * K, w + 4 * b * K, K, acc);
+            for (int64_t i = 0; i < 4; i++) {
+                const float add = bias ? bias[4 * b + i] : 0.0f;
+                out[m * N + 4 * b + i] = acc[i] + add;
+                out[(m + 1) * N + 4 * b + i] = acc[4 + i] + add;
+            }
+        }
+        for (; m < M; m++) {
+            dot4(x + m * K, w + 4 * b * K, K, acc);
+            for (int64_t i = 0; i < 4; i++)
+                out[m * N + 4 * b + i] = acc[i] + (bias ? bias[4 * b + i] : 0.0f);
+        }
+    }
+    for (int64_t o = 4 * blocks; o < N; o++)
+        for (int64_t m = 0; m < M; m++) {
+            float a = 0.0f;
+            for (int64_t k = 0; k < K; k++)
+                a += w[o * K + k] * x[m * K + k];
+            out[m * N + o] = a + (bias ? bias[o] : 0.0f);
+        }
+}
 """
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 ENV = "FLEXGEN_INFINIGEN_KERNELS"
@@ -132,7 +192,7 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get(ENV, "1") == "0":
             return None
-        from ..weights.embedded import default_cache_dir
+        from .weights.embedded import default_cache_dir
         path = _build(default_cache_dir() / "kernels")
         if path is None:
             print("note: no C compiler for the speculation kernel; scoring packed keys in "
@@ -142,6 +202,8 @@ def library() -> ctypes.CDLL | None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.score_packed.argtypes = [ptr] * 6 + [i64] * 6
         lib.score_packed.restype = None
+        lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
+        lib.linear_rows.restype = None
         _lib = lib
         return lib
 
@@ -169,4 +231,28 @@ def score_packed(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, q: 
     lib.score_packed(codes.data_ptr(), scale.data_ptr(), lo.data_ptr(), q.data_ptr(),
                      qsum.data_ptr(), out.data_ptr(), t, c, p, g, bits,
                      torch.get_num_threads())
+    return out
+
+
+MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
+    read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
+    anything else, or without the kernel, goes to ``F.linear``."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if (x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or not 0 < rows <= MAX_LINEAR_ROWS or not weight.is_contiguous()
+            or (bias is not None and bias.dtype != torch.float32)):
+        return torch.nn.functional.linear(x, weight, bias)
+    lib = library()
+    if lib is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    xs = x.reshape(rows, x.shape[-1]).contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    b = bias.contiguous() if bias is not None else None
+    lib.linear_rows(xs.data_ptr(), weight.data_ptr(), b.data_ptr() if b is not None else None,
+                    out.data_ptr(), rows, weight.shape[0], weight.shape[1],
+                    torch.get_num_threads())
     return out
