@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from . import cpu_kernels
+
 
 def in_window(q_len: int, k_len: int, window: int, device=None) -> torch.Tensor:
     """[q_len, k_len] True where the key is among the ``window`` newest the query may see.
@@ -158,6 +160,11 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bia
     kv_heads = cols // b
     group = heads // kv_heads
     qc = q.reshape(cols, group, d)
+    if not return_key_mass:  # a CPU kernel that reads each K and V row once (cpu_kernels)
+        flat = bias.float().expand(b, kv_heads, 1, t).reshape(cols, t)
+        out = cpu_kernels.attend_rows(qc * (1.0 / math.sqrt(d)), k_rows, v_rows, flat)
+        if out is not None:
+            return out.view(b, 1, heads * d).to(q.dtype)
     scores = torch.bmm(qc * (1.0 / math.sqrt(d)), k_rows.permute(1, 2, 0)).float()
     scores = scores.view(b, kv_heads, group, t) + bias.float()
     probs = torch.softmax(scores, dim=-1)

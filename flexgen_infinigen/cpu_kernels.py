@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 _SOURCE = r"""
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* One row's codes as floats, slot plane after slot plane: x[s * P + j] is the code at
    bit s * bits of byte j (the query's columns are permuted to match by the caller). */
@@ -150,6 +152,99 @@ void linear_rows(const float *x, const float *w, const float *bias, float *out, 
             out[m * N + o] = a + (bias ? bias[o] : 0.0f);
         }
 }
+
+/* Decode attention of one query token per sequence over token-major cache rows.
+   q: [C, G, D] (pre-scaled); k, v: T rows of [C, D], row stride C * D; bias: [C, T];
+   out: [C, G, D]; D a multiple of 8, at most 256. Work items are (column, chunk of CH
+   tokens): each keeps its scores, their max and sum and its weighted sum of values (in
+   registers, 8 floats a vector); the chunks of a column are merged after. */
+#define CH 512
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 r; __builtin_memcpy(&r, p, 32); return r; }
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    v8 s0 = {0}, s1 = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        s0 += load8(a + d) * load8(b + d);
+        s1 += load8(a + d + 8) * load8(b + d + 8);
+    }
+    for (; d < D; d += 8)
+        s0 += load8(a + d) * load8(b + d);
+    s0 += s1;
+    return s0[0] + s0[1] + s0[2] + s0[3] + s0[4] + s0[5] + s0[6] + s0[7];
+}
+
+void attend_rows(const float *q, const float *k, const float *v, const float *bias,
+                 float *out, float *part, int64_t T, int64_t C, int64_t G, int64_t D,
+                 int64_t nthreads) {
+    const int64_t chunks = (T + CH - 1) / CH, stride = G * (D + 2), V = D / 8;
+    /* a thread takes whole chunks of tokens and, token by token, every column: it streams
+       one contiguous block of the cache (a column's rows alone are C * D floats apart) */
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *s = (float *)malloc(sizeof(float) * C * G * CH);
+        #pragma omp for schedule(static)
+        for (int64_t h = 0; h < chunks; h++) {
+            const int64_t t0 = h * CH, n = (t0 + CH < T ? CH : T - t0);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < C; c++) {
+                    const float *kr = k + ((t0 + i) * C + c) * D;
+                    const float bi = bias[c * T + t0 + i];
+                    for (int64_t g = 0; g < G; g++)
+                        s[(c * G + g) * CH + i] = dot(q + (c * G + g) * D, kr, D) + bi;
+                }
+            for (int64_t cg = 0; cg < C * G; cg++) {
+                float *sg = s + cg * CH, m = -3.0e38f, l = 0.0f;
+                for (int64_t i = 0; i < n; i++)
+                    m = sg[i] > m ? sg[i] : m;
+                for (int64_t i = 0; i < n; i++) {
+                    sg[i] = expf(sg[i] - m);
+                    l += sg[i];
+                }
+                float *r = part + ((cg / G) * chunks + h) * stride + (cg % G) * (D + 2);
+                r[0] = m;
+                r[1] = l;
+                for (int64_t d = 0; d < D; d++)
+                    r[2 + d] = 0.0f;
+            }
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < C; c++) {
+                    const float *vr = v + ((t0 + i) * C + c) * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        float *acc = part + (c * chunks + h) * stride + g * (D + 2) + 2;
+                        const v8 p = (v8){0} + s[(c * G + g) * CH + i];
+                        for (int64_t j = 0; j < V; j++) {
+                            v8 a = load8(acc + 8 * j) + p * load8(vr + 8 * j);
+                            __builtin_memcpy(acc + 8 * j, &a, 32);
+                        }
+                    }
+                }
+        }
+        free(s);
+    }
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t g = 0; g < G; g++) {
+            float m = -3.0e38f, l = 0.0f;
+            for (int64_t h = 0; h < chunks; h++) {
+                const float mh = part[(c * chunks + h) * stride + g * (D + 2)];
+                m = mh > m ? mh : m;
+            }
+            float *o = out + (c * G + g) * D;
+            for (int64_t d = 0; d < D; d++)
+                o[d] = 0.0f;
+            for (int64_t h = 0; h < chunks; h++) {
+                const float *r = part + (c * chunks + h) * stride + g * (D + 2);
+                const float w = expf(r[0] - m);
+                l += w * r[1];
+                for (int64_t d = 0; d < D; d++)
+                    o[d] += w * r[2 + d];
+            }
+            for (int64_t d = 0; d < D; d++)
+                o[d] /= l;
+        }
+}
 """
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 ENV = "FLEXGEN_INFINIGEN_KERNELS"
@@ -161,18 +256,18 @@ _tried = False
 def _build(folder: Path) -> Path | None:
     """The shared library for this source and these flags, compiled if missing."""
     digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    lib = folder / f"spec_scores-{digest}.so"
+    lib = folder / f"cpu_kernels-{digest}.so"
     if lib.is_file():
         return lib
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    src = folder / f".spec_scores-{digest}-{os.getpid()}.c"
-    tmp = folder / f".spec_scores-{digest}-{os.getpid()}.so"
+    src = folder / f".cpu_kernels-{digest}-{os.getpid()}.c"
+    tmp = folder / f".cpu_kernels-{digest}-{os.getpid()}.so"
     try:
         src.write_text(_SOURCE)
-        subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp)], check=True,
+        subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(tmp, lib)  # whole or not at all
     except (OSError, subprocess.SubprocessError):
@@ -198,12 +293,18 @@ def library() -> ctypes.CDLL | None:
             print("note: no C compiler for the speculation kernel; scoring packed keys in "
                   "torch (slower at long context)", file=sys.stderr)
             return None
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            print(f"note: the CPU kernels did not load ({e}); using torch", file=sys.stderr)
+            return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.score_packed.argtypes = [ptr] * 6 + [i64] * 6
         lib.score_packed.restype = None
         lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.linear_rows.restype = None
+        lib.attend_rows.argtypes = [ptr] * 6 + [i64] * 5
+        lib.attend_rows.restype = None
         _lib = lib
         return lib
 
@@ -255,4 +356,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib.linear_rows(xs.data_ptr(), weight.data_ptr(), b.data_ptr() if b is not None else None,
                     out.data_ptr(), rows, weight.shape[0], weight.shape[1],
                     torch.get_num_threads())
+    return out
+
+
+ATTEND_CHUNK = 512  # the kernel's CH
+MIN_ATTEND_ROWS = 2048  # below this many cached tokens torch's two products are as fast
+MAX_GROUP = 16  # query heads per KV head the kernel's score buffer holds
+
+
+def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                bias: torch.Tensor) -> torch.Tensor | None:
+    """Decode attention ``[C, G, D]`` of pre-scaled queries ``q [C, G, D]`` over token-major
+    rows ``k_rows``/``v_rows`` ``[T, C, D]`` (rows contiguous) with an additive ``bias``
+    ``[C, T]``; K and V are each read once. None when the kernel cannot take the inputs."""
+    t, c, d = k_rows.shape
+    g = q.shape[1]
+    if (q.is_cuda or q.dtype != torch.float32 or k_rows.dtype != torch.float32
+            or v_rows.dtype != torch.float32 or g > MAX_GROUP or t < MIN_ATTEND_ROWS
+            or d % 8 or d > 256
+            or k_rows.stride() != (c * d, d, 1) or v_rows.stride() != (c * d, d, 1)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, bias = q.contiguous(), bias.float().contiguous()
+    out = torch.empty(c, g, d, dtype=torch.float32)
+    chunks = -(-t // ATTEND_CHUNK)
+    part = torch.empty(c * chunks * g * (d + 2), dtype=torch.float32)
+    lib.attend_rows(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), bias.data_ptr(),
+                    out.data_ptr(), part.data_ptr(), t, c, g, d, torch.get_num_threads())
     return out

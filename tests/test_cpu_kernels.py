@@ -69,3 +69,25 @@ def test_linear_hands_other_cases_to_torch():
     assert torch.equal(kernels.linear(many, w), torch.nn.functional.linear(many, w))
     half = torch.randn(2, 4, dtype=torch.bfloat16)
     assert kernels.linear(half, w.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("b,kv,group,length,d", [(1, 3, 3, 4096, 64), (2, 2, 7, 2500, 64),
+                                                  (3, 1, 1, 2049, 128), (1, 4, 2, 5000, 32)])
+def test_attention_kernel_equals_torch(b, kv, group, length, d):
+    """Decode attention over token-major rows, padding masked, against the two torch
+    products (``return_key_mass`` keeps the torch path); rows must be contiguous."""
+    from flexgen_infinigen.attention import attend_rows
+
+    torch.manual_seed(length)
+    k, v = torch.randn(length, b * kv, d), torch.randn(length, b * kv, d)
+    q = torch.randn(b, 1, kv * group, d)
+    bias = torch.zeros(b, 1, 1, length)
+    bias[0, ..., :700] = torch.finfo(torch.float32).min  # a padded row
+    ref = attend_rows(q, k, v, bias, return_key_mass=True)[0]
+    assert kernels.attend_rows(q.reshape(b * kv, group, d), k, v,
+                               bias.expand(b, kv, 1, length).reshape(b * kv, length)) is not None
+    ours = attend_rows(q, k, v, bias)
+    assert (ours - ref).abs().max().item() < 1e-5
+    per_head = torch.randn(b, kv, 1, length)  # a bias per KV head (selected rows)
+    ref = attend_rows(q, k, v, per_head, return_key_mass=True)[0]
+    assert (attend_rows(q, k, v, per_head) - ref).abs().max().item() < 1e-5
