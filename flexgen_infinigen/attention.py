@@ -89,6 +89,8 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     """
     b, s, heads, _ = q.shape
     t, kv_heads = k.shape[1], k.shape[2]
+    if not return_key_mass:
+        return _attend_prompt_fused(q, k, v, valid, window, rows)
     rows = rows or score_rows(b, heads, t)
     offset = t - s  # keys before the first query (a cached prefix)
     outs = []
@@ -110,17 +112,58 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     return (out, mass) if return_key_mass else out
 
 
+# a fused chunk's boolean mask [b, 1, rows, keys] stays under this many bytes, and its rows
+# under FUSED_ROWS (smaller chunks skip more of the causal half; measured best at 512 here)
+FUSED_MASK_BYTES = 64 << 20
+FUSED_ROWS = 512
+
+
+def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
+    """:func:`attend_prompt` through torch's fused attention (scores never materialized):
+    query chunks, each with its boolean mask and only the keys it may see."""
+    b, s, heads, d = q.shape
+    t = k.shape[1]
+    offset = t - s
+    rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = torch.empty(b, s, heads, d, dtype=q.dtype, device=q.device)
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        first = max(0, offset + start + 1 - window) if window else 0
+        end = offset + stop
+        mask = _chunk_allowed(valid[:, first:end], start + offset - first, stop - start, window)
+        got = _sdpa(qt[:, :, start:stop], kt[:, :, first:end], vt[:, :, first:end], mask)
+        real = valid[:, offset + start:offset + stop, None, None]  # padding queries: zeros
+        out[:, start:stop] = torch.where(real, got.transpose(1, 2), 0.0)
+    return out.reshape(b, s, heads * d)
+
+
+def _sdpa(q, k, v, mask):
+    """Fused attention of [b, H, n, d] queries over [b, KV, t, d] keys (GQA)."""
+    import torch.nn.functional as F
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    except TypeError:  # torch before 2.5: no enable_gqa
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                              v.repeat_interleave(group, 1), attn_mask=mask)
+
+
+def _chunk_allowed(valid: torch.Tensor, first_query: int, n: int, window: int) -> torch.Tensor:
+    """Boolean [b, 1, n, k]: real keys at or before each query (inside the window)."""
+    q_col = torch.arange(first_query, first_query + n, device=valid.device)[:, None]
+    k_col = torch.arange(valid.shape[1], device=valid.device)[None, :]
+    allowed = k_col <= q_col
+    if window:
+        allowed = allowed & (q_col - k_col < window)
+    return valid[:, None, None, :] & allowed
+
+
 def _chunk_bias(valid: torch.Tensor, first_query: int, n: int, dtype: torch.dtype,
                 window: int) -> torch.Tensor:
     """Bias [b, 1, n, k] for queries at key columns ``first_query .. first_query + n`` of the
     keys ``valid`` [b, k] covers: real keys at or before the query (inside the window)."""
-    k_len = valid.shape[1]
-    q_col = torch.arange(first_query, first_query + n, device=valid.device)[:, None]
-    k_col = torch.arange(k_len, device=valid.device)[None, :]
-    allowed = k_col <= q_col
-    if window:
-        allowed = allowed & (q_col - k_col < window)
-    allowed = valid[:, None, None, :] & allowed
+    allowed = _chunk_allowed(valid, first_query, n, window)
     neg = torch.finfo(dtype).min
     return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
 
