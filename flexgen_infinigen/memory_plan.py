@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import score_rows
+from .attention import FUSED_ROWS
 from .compression import can_compress, stored_bytes
 from .config import ConfigError, ModelConfig
 from .models import family_of
@@ -98,7 +98,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # together without --sep-layer), the loaded K and V of the batch computing and of the
     # next (prefetched) one when any of the cache is off the device, prefill activations (the
     # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
-    # one chunk of attention scores (float32 scores, their softmax, and its cast)
+    # one fused attention chunk's mask (scores are never materialized; a policy that needs
+    # the prompt's attention mass, H2O, counts its score chunk itself)
     per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
                 (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
     biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
@@ -106,9 +107,9 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
     chunk = prefill_chunk(cfg, policy, item, prompt_len)
-    rows = min(prompt_len, chunk, score_rows(b, cfg.num_heads, prompt_len))
+    rows = min(prompt_len, chunk, FUSED_ROWS)
     working = (2 * biggest_stage + loads
-               + 3 * 4 * b * cfg.num_heads * prompt_len * rows
+               + b * rows * prompt_len  # one fused attention chunk's boolean mask
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)
                + b * cfg.vocab_size * 4 * head)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .disk_io import ALIGN, DiskFiles
+from .huge_pages import advise_huge_pages
 from .offload_dir import DIR_PREFIX, OWNER_FILE, offload_root, remove_stale_folders
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -148,8 +149,12 @@ class Tiers:
     def empty(self, tier: str, shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         if tier == DEVICE:
             t = torch.empty(shape, dtype=dtype, device=self.device)
+            if not self.is_cuda:
+                advise_huge_pages(t)
         elif tier == HOST:
             t = self.host_empty(shape, dtype, pinned=pin)
+            if not self.is_cuda:
+                advise_huge_pages(t)
         else:
             count = int(np.prod(shape)) if len(shape) else 1
             t = self.disk.allocate(count, dtype).view(shape)
@@ -340,3 +345,4 @@ class Tiers:
             if self.disk.write_from(dst, src):
                 return
         dst.copy_(src)
+

@@ -91,3 +91,42 @@ def test_attention_kernel_equals_torch(b, kv, group, length, d):
     per_head = torch.randn(b, kv, 1, length)  # a bias per KV head (selected rows)
     ref = attend_rows(q, k, v, per_head, return_key_mass=True)[0]
     assert (attend_rows(q, k, v, per_head) - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("percent", [[100, 0, 100, 0, 100, 0], [100, 0, 0, 100, 100, 0]])
+def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_llama, percent,
+                                                                        monkeypatch):
+    """Selected rows attended where the cache lives (``attend_indexed``) give the tokens,
+    logits and fetched fractions of gathering them into a buffer first."""
+    from flexgen_infinigen.kv import infinigen
+
+    prompts = [[1] + list(range(7, 70)), [1] + list(range(100, 130))]
+    real_init = infinigen.InfiniGenCache.__init__
+
+    def gathering(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self.attend_in_place = False
+
+    calls = []
+    real_kernel = kernels.attend_indexed
+
+    def counted(*a):
+        calls.append(1)
+        return real_kernel(*a)
+
+    monkeypatch.setattr(kernels, "attend_indexed", counted)
+    runs = []
+    for in_place in (True, False):
+        if not in_place:
+            assert calls, "the first run did not read the selected rows in place"
+            monkeypatch.setattr(infinigen.InfiniGenCache, "__init__", gathering)
+        policy = Policy.from_percent(percent, gpu_batch_size=2)
+        with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
+                              kv_options={"max_kv_fraction": 0.25}, progress=False) as lm:
+            out = lm.generate(prompts, 8, stop_token_id=None, keep_logits=True)
+            runs.append((out, lm.engine.kv_policy.report()))
+    (a, ra), (b, rb) = runs
+    assert a.token_ids == b.token_ids
+    assert ra["kv_fetch_fraction_per_layer"] == rb["kv_fetch_fraction_per_layer"]
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-4

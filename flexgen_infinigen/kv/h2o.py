@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..attention import attend_prompt
+from ..attention import attend_prompt, score_rows
 from ..config import ConfigError
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected
@@ -159,8 +159,12 @@ class H2OPolicy(SelectivePolicy):
         caches = cfg.num_layers * policy.num_gpu_batches
         cols = policy.gpu_batch_size * cfg.num_kv_heads
         top = min(max_len, math.ceil(max_len * (self.hh_ratio + self.recent_ratio)) + 1)
+        b, heads = policy.gpu_batch_size, cfg.num_heads
+        rows = min(max_len, score_rows(b, heads, max_len))
         return {"h2o_scores_and_masks": caches * cols * max_len * (1 + 4),  # bool + float32
-                "selected_rows": 2 * 2 * (top + 1) * cols * cfg.head_dim * item}
+                "selected_rows": 2 * 2 * (top + 1) * cols * cfg.head_dim * item,
+                # the prompt's key mass: one chunk of float32 scores, their softmax and bias
+                "prompt_scores": 3 * 4 * b * heads * max_len * rows}
 
     def make_cache(self, spec: CacheSpec) -> H2OCache:
         return H2OCache(spec, self)

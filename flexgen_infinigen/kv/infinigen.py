@@ -23,8 +23,9 @@ import time
 
 import torch
 
+from .. import cpu_kernels
 from .base import CacheSpec, DecodeWork
-from .full import attend_selected
+from .full import attend_selected, to_rows
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .pool import KVPool
 from .selection import select
@@ -47,6 +48,10 @@ class InfiniGenCache(SelectiveCache):
         self.selection = None
         self.ready = threading.Event()
         self.aborted = False
+        # on a CPU with the kernels, attention reads the selected rows in the cache itself
+        self.attend_in_place = (self.selecting and self.k.addressable and not spec.tiers.is_cuda
+                                and spec.dtype == torch.float32 and spec.head_dim % 8 == 0
+                                and cpu_kernels.library() is not None)
         self.pool = None
         if self.selecting and opts.kv_pool_capacity < 1:
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
@@ -127,6 +132,10 @@ class InfiniGenCache(SelectiveCache):
         if self.k.addressable:  # gathered where it lives, no sync
             if pending is not None:  # the load stream must see the finished speculation
                 torch.cuda.current_stream().wait_event(pending)
+            if self.attend_in_place:  # a CPU kernel reads the chosen rows where they are
+                used = counts.sum()
+                self.count(used, used, length)
+                return None, None, counts, order
             k_sel, v_sel = gather_on_device(self, order)
             used = counts.sum()
             self.count(used, used, length)
@@ -144,7 +153,18 @@ class InfiniGenCache(SelectiveCache):
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:
             self._update_pool(index, counts, valid)
+        if k_sel is None:
+            return self._attend_in_place(q, k_new, v_new, index, counts)
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
+
+    def _attend_in_place(self, q, k_new, v_new, index, counts) -> torch.Tensor:
+        """Attention over the selected rows read where the cache lives (cpu_kernels)."""
+        b, heads, d = q.shape[0], q.shape[2], q.shape[3]
+        cols = b * self.spec.kv_heads
+        qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
+        out = cpu_kernels.attend_indexed(qc, self.k.view(), self.v.view(), index, counts,
+                                         to_rows(k_new)[0], to_rows(v_new)[0])
+        return out.view(b, 1, heads * d).to(q.dtype)
 
     def _update_pool(self, index, counts, valid) -> None:
         """Record what this step used, then evict past the budget (the new token included)."""

@@ -79,6 +79,9 @@ def select(scores: torch.Tensor, valid: torch.Tensor, rule: str, alpha: float,
     cap = budget.caps(n_valid)[:, None].expand(b, kv)
     floor = n_valid.clamp(max=budget.min_num)[:, None].expand(b, kv)
     most = budget.most(t)
+    if rule == "mass":  # needs no margins: one softmax, summed over the group
+        priority = torch.softmax(scores, -1).nan_to_num(0.0).sum(2).masked_fill(~ok, -math.inf)
+        return _finish(priority, cap, ok, valid, budget, most, t)
     margin = scores - scores.amax(-1, keepdim=True)  # 0 at each query head's best token
     best = margin.amax(2)  # [b, KV, t]
     above = (best > -alpha).sum(-1)  # tokens some query head of the group wants
@@ -86,9 +89,6 @@ def select(scores: torch.Tensor, valid: torch.Tensor, rule: str, alpha: float,
         priority, counts = best, torch.maximum(torch.minimum(above, cap), floor)
     elif rule == "cap":
         priority, counts = best, cap
-    elif rule == "mass":
-        priority, counts = torch.softmax(scores, -1).nan_to_num(0.0).sum(2), cap
-        priority = priority.masked_fill(~ok, -math.inf)
     elif rule == "head-union":
         priority = _round_robin(margin, most)
         counts = torch.maximum(torch.minimum(above, cap), floor)
@@ -96,6 +96,11 @@ def select(scores: torch.Tensor, valid: torch.Tensor, rule: str, alpha: float,
         priority, counts, most = _artifact(margin, ok, alpha, cap, floor, most)
     else:
         raise ValueError(f"unknown selection rule {rule!r}")
+    return _finish(priority, counts, ok, valid, budget, most, t)
+
+
+def _finish(priority, counts, ok, valid, budget: Budget, most: int, t: int):
+    """Sink and recent tokens forced in, counts capped by what a head may choose, ranked."""
     forced = forced_mask(valid, budget)
     if forced is not None:
         forced = forced[:, None, :] & ok
