@@ -12,6 +12,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",
                       "gguf"],
     extras_require={"test": ["pytest", "transformers", "ruff"],
-                    "bench": ["matplotlib", "transformers"]},
+                    # accelerate: transformers loads a GGUF (the long-context reference) with it
+                    "bench": ["matplotlib", "transformers", "accelerate"]},
     entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main"]},
 )

@@ -97,8 +97,12 @@ def run_one(spec: dict) -> dict:
 
     from flexgen_infinigen import OffloadedLM, Policy, memory_plan
 
+    from flexgen_infinigen.loading import model_config
+
     kv, options, compress = POLICIES[spec["policy"]]
-    b, ctx, gen = spec["batch"], spec["context"], spec["gen_len"]
+    b, gen = spec["batch"], spec["gen_len"]
+    # "8K" on a model of 8,192 positions: the prompt leaves room for the generated tokens
+    ctx = min(spec["context"], model_config(spec["model"]).max_positions - gen)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
                                  compress_cache=compress, prefill_chunk=spec.get("chunk"))
     with OffloadedLM.load(model=spec["model"], policy=policy, kv_policy=kv,
@@ -116,7 +120,7 @@ def run_one(spec: dict) -> dict:
         name = lm.cfg.name
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     bandwidth = spec["bandwidth"]
-    return {**spec, "model_name": name, "prompt_source": source,
+    return {**spec, "context": ctx, "model_name": name, "prompt_source": source,
             "prefill_s": out.prefill_latency_s, "prefill_tokens_s": b * ctx / out.prefill_latency_s,
             "decode_step_s": step, "decode_tokens_s": b / step,
             "must_read_bytes": {"weights": weights, "kv": kv_bytes},
@@ -135,12 +139,15 @@ def run_reference(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from flexgen_infinigen.tokenizer import load_tokenizer
-    from flexgen_infinigen.weights.local_model import store_for
 
     path = Path(spec["gguf"])
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32).eval()
-    tok = load_tokenizer(store_for(spec["model"], progress=False))
+    from flexgen_infinigen.loading import find_weights
+
+    store = find_weights(spec["model"], None, False, progress=False)[2]
+    tok = load_tokenizer(store.path, store.config)
+    spec = {**spec, "context": min(spec["context"], store.config.max_positions - spec["gen_len"])}
     prompts, _ = natural_prompts(tok, spec["context"], 1)
     ids = torch.tensor(prompts)
     with torch.no_grad():

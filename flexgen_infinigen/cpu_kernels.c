@@ -251,6 +251,11 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
             if (t1 <= t0)
                 continue;
             for (int64_t i = t0; i < t1; i++) {
+                if (i + 8 < counts[c]) {  /* scattered rows: ask for one a few rows ahead */
+                    const float *ahead = k + (index[c * n + i + 8] * C + c) * D;
+                    for (int64_t d = 0; d < D; d += 16)
+                        __builtin_prefetch(ahead + d);
+                }
                 const float *kr = i < counts[c] ? k + (index[c * n + i] * C + c) * D
                                                 : k_new + c * D;
                 for (int64_t g = 0; g < G; g++)
@@ -268,6 +273,11 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
                 for (int64_t j = 0; j < V; j++)
                     acc[j] = (v8){0};
                 for (int64_t i = t0; i < t1; i++) {
+                    if (g == 0 && i + 8 < counts[c]) {
+                        const float *ahead = v + (index[c * n + i + 8] * C + c) * D;
+                        for (int64_t d = 0; d < D; d += 16)
+                            __builtin_prefetch(ahead + d);
+                    }
                     const float *vr = i < counts[c] ? v + (index[c * n + i] * C + c) * D
                                                     : v_new + c * D;
                     const v8 p = (v8){0} + sg[i - t0];
@@ -282,4 +292,73 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
         }
     }
     merge_chunks(out, part, C, G, D, chunks);
+}
+
+/* The k-th largest of x[0 .. n) (k >= 1), by quickselect on a scratch copy. */
+static float kth_largest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        const float pivot = x[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot) i++;
+            while (x[j] < pivot) j--;
+            if (i <= j) { const float t = x[i]; x[i] = x[j]; x[j] = t; i++; j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break;
+    }
+    return x[want];
+}
+
+/* InfiniGen's default selection rule ("mass") for every column c of C = b * KV: the softmax
+   of each of its G query heads' scores over the tokens it may see, summed over the group;
+   then the cap[c] tokens with the most mass (ties: the earlier token), in token order, into
+   order[c, 0 .. cap[c]); the rest of the row repeats them (never read).
+   scores: [C, G, T]; visible: [b, T] bytes (1: may be chosen); work: 2 * C * T floats. */
+void select_mass(const float *scores, const uint8_t *visible, const int64_t *cap,
+                 int64_t *order, float *work, int64_t C, int64_t KV, int64_t G, int64_t T,
+                 int64_t width, int64_t nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < C; c++) {
+        const uint8_t *vis = visible + (c / KV) * T;
+        float *mass = work + 2 * c * T, *tmp = mass + T;
+        for (int64_t t = 0; t < T; t++)
+            mass[t] = 0.0f;
+        for (int64_t g = 0; g < G; g++) {  /* branch-free: hidden tokens get exp(-big) = 0 */
+            const float *s = scores + (c * G + g) * T;
+            float m = -3.0e38f, l = 0.0f;
+            for (int64_t t = 0; t < T; t++) {
+                const float x = vis[t] ? s[t] : -3.0e38f;
+                m = x > m ? x : m;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                tmp[t] = expf((vis[t] ? s[t] : -3.0e38f) - m);
+                l += tmp[t];
+            }
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            for (int64_t t = 0; t < T; t++)
+                mass[t] += tmp[t] * inv;
+        }
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; t++)
+            if (vis[t]) tmp[n++] = mass[t];
+        int64_t k = cap[c] < n ? cap[c] : n, got = 0;
+        int64_t *row = order + c * width;
+        if (k > 0) {
+            const float thr = kth_largest(tmp, n, k);
+            int64_t above = 0;
+            for (int64_t t = 0; t < T; t++)
+                if (vis[t] && mass[t] > thr) above++;
+            int64_t ties = k - above;
+            for (int64_t t = 0; t < T && got < k; t++) {
+                if (!vis[t]) continue;
+                if (mass[t] > thr) row[got++] = t;
+                else if (mass[t] == thr && ties > 0) { row[got++] = t; ties--; }
+            }
+        }
+        for (int64_t i = got; i < width; i++)
+            row[i] = got > 0 ? row[i % got] : 0;
+    }
 }

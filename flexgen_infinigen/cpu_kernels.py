@@ -88,6 +88,8 @@ def library() -> ctypes.CDLL | None:
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 4 + [i64] * 4
         lib.attend_indexed.restype = None
+        lib.select_mass.argtypes = [ptr] * 5 + [i64] * 6
+        lib.select_mass.restype = None
         _lib = lib
         return lib
 
@@ -197,3 +199,25 @@ def attend_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
                        counts.data_ptr(), n, k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(),
                        part.data_ptr(), c, g, d, torch.get_num_threads())
     return out
+
+
+def select_mass(scores: torch.Tensor, visible: torch.Tensor, caps: torch.Tensor,
+                width: int) -> torch.Tensor | None:
+    """The ``mass`` selection rule in one pass: ``order [b, KV, width]`` holding, for each KV
+    head, the ``caps[b]`` visible tokens with the most softmax mass summed over its query
+    heads (in token order; the rest of the row repeats them). ``scores [b, KV, G, T]``
+    float32, ``visible [b, T]`` bool. None when the kernel cannot take the inputs."""
+    b, kv, g, t = scores.shape
+    if scores.is_cuda or scores.dtype != torch.float32 or width < 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    scores = scores.contiguous()
+    vis = visible.to(torch.uint8).contiguous()
+    cap = caps.to(torch.int64).repeat_interleave(kv).contiguous()
+    order = torch.empty(b, kv, width, dtype=torch.int64)
+    work = torch.empty(2 * b * kv * t, dtype=torch.float32)
+    lib.select_mass(scores.data_ptr(), vis.data_ptr(), cap.data_ptr(), order.data_ptr(),
+                    work.data_ptr(), b * kv, kv, g, t, width, torch.get_num_threads())
+    return order

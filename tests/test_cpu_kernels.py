@@ -130,3 +130,27 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
     assert ra["kv_fetch_fraction_per_layer"] == rb["kv_fetch_fraction_per_layer"]
     for x, y in zip(a.logits, b.logits):
         assert (x - y).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("b,kv,group,length", [(1, 3, 3, 500), (4, 2, 7, 1200), (2, 1, 1, 40)])
+def test_fused_mass_selection_chooses_what_select_chooses(b, kv, group, length):
+    """The compiled ``mass`` rule picks the same tokens per KV head as :func:`select` (order
+    within the choice aside), padding never chosen, counts equal to the budget's caps."""
+    from flexgen_infinigen.kv.selection import Budget, select
+
+    torch.manual_seed(length)
+    scores = torch.randn(b, kv, group, length) * 4
+    visible = torch.ones(b, length, dtype=torch.bool)
+    visible[0, :length // 5] = False  # left padding
+    budget = Budget(fraction=0.2, min_num=4)
+    order, counts = select(scores, visible, "mass", 5.0, budget)
+    n_valid = visible.sum(-1)
+    caps = torch.minimum(budget.caps(n_valid), n_valid)
+    fused = kernels.select_mass(scores, visible, caps, order.shape[-1])
+    assert fused.shape == order.shape
+    for i in range(b):
+        assert counts[i].tolist() == [int(caps[i])] * kv
+        for h in range(kv):
+            n = int(caps[i])
+            assert set(fused[i, h, :n].tolist()) == set(order[i, h, :n].tolist())
+            assert all(visible[i, t] for t in fused[i, h, :n].tolist())

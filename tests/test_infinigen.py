@@ -278,14 +278,14 @@ def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
     from flexgen_infinigen.kv import infinigen as module
 
     chosen = []
-    real_select = module.select
+    real_rank = module.InfiniGenCache._rank
 
-    def recording_select(*args, **kwargs):
-        order, counts = real_select(*args, **kwargs)
+    def recording_rank(self, *args, **kwargs):  # the selection, fused or not
+        order, counts = real_rank(self, *args, **kwargs)
         chosen.append(int(counts.sum()))
         return order, counts
 
-    monkeypatch.setattr(module, "select", recording_select)
+    monkeypatch.setattr(module.InfiniGenCache, "_rank", recording_rank)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(max_kv_fraction=0.3, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])

@@ -100,8 +100,23 @@ class InfiniGenCache(SelectiveCache):
         allowed = None
         if self.pool is not None:  # evicted tokens are never selected again
             allowed = self.pool.alive[:, :length].view(b, kv, length)
+        elif opts.selection == "mass" and not (opts.keep_sink or opts.keep_recent):
+            fused = self._select_mass(scores, visible[:, :length], opts.budget)
+            if fused is not None:
+                return fused
         return select(scores, visible[:, :length], opts.selection, opts.alpha, opts.budget,
                       allowed)
+
+    def _select_mass(self, scores, visible, budget):
+        """The default rule in one compiled pass (cpu_kernels.select_mass), or None."""
+        n_valid = visible.sum(-1)
+        caps = torch.minimum(budget.caps(n_valid), n_valid)
+        order = cpu_kernels.select_mass(scores, visible, caps,
+                                        min(budget.most(visible.shape[1]), visible.shape[1]))
+        if order is None:
+            return None
+        kv = self.spec.kv_heads
+        return order, caps[:, None].expand(-1, kv).contiguous()
 
     def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
         """Give the ranking to the load lane. Unless the cache is on the device, its copy to
