@@ -249,3 +249,32 @@ def test_real_qwen25_equals_transformers():
             ref.encode(text, add_special_tokens=False), text[:60]
     assert ours.encode("def fibonacci(n):", add_special_tokens=False).ids == \
         [750, 75698, 1445, 1648]
+
+
+def test_real_smollm2_equals_its_reference():
+    """The default model's GGUF (fetched by the first run; CI runs it before the tests):
+    transformers' GGUF reader plus the ``smollm`` digit step (see the test above) gives the
+    same ids as ours on the README, code and, when present, 50,000 characters of WikiText-2."""
+    from tokenizers import pre_tokenizers
+
+    from flexgen_infinigen.weights import embedded
+
+    path = embedded._gguf_from_env() or embedded.default_cache_dir() / embedded.GGUF_NAME
+    if not Path(path).is_file():
+        pytest.skip(f"{path} is absent: `python -m flexgen_infinigen.run` fetches it")
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    assert gguf_tokenizer._field(reader, "tokenizer.ggml.pre") == "smollm"
+    ours = tokenizer_from_gguf(reader)
+    ref = _reference(path).backend_tokenizer
+    ref.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), ref.pre_tokenizer])
+    root = Path(__file__).resolve().parents[1]
+    texts = [(root / "README.md").read_text(encoding="utf-8"), TEXT,
+             (root / "flexgen_infinigen" / "engine.py").read_text(encoding="utf-8")]
+    wiki = SHARED / "data" / "wikitext2_test.txt"
+    if wiki.is_file():
+        texts.append(wiki.read_text(encoding="utf-8")[:50_000])
+    for text in texts:
+        assert ours.encode(text, add_special_tokens=False).ids == \
+            ref.encode(text, add_special_tokens=False).ids, text[:60]

@@ -120,3 +120,15 @@ def test_bad_model_paths_are_one_error(cache, tmp_path, capsys):
     assert run.main(["--model", str(tmp_path / "missing.gguf"), "--prompt-len", "4"]) == 2
     assert "no such file" in capsys.readouterr().err
     assert not local_model.is_model_path("smollm2-135m")
+
+
+def test_a_turn_end_token_stops_generation(cache, tiny_qwen2):
+    """The tokenizer's stop set (EOS, the GGUF's end-of-turn id, <|im_end|>-style specials)
+    ends a sequence, not only the config's EOS: the token greedy decoding makes first is
+    made a stop token, and generation ends right after it."""
+    _, path = tiny_qwen2
+    with OffloadedLM.load(model=str(path), policy=Policy(), progress=False) as lm:
+        free = lm.generate([PROMPT], 5, stop_token_id=None).token_ids[0]
+        assert free[0] != lm.cfg.eos_token_id
+        lm.tokenizer.stop_token_ids.add(free[0])
+        assert lm.generate([PROMPT], 5).token_ids[0] == free[:1]
