@@ -21,6 +21,7 @@ from .guards import raise_if_interrupted
 from .kv import KVPolicy, make_kv_policy
 from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
+from .prefill_cache import PrefillCache, Prefilled
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
 from .stages import LayerSlice
 from .tiers import TIERS, Tiers
@@ -41,6 +42,7 @@ class Generation:
     prompt_texts: list[str] = field(default_factory=list)
     decode_tokens: int | None = None  # tokens the decode steps made (rows x steps actually run)
     prefill_link_bytes: dict[str, int] = field(default_factory=dict)  # per link, prefill steps
+    prefills_reused: int = 0  # blocks that started from a kept prefill (``prefill_cache``)
 
 
 class OffloadedLM:
@@ -157,7 +159,7 @@ class OffloadedLM:
     def generate(self, prompts, gen_len: int = 32, sampling: SamplingConfig | None = None,
                  stop_token_id: int | None = -1, cut_gen_len: int | None = None,
                  keep_logits: bool = False, progress: bool = False,
-                 forced=None) -> Generation:
+                 forced=None, prefill_cache: PrefillCache | None = None) -> Generation:
         """Generate ``gen_len`` tokens for each prompt (strings or token id lists).
 
         ``stop_token_id``: -1 means the model's stop tokens (:attr:`stop_token_ids`); None
@@ -165,7 +167,13 @@ class OffloadedLM:
         ``cut_gen_len``: run only that many steps and project the decode latency to ``gen_len``.
         ``forced``: teacher forcing; one list of ``gen_len`` tokens per prompt that are fed
         back instead of the sampled ones (the logits still score them).
+        ``prefill_cache``: keep each block's prefill there, and start from a kept one when the
+        same prompts come again (any KV policy that needs no prompt queries; see
+        :mod:`.prefill_cache`).
         """
+        if prefill_cache is not None and not self.engine.reuses_prefill:
+            raise ConfigError("a pipeline rank cannot start from a kept prefill; drop "
+                              "prefill_cache")
         sampling = (sampling or SamplingConfig()).validate()
         ids = self.encode(prompts)
         if gen_len < 1:
@@ -186,6 +194,7 @@ class OffloadedLM:
         prefill = decode = 0.0
         step_times: list[float] = []
         ran = decode_tokens = 0  # iterations run (a block stops early when every row ended)
+        reused = 0  # blocks started from a kept prefill
         prefill_links: dict[str, int] = {}
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
@@ -211,11 +220,16 @@ class OffloadedLM:
                 chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]),
                                        self.policy.gpu_batch_size)
             block_logits = []
-            with closing(self.engine.generate_block(batches, steps, chooser,
-                                                    keep_logits)) as block_steps:
+            prefilled, capture, key = self._kept_prefill(prefill_cache, batches)
+            reused += prefilled is not None
+            with closing(self.engine.generate_block(batches, steps, chooser, keep_logits,
+                                                    prefilled=prefilled,
+                                                    capture=capture)) as block_steps:
                 for step in block_steps:
                     step_times.append(step.seconds)
                     if step.index == 0:
+                        if capture is not None:
+                            prefill_cache.put(key, capture)
                         for link, n in _link_totals(self.tiers).items():
                             prefill_links[link] = prefill_links.get(link, 0) + n \
                                 - moved_before[link]
@@ -246,7 +260,16 @@ class OffloadedLM:
         prompt_texts = [self.tokenizer.decode(p) if self.tokenizer else "" for p in ids]
         return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
                           gen_len if projected else ran, projected, logits, step_times,
-                          prompt_texts, None if projected else decode_tokens, prefill_links)
+                          prompt_texts, None if projected else decode_tokens, prefill_links,
+                          reused)
+
+    def _kept_prefill(self, cache: PrefillCache | None, batches):
+        """(prefill to start from, or None; where to keep this one's, or None; its key)."""
+        if cache is None:
+            return None, None, None
+        key = cache.key(self, batches)
+        found = None if self.engine.kv_policy.needs_prompt_queries else cache.get(key)
+        return found, (Prefilled() if found is None else None), key
 
     def _pad_batches(self, chunk: list[list[int]]):
         """Left-pad a block's prompts to one length and cut it into GPU batches."""

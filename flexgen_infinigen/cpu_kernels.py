@@ -1,17 +1,14 @@
-"""Small CPU kernels compiled on first use: packed speculation keys scored in place, and the
-few-row linear layers of a decode step.
+"""Small CPU kernels compiled on first use, for the decode step on a CPU: its few-row linear
+layers (``kernels/linear.c``), attention over every cached row or over chosen rows, read
+where the cache keeps them (``kernels/attention.c``), and InfiniGen's speculation: packed
+speculation keys scored without unpacking them into floats, and the default selection rule,
+fused with the scoring (``kernels/speculation.c``).
 
-InfiniGen's quantized speculation keys are 4 (or 2) bit codes with a per-row minimum and
-scale. Scoring them in torch means unpacking every code into a float buffer the size of the
-keys and reading it back (about 830 bytes touched per token and KV head where the codes are
-40). The kernel here expands a row's codes in registers and dots them with each query of the
-group, so a step reads the codes once.
-
-It is plain C (no torch headers), built with the system's C compiler into
-``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (about a second, once per machine and source),
+They are plain C (no torch headers), built with the system's C compiler into
+``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (a few seconds, once per machine and source),
 loaded with ``ctypes`` and handed raw tensor pointers. Without a compiler, or with
-``FLEXGEN_INFINIGEN_KERNELS=0``, callers use their torch path (same scores to rounding;
-tested against it).
+``FLEXGEN_INFINIGEN_KERNELS=0``, callers use their torch path (the same results to rounding;
+each kernel is tested against it).
 """
 from __future__ import annotations
 
@@ -26,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = (Path(__file__).with_name("cpu_kernels.c")).read_text()
+_FOLDER = Path(__file__).with_name("kernels")
+_FILES = sorted(_FOLDER.glob("*.[ch]"))
+_SOURCE = "".join(f.read_text() for f in _FILES)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 ENV = "FLEXGEN_INFINIGEN_KERNELS"
 _lock = threading.Lock()
@@ -44,17 +43,15 @@ def _build(folder: Path) -> Path | None:
     if cc is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    src = folder / f".cpu_kernels-{digest}-{os.getpid()}.c"
     tmp = folder / f".cpu_kernels-{digest}-{os.getpid()}.so"
+    sources = [str(f) for f in _FILES if f.suffix == ".c"]
     try:
-        src.write_text(_SOURCE)
-        subprocess.run([cc, *_FLAGS, str(src), "-o", str(tmp), "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run([cc, *_FLAGS, "-I", str(_FOLDER), *sources, "-o", str(tmp), "-lm"],
+                       check=True, capture_output=True, timeout=300)
         os.replace(tmp, lib)  # whole or not at all
     except (OSError, subprocess.SubprocessError):
         return None
     finally:
-        src.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return lib
 
@@ -80,44 +77,80 @@ def library() -> ctypes.CDLL | None:
             print(f"note: the CPU kernels did not load ({e}); using torch", file=sys.stderr)
             return None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.score_packed.argtypes = [ptr] * 6 + [i64] * 6
+        lib.score_packed.argtypes = [ptr] * 6 + [i64] * 7
         lib.score_packed.restype = None
+        lib.speculate_mass.argtypes = [ptr] * 8 + [i64] * 9
+        lib.speculate_mass.restype = None
         lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.linear_rows.restype = None
-        lib.attend_rows.argtypes = [ptr] * 6 + [i64] * 5
+        lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7
         lib.attend_rows.restype = None
-        lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 4 + [i64] * 4
+        lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6
         lib.attend_indexed.restype = None
-        lib.select_mass.argtypes = [ptr] * 5 + [i64] * 6
+        lib.select_mass.argtypes = [ptr] * 4 + [i64] * 6
         lib.select_mass.restype = None
         _lib = lib
         return lib
 
 
+def _packed_query(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[C, G, W]`` in the kernels' slot-plane column order (column ``j * per + s``
+    at ``s * P + j``), and their sums ``[C, G]``."""
+    c, g, w = q.shape
+    per = 8 // bits
+    qsum = q.sum(-1).contiguous()
+    return q.view(c, g, w // per, per).transpose(-1, -2).contiguous(), qsum
+
+
+def _takes_packed(codes, scale, q, bits) -> bool:
+    return (not codes.is_cuda and q.dtype == torch.float32 and scale.dtype == torch.float32
+            and codes.is_contiguous() and q.shape[-1] == codes.shape[-1] * (8 // bits)
+            and q.shape[-1] <= 256)
+
+
 def score_packed(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, q: torch.Tensor,
-                 bits: int) -> torch.Tensor | None:
-    """Scores ``[C, G, T]`` of float32 queries ``q [C, G, W]`` against packed codes
-    ``[T, C, P]`` (float32 ``scale``/``lo`` ``[T, C, 1]``), or None when the kernel is
-    unavailable or the inputs are not what it takes (CPU, float32, contiguous)."""
-    if codes.is_cuda or q.dtype != torch.float32 or scale.dtype != torch.float32:
-        return None
-    t, c, p = codes.shape
-    g, w = q.shape[1], q.shape[2]
-    if w != p * (8 // bits) or w > 256 or not codes.is_contiguous():
+                 bits: int, length: int) -> torch.Tensor | None:
+    """Scores ``[C, G, length]`` of float32 queries ``q [C, G, W]`` against the first
+    ``length`` rows of head-major packed codes ``[C, L, P]`` (float32 ``scale``/``lo``
+    ``[C, L]``), or None when the kernel is unavailable or cannot take the inputs."""
+    if not _takes_packed(codes, scale, q, bits):
         return None
     lib = library()
     if lib is None:
         return None
-    per = 8 // bits
-    qsum = q.sum(-1).contiguous()
-    # the query's columns in the kernel's slot-plane order: column j * per + s -> s * P + j
-    q = q.view(c, g, p, per).transpose(-1, -2).contiguous()
-    scale, lo = scale.contiguous(), lo.contiguous()
-    out = torch.empty(c, g, t, dtype=torch.float32)
+    c, big_l, p = codes.shape
+    g = q.shape[1]
+    q, qsum = _packed_query(q, bits)
+    out = torch.empty(c, g, length, dtype=torch.float32)
     lib.score_packed(codes.data_ptr(), scale.data_ptr(), lo.data_ptr(), q.data_ptr(),
-                     qsum.data_ptr(), out.data_ptr(), t, c, p, g, bits,
+                     qsum.data_ptr(), out.data_ptr(), length, big_l, c, p, g, bits,
                      torch.get_num_threads())
     return out
+
+
+def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                   q: torch.Tensor, bits: int, visible: torch.Tensor, caps: torch.Tensor,
+                   width: int) -> torch.Tensor | None:
+    """Scoring and the ``mass`` rule in one pass per column (see :func:`score_packed` and
+    :func:`select_mass`): ``order [C, width]`` for queries ``q [C, G, W]`` over the first
+    ``T = visible.shape[1]`` rows, ``caps [b]`` tokens per KV head. None when the kernel is
+    unavailable or cannot take the inputs."""
+    if not _takes_packed(codes, scale, q, bits) or width < 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    c, big_l, p = codes.shape
+    b, t = visible.shape
+    g = q.shape[1]
+    q, qsum = _packed_query(q, bits)
+    vis = visible.to(torch.uint8).contiguous()
+    cap = caps.to(torch.int64).repeat_interleave(c // b).contiguous()
+    order = torch.empty(c, width, dtype=torch.int64)
+    lib.speculate_mass(codes.data_ptr(), scale.data_ptr(), lo.data_ptr(), q.data_ptr(),
+                       qsum.data_ptr(), vis.data_ptr(), cap.data_ptr(), order.data_ptr(), t,
+                       big_l, c, c // b, p, g, bits, width, torch.get_num_threads())
+    return order
 
 
 MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
@@ -144,32 +177,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-ATTEND_CHUNK = 512  # the kernel's CH
 MIN_ATTEND_ROWS = 2048  # below this many cached tokens torch's two products are as fast
 MAX_GROUP = 16  # query heads per KV head the kernel's score buffer holds
 
 
+def _row_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
+    """(token stride, column stride) in floats of caches ``[T, C, D]`` whose rows are
+    contiguous (token-major, or head-major viewed as token-major), the same for K and V."""
+    if k.stride() != v.stride() or k.stride(2) != 1:
+        return None
+    return k.stride(0), k.stride(1)
+
+
 def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                 bias: torch.Tensor) -> torch.Tensor | None:
-    """Decode attention ``[C, G, D]`` of pre-scaled queries ``q [C, G, D]`` over token-major
-    rows ``k_rows``/``v_rows`` ``[T, C, D]`` (rows contiguous) with an additive ``bias``
-    ``[C, T]``; K and V are each read once. None when the kernel cannot take the inputs."""
+    """Decode attention ``[C, G, D]`` of pre-scaled queries ``q [C, G, D]`` over the rows
+    ``k_rows``/``v_rows`` ``[T, C, D]`` (token-major or a head-major cache's view; each row
+    contiguous) with an additive ``bias`` ``[C, T]``; K and V are each read once. None when
+    the kernel cannot take the inputs."""
     t, c, d = k_rows.shape
     g = q.shape[1]
+    strides = _row_strides(k_rows, v_rows)
     if (q.is_cuda or q.dtype != torch.float32 or k_rows.dtype != torch.float32
             or v_rows.dtype != torch.float32 or g > MAX_GROUP or t < MIN_ATTEND_ROWS
-            or d % 8 or d > 256
-            or k_rows.stride() != (c * d, d, 1) or v_rows.stride() != (c * d, d, 1)):
+            or d % 8 or d > 256 or strides is None):
         return None
     lib = library()
     if lib is None:
         return None
     q, bias = q.contiguous(), bias.float().contiguous()
     out = torch.empty(c, g, d, dtype=torch.float32)
-    chunks = -(-t // ATTEND_CHUNK)
-    part = torch.empty(c * chunks * g * (d + 2), dtype=torch.float32)
     lib.attend_rows(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), bias.data_ptr(),
-                    out.data_ptr(), part.data_ptr(), t, c, g, d, torch.get_num_threads())
+                    out.data_ptr(), t, c, g, d, *strides, torch.get_num_threads())
     return out
 
 
@@ -177,13 +216,13 @@ def attend_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
                    counts: torch.Tensor, k_new: torch.Tensor,
                    v_new: torch.Tensor) -> torch.Tensor | None:
     """Decode attention ``[C, G, D]`` of pre-scaled ``q [C, G, D]`` over rows
-    ``index[c, :counts[c]]`` of the token-major caches ``k``/``v`` (``[T, C, D]``, read where
-    they are, nothing gathered) plus each column's new token ``k_new``/``v_new [C, D]``.
-    None when the kernel cannot take the inputs."""
+    ``index[c, :counts[c]]`` of the caches ``k``/``v`` (``[T, C, D]``, token-major or a
+    head-major cache's view, read where they are, nothing gathered) plus each column's new
+    token ``k_new``/``v_new [C, D]``. None when the kernel cannot take the inputs."""
     c, g, d = q.shape
+    strides = _row_strides(k, v)
     if (q.is_cuda or q.dtype != torch.float32 or k.dtype != torch.float32 or g > MAX_GROUP
-            or d % 8 or d > 256 or k.stride()[1:] != (d, 1) or v.stride()[1:] != (d, 1)
-            or k.stride(0) != c * d or v.stride(0) != c * d):
+            or d % 8 or d > 256 or strides is None):
         return None
     lib = library()
     if lib is None:
@@ -193,11 +232,9 @@ def attend_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
     n = index.shape[1]
     q, k_new, v_new = (t.float().contiguous() for t in (q, k_new, v_new))
     out = torch.empty(c, g, d, dtype=torch.float32)
-    chunks = -(-(n + 1) // ATTEND_CHUNK)
-    part = torch.empty(c * chunks * g * (d + 2), dtype=torch.float32)
     lib.attend_indexed(q.data_ptr(), k.data_ptr(), v.data_ptr(), index.data_ptr(),
                        counts.data_ptr(), n, k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(),
-                       part.data_ptr(), c, g, d, torch.get_num_threads())
+                       c, g, d, *strides, torch.get_num_threads())
     return out
 
 
@@ -217,7 +254,6 @@ def select_mass(scores: torch.Tensor, visible: torch.Tensor, caps: torch.Tensor,
     vis = visible.to(torch.uint8).contiguous()
     cap = caps.to(torch.int64).repeat_interleave(kv).contiguous()
     order = torch.empty(b, kv, width, dtype=torch.int64)
-    work = torch.empty(2 * b * kv * t, dtype=torch.float32)
     lib.select_mass(scores.data_ptr(), vis.data_ptr(), cap.data_ptr(), order.data_ptr(),
-                    work.data_ptr(), b * kv, kv, g, t, width, torch.get_num_threads())
+                    b * kv, kv, g, t, width, torch.get_num_threads())
     return order

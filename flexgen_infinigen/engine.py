@@ -29,6 +29,7 @@ from .config import ModelConfig
 from .kv.base import CacheSpec, KVPolicy
 from .models import family_of
 from .policy import Policy
+from .prefill_cache import Prefilled
 from .sampling import Sampler
 from .stages import LayerSlice, Stage, build_stages  # noqa: F401 (re-exported)
 from .streams import Lanes
@@ -67,6 +68,7 @@ class Step:
 
 class Engine:
     stops_early = True  # the caller may stop a block when every row has ended
+    reuses_prefill = True  # a block may start from a kept prefill (:mod:`.prefill_cache`)
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, TieredTensor], policy: Policy,
                  tiers: Tiers, kv_policy: KVPolicy, dtype: torch.dtype,
@@ -80,6 +82,8 @@ class Engine:
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
+        self.prefilled: Prefilled | None = None  # the block starts from this prefill
+        self.capture: Prefilled | None = None  # the block's prefill is kept here
         self.prefill_chunk = 1 << 30  # tokens per prefill chunk, set for each block
         self.running = False  # one block at a time: its caches and states are the engine's
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
@@ -96,12 +100,15 @@ class Engine:
     # ---- one block --------------------------------------------------------------------------
     def generate_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
                        sampler: Sampler, keep_logits: bool = False,
-                       record: PromptRecorder | None = None) -> Iterator[Step]:
+                       record: PromptRecorder | None = None, prefilled: Prefilled | None = None,
+                       capture: Prefilled | None = None) -> Iterator[Step]:
         """Up to ``steps`` iterations for each GPU batch of (ids [b, P], valid [b, P]) pairs,
         one :class:`Step` at a time: the caller stops early by not asking for more.
 
         ``record``: run the prefill only, handing each layer's prompt q and k to it instead
-        of keeping a cache (calibration)."""
+        of keeping a cache (calibration). ``prefilled``: fill the caches from this kept
+        prefill of the same prompts instead of running it; ``capture``: keep this block's
+        prefill there."""
         if self.running:
             raise RuntimeError("a block is already running on this engine; finish or close "
                                "its generator first")
@@ -115,7 +122,7 @@ class Engine:
                 valid = valid.to(dev)
                 positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
                 self.states.append(self._prepare(BatchState(ids.to(dev), valid, positions)))
-            self.record = record
+            self.record, self.prefilled, self.capture = record, prefilled, capture
             self.prefill_chunk = self._prefill_chunk(len(batches[0][0]), prompt_len)
             if record is None:
                 self._make_caches(len(batches[0][0]), prompt_len + steps)
@@ -133,7 +140,7 @@ class Engine:
                 lanes.close()
             self.caches.clear()
             self._activations.clear()
-            self.record = None
+            self.record = self.prefilled = self.capture = None
             self.running = False
 
     def _prefill_chunk(self, batch_size: int, prompt_len: int) -> int:
@@ -151,12 +158,26 @@ class Engine:
             decode = i > 0
             for k in everything if decode else ():
                 self._advance(k, tokens[k])
-            self._iteration(decode, lanes, everything)
-            logits = [self._logits(k) for k in everything]
+            if not decode and self.prefilled is not None:
+                logits = self._restore(self.prefilled)
+            else:
+                self._iteration(decode, lanes, everything)
+                logits = [self._logits(k) for k in everything]
+                if not decode and self.capture is not None:
+                    self.capture.logits = [x.clone() for x in logits]
             tokens = [sampler(x, i, k) for k, x in enumerate(logits)]
             self._end_step(before)
             yield Step(i, tokens, time.perf_counter() - start,
                        [x.float() for x in logits] if keep_logits else None)
+
+    def _restore(self, prefilled: Prefilled) -> list[torch.Tensor]:
+        """The prefill from a kept one: every cache stores its layer's prompt keys and values
+        (no queries: a policy that needs them runs its own prefill); the first logits."""
+        dev = self.tiers.device
+        for (j, k), cache in self.caches.items():
+            key, value = prefilled.kv[(self.stages[j].layer, k)]
+            cache.store_prompt(None, key.to(dev), value.to(dev), self.states[k].valid)
+        return list(prefilled.logits)
 
     def _logits(self, k: int) -> torch.Tensor:
         return self.tiers.host_values(self.states[k].logits)[0]
@@ -227,6 +248,8 @@ class Engine:
             self.caches[(j, k)].store_token(key, value, valid.shape[1] - 1)
         else:
             self.caches[(j, k)].store_prompt(q, key, value, valid)
+            if self.capture is not None:
+                self.capture.keep(self.stages[j].layer, k, key, value)
 
     def _iteration(self, decode: bool, lanes: Lanes, batches: range | list[int]) -> None:
         """Every stage for the GPU batches ``batches`` (all of the block's, or one pipeline

@@ -30,19 +30,32 @@ class TieredTensor:
     Rows along dim 0 can be read or written in place (a KV cache appends one
     token row at a time); a compressed tensor keeps 4-bit codes in every tier
     and is decompressed only where it is used.
+
+    ``head_major`` (a KV cache ``[tokens, columns, d]`` split along its columns): when the
+    tensor is one uncompressed segment in CPU memory that a CPU computes on, it is stored
+    column after column (``[columns, tokens, d]`` in memory) and shown as the usual
+    ``[tokens, columns, d]`` view, so that decode attention reads each column's rows as one
+    stream (a token-major cache puts a column's rows ``columns x d`` apart). Everything that
+    indexes it sees the same logical tensor; only strides differ.
     """
 
     def __init__(self, tiers: Tiers, shape: tuple[int, ...], dtype: torch.dtype,
                  fractions: tuple[float, float, float], kind: str, split_dim: int = 0,
-                 compress: bool = False, pin: bool = True):
+                 compress: bool = False, pin: bool = True, head_major: bool = False):
         self.tiers, self.shape, self.dtype, self.kind = tiers, tuple(shape), dtype, kind
         self.split_dim = split_dim
         self.compressed = compress and compression.can_compress(self.shape)
+        sizes = [(tier, size) for tier, size in
+                 zip(TIERS, split_sizes(self.shape[split_dim], fractions)) if size]
+        # the compute device can read it where it is: one uncompressed segment on the device,
+        # or in CPU memory when the compute device is the CPU (``Tiers.host_in_place``)
+        self.addressable = not self.compressed and len(sizes) == 1 and (
+            sizes[0][0] == DEVICE or (sizes[0][0] == HOST and tiers.host_in_place))
+        self.head_major = (head_major and self.addressable and not tiers.is_cuda
+                           and split_dim == 1 and len(self.shape) == 3)
         self.segments: list[Segment] = []
         start = 0
-        for tier, size in zip(TIERS, split_sizes(self.shape[split_dim], fractions)):
-            if size == 0:
-                continue
+        for tier, size in sizes:
             seg_shape = list(self.shape)
             seg_shape[split_dim] = size
             self.segments.append(Segment(tier, start, start + size,
@@ -50,13 +63,11 @@ class TieredTensor:
             start += size
         # nothing to move: every segment sits on the compute device, uncompressed
         self.resident = not self.compressed and all(s.tier == DEVICE for s in self.segments)
-        # the compute device can read it where it is: one uncompressed segment on the device,
-        # or in CPU memory when the compute device is the CPU (``Tiers.host_in_place``)
-        self.addressable = not self.compressed and len(self.segments) == 1 and (
-            self.segments[0].tier == DEVICE
-            or (self.segments[0].tier == HOST and tiers.host_in_place))
 
     def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
+        if self.head_major:
+            rows, cols, d = shape
+            return self.tiers.empty(tier, (cols, rows, d), self.dtype, pin).transpose(0, 1)
         if not self.compressed:
             return self.tiers.empty(tier, shape, self.dtype, pin)
         cs, ss, ms = compression.packed_shapes(shape)
@@ -114,6 +125,14 @@ class TieredTensor:
             dst = out.narrow(self.split_dim, seg.start, seg.stop - seg.start)
             self.tiers.write(dst, to, seg.data[sel], self.kind, src_tier=seg.tier)
         return out
+
+    def flat_rows(self) -> tuple[torch.Tensor, int, int]:
+        """An ``addressable`` tensor's rows as one ``[n, d]`` view of its storage, and where
+        row (t, c) is in it: ``t * token_stride + c * column_stride``."""
+        data = self.view()
+        d = data.shape[-1]
+        flat = data.as_strided((data.shape[0] * data.shape[1], d), (d, 1))
+        return flat, data.stride(0) // d, data.stride(1) // d
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         """Per-column rows: ``out[r, c] = self[index[r, c], c]`` on the compute device.

@@ -153,6 +153,7 @@ def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatc
     from flexgen_infinigen.kv import spec_keys
 
     monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)  # the torch path
+    monkeypatch.setattr(spec_keys, "speculate_mass", lambda *a: None)
     _, store = tiny_llama
     b, prompt, gen = 2, 40, 8
     with _load(store, [100, 0, 0, 100, 100, 0], "infinigen", {"speculation_keys": "int4"},

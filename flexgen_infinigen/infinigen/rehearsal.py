@@ -70,7 +70,7 @@ class Rehearsal:
         """``[b, KV, d, r]``: the calibrated projection, or one per prompt, from the prompt's
         own query statistics blended with the calibration's (weight ``PRIOR_TOKENS``)."""
         static = self.projections[layer]
-        b = q.shape[0]
+        b = valid.shape[0]
         if self.gram_q is None:
             return static.expand(b, *static.shape)
         qv = q.float() * valid[:, :, None, None]  # padding contributes nothing

@@ -110,6 +110,9 @@ class KVPolicy(ABC):
     plannable = True  # the optimizer and cost model can plan for it
     attends_on_cpu = True  # it can attend where the cache lives (``--cpu-cache-compute``)
     speculates = False  # its caches use ``speculate`` (a pipeline then sends its input on)
+    # its caches' ``store_prompt`` reads the prompt's queries (it cannot start from a kept
+    # prefill, which holds keys and values only: :mod:`..prefill_cache`)
+    needs_prompt_queries = False
 
     # ---- command line -----------------------------------------------------------------------
     @classmethod

@@ -51,7 +51,8 @@ class FullCache(KVCache):
         self.spec = spec
         shape = (spec.max_len, spec.batch_size * spec.kv_heads, spec.head_dim)
         self.k, self.v = (TieredTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
-                                       split_dim=1, compress=spec.compress) for _ in range(2))
+                                       split_dim=1, compress=spec.compress, head_major=True)
+                          for _ in range(2))
         # attention on the CPU, where the cache lives (only q and the output cross the link)
         self.cpu_compute = spec.cpu_compute
         # where the compute device can read it (on the device, or in CPU memory when the CPU

@@ -119,6 +119,7 @@ class H2OCache(SelectiveCache):
 class H2OPolicy(SelectivePolicy):
     name = "h2o"
     summary = "keep the heavy hitters and the newest tokens, evict the rest for good"
+    needs_prompt_queries = True  # the prompt's attention scores the heavy hitters
 
     def __init__(self, hh_ratio: float = 0.1, recent_ratio: float = 0.1):
         super().__init__()

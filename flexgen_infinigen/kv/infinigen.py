@@ -94,29 +94,22 @@ class InfiniGenCache(SelectiveCache):
         spec, opts = self.spec, self.policy.options
         b, kv, d = spec.batch_size, spec.kv_heads, spec.head_dim
         pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv, self.projection)
+        pq = pq * (1.0 / math.sqrt(d))  # scaled first: the product stays in fp16's range
         length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
-        # scaled first: the product stays in fp16's range (see attention.py)
-        scores = self.keys.scores(pq * (1.0 / math.sqrt(d)), length)  # [b, KV, G, t]
+        seen = visible[:, :length]
+        if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
+                                                                  or opts.keep_recent):
+            n_valid = seen.sum(-1)
+            caps = torch.minimum(opts.budget.caps(n_valid), n_valid)
+            width = min(opts.budget.most(length), length)
+            order = self.keys.select_mass(pq, seen, caps, width)  # one compiled pass
+            if order is not None:
+                return order, caps[:, None].expand(-1, kv).contiguous()
+        scores = self.keys.scores(pq, length)  # [b, KV, G, t]
         allowed = None
         if self.pool is not None:  # evicted tokens are never selected again
             allowed = self.pool.alive[:, :length].view(b, kv, length)
-        elif opts.selection == "mass" and not (opts.keep_sink or opts.keep_recent):
-            fused = self._select_mass(scores, visible[:, :length], opts.budget)
-            if fused is not None:
-                return fused
-        return select(scores, visible[:, :length], opts.selection, opts.alpha, opts.budget,
-                      allowed)
-
-    def _select_mass(self, scores, visible, budget):
-        """The default rule in one compiled pass (cpu_kernels.select_mass), or None."""
-        n_valid = visible.sum(-1)
-        caps = torch.minimum(budget.caps(n_valid), n_valid)
-        order = cpu_kernels.select_mass(scores, visible, caps,
-                                        min(budget.most(visible.shape[1]), visible.shape[1]))
-        if order is None:
-            return None
-        kv = self.spec.kv_heads
-        return order, caps[:, None].expand(-1, kv).contiguous()
+        return select(scores, seen, opts.selection, opts.alpha, opts.budget, allowed)
 
     def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
         """Give the ranking to the load lane. Unless the cache is on the device, its copy to
@@ -240,6 +233,10 @@ class InfiniGenPolicy(SelectivePolicy):
     @classmethod
     def planned(cls, fraction: float) -> "InfiniGenPolicy":
         return cls(max_kv_fraction=fraction)
+
+    @property
+    def needs_prompt_queries(self) -> bool:
+        return self.options.prompt_skew  # a per-prompt skew comes from the prompt's queries
 
     # ---- what it costs ----------------------------------------------------------------------
     @property

@@ -90,11 +90,10 @@ def gather_on_device(cache: FullCache, order: torch.Tensor):
     count are masked by attention)."""
     b, kv, n = order.shape
     cols, d = b * kv, cache.spec.head_dim
-    # row r of column c sits at flat row r * cols + c of the token-major [t, cols, d] cache
-    flat = order.reshape(cols, n).t() * cols + torch.arange(cols, device=order.device)
-    flat = flat.reshape(-1)
     buffers = row_buffers(cache.spec, n + 1, "selected")
     for tensor, buf in zip((cache.k, cache.v), buffers):
-        data = tensor.view()
-        torch.index_select(data.view(-1, d), 0, flat, out=buf[:n].view(-1, d))
+        rows, token, column = tensor.flat_rows()
+        flat = order.reshape(cols, n).t() * token + \
+            torch.arange(cols, device=order.device) * column
+        torch.index_select(rows, 0, flat.reshape(-1), out=buf[:n].view(-1, d))
     return buffers

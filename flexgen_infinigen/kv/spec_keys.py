@@ -7,13 +7,13 @@ a cheap copy of the keys. Two kinds (``--speculation-keys``):
 * ``int4`` / ``int2``: the same projected key quantized per token and KV head (asymmetric,
   min and scale in the runtime dtype), so all ``head_dim`` columns fit where a few did.
 
-Rows are preallocated for the whole sequence and written in place.
+Rows are preallocated for the whole sequence and written in place, head-major.
 """
 from __future__ import annotations
 
 import torch
 
-from ..cpu_kernels import score_packed
+from ..cpu_kernels import score_packed, speculate_mass
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 
@@ -27,86 +27,105 @@ def bytes_per_key(kind: str, columns: int, item: int) -> float:
 
 
 class SpeculationKeys:
+    """Rows kept head-major: each column (batch x KV head) holds its tokens one after the
+    other (``[columns, max_len, ...]``), so that scoring a column reads one stream."""
+
     def __init__(self, kind: str, max_len: int, columns: int, width: int, dtype: torch.dtype,
                  tiers):
         self.kind, self.bits, self.width, self.dtype = kind, KINDS[kind], width, dtype
         self.tiers = tiers
         dev = tiers.device
         if self.bits is None:
-            self.data = tiers.track(torch.zeros(max_len, columns, width, dtype=dtype,
+            self.data = tiers.track(torch.zeros(columns, max_len, width, dtype=dtype,
                                                 device=dev), "device")
             return
         self.per_byte = 8 // self.bits
         self.use_kernel = not tiers.is_cuda and dtype == torch.float32
         packed = -(-width // self.per_byte)
-        self.codes = tiers.track(torch.zeros(max_len, columns, packed, dtype=torch.uint8,
+        self.codes = tiers.track(torch.zeros(columns, max_len, packed, dtype=torch.uint8,
                                              device=dev), "device")
-        self.lo = tiers.track(torch.zeros(max_len, columns, 1, dtype=dtype, device=dev),
-                              "device")
-        self.scale = tiers.track(torch.zeros(max_len, columns, 1, dtype=dtype, device=dev),
+        self.lo = tiers.track(torch.zeros(columns, max_len, dtype=dtype, device=dev), "device")
+        self.scale = tiers.track(torch.zeros(columns, max_len, dtype=dtype, device=dev),
                                  "device")
 
     def write(self, rows: torch.Tensor, start: int) -> None:
         """Projected keys ``[s, columns, width]`` for positions ``start..start+s``."""
         end = start + rows.shape[0]
         if self.bits is None:
-            self.data[start:end] = rows
+            self.data[:, start:end] = rows.transpose(0, 1)
             return
         levels = (1 << self.bits) - 1
-        x = rows.float()
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        x = rows.float().transpose(0, 1)  # [columns, s, width]
+        lo, hi = x.amin(-1), x.amax(-1)
         scale = ((hi - lo) / levels).clamp(min=1e-8)
-        q = torch.round((x - lo) / scale).clamp(0, levels).to(torch.uint8)
+        q = torch.round((x - lo[..., None]) / scale[..., None]).clamp(0, levels).to(torch.uint8)
         pad = (-q.shape[-1]) % self.per_byte
         if pad:
             q = torch.nn.functional.pad(q, (0, pad))
         q = q.view(*q.shape[:-1], -1, self.per_byte)
         shifts = torch.arange(self.per_byte, device=q.device, dtype=torch.uint8) * self.bits
-        self.codes[start:end] = (q << shifts).sum(-1, dtype=torch.uint8)
-        self.lo[start:end] = lo.to(self.dtype)
-        self.scale[start:end] = scale.to(self.dtype)
+        self.codes[:, start:end] = (q << shifts).sum(-1, dtype=torch.uint8)
+        self.lo[:, start:end] = lo.to(self.dtype)
+        self.scale[:, start:end] = scale.to(self.dtype)
 
     def keys(self, length: int) -> torch.Tensor:
         """The first ``length`` rows ``[length, columns, width]`` in the runtime dtype."""
         if self.bits is None:
-            return self.data[:length]
-        codes = self.codes[:length]
+            return self.data[:, :length].transpose(0, 1)
+        codes = self.codes[:, :length]
         shifts = torch.arange(self.per_byte, device=codes.device, dtype=torch.uint8) * self.bits
         mask = (1 << self.bits) - 1
         q = ((codes[..., None] >> shifts) & mask).flatten(-2)[..., :self.width]
-        return (q.to(self.dtype) * self.scale[:length] + self.lo[:length])
+        keys = q.to(self.dtype) * self.scale[:, :length, None] + self.lo[:, :length, None]
+        return keys.transpose(0, 1)
+
+    def _query(self, pq: torch.Tensor) -> torch.Tensor:
+        """Partial queries ``[b, KV, G, w]`` as float32 ``[columns, G, width]`` (zero columns
+        where the packed width is wider)."""
+        b, kv, g, w = pq.shape
+        qf = pq.float().reshape(b * kv, g, w)
+        width = self.codes.shape[-1] * self.per_byte
+        return torch.nn.functional.pad(qf, (0, width - w)) if width > w else qf
 
     def scores(self, pq: torch.Tensor, length: int) -> torch.Tensor:
         """Approximate logits ``[b, KV, G, length]`` of partial queries ``pq [b, KV, G, w]``.
 
-        Quantized keys are not dequantized: q.k = scale (q.codes) + min (sum of q). The codes
-        are unpacked token-major, as stored, one code slot of every byte after the other
-        (the query's columns reordered to match), into a reused buffer, and scored with one
-        batched matmul over the key rows, the layout decode attention reads."""
+        Quantized keys are not dequantized: q.k = scale (q.codes) + min (sum of q). On a CPU
+        a kernel reads the codes once (see cpu_kernels); the torch path unpacks them into a
+        reused buffer, one code slot of every byte after the other (the query's columns
+        reordered to match), and scores them with one batched product."""
         b, kv, g, w = pq.shape
         if self.bits is None:
-            pk = self.data[:length].view(length, b, kv, w).permute(1, 2, 3, 0)
-            return torch.matmul(pq.to(pk.dtype), pk).float()
-        codes = self.codes[:length]  # [t, cols, packed]
-        cols, packed = codes.shape[1], codes.shape[2]
-        width, mask = packed * self.per_byte, (1 << self.bits) - 1
-        if self.use_kernel:  # codes expanded in registers, read once (see kernels.py)
-            qf = pq.float().reshape(cols, g, w)
-            if width > w:
-                qf = torch.nn.functional.pad(qf, (0, width - w))
-            out = score_packed(codes, self.scale[:length], self.lo[:length], qf, self.bits)
+            pk = self.data[:, :length].transpose(1, 2)  # [columns, w, length]
+            return torch.bmm(pq.to(pk.dtype).reshape(b * kv, g, w), pk).view(
+                b, kv, g, length).float()
+        if self.use_kernel:
+            out = score_packed(self.codes, self.scale, self.lo, self._query(pq), self.bits,
+                               length)
             if out is not None:
                 return out.view(b, kv, g, length)
-        unpacked = self.tiers.scratch("speculation.unpacked", (length, cols, width), self.dtype)
-        planes = unpacked.view(length, cols, self.per_byte, packed)
+        codes = self.codes[:, :length]  # [columns, t, packed]
+        cols, packed = codes.shape[0], codes.shape[2]
+        width, mask = packed * self.per_byte, (1 << self.bits) - 1
+        unpacked = self.tiers.scratch("speculation.unpacked", (cols, length, width), self.dtype)
+        planes = unpacked.view(cols, length, self.per_byte, packed)
         for slot in range(self.per_byte):  # column j * per_byte + slot of the key
             planes[:, :, slot].copy_((codes >> (slot * self.bits)) & mask)
-        q = pq.to(self.dtype).reshape(cols, g, w)
-        if width > w:
-            q = torch.nn.functional.pad(q, (0, width - w))
+        q = self._query(pq).to(self.dtype)
         q = torch.cat([q[..., slot::self.per_byte] for slot in range(self.per_byte)], -1)
-        dot = torch.bmm(q, unpacked.permute(1, 2, 0))  # [cols, G, t]
-        scale = self.scale[:length].view(length, cols).t()[:, None, :]
-        lo = self.lo[:length].view(length, cols).t()[:, None, :]
-        out = dot * scale + q.sum(-1, keepdim=True) * lo
+        dot = torch.bmm(q, unpacked.transpose(1, 2))  # [columns, G, t]
+        out = dot * self.scale[:, None, :length] + q.sum(-1, keepdim=True) * \
+            self.lo[:, None, :length]
         return out.view(b, kv, g, length).float()
+
+    def select_mass(self, pq: torch.Tensor, visible: torch.Tensor, caps: torch.Tensor,
+                    width: int) -> torch.Tensor | None:
+        """The ``mass`` rule on the scores of ``pq [b, KV, G, w]`` over the first
+        ``visible.shape[1]`` rows, scored and selected in one pass per column by a CPU kernel:
+        ``order [b, KV, width]``, or None where the kernel does not apply."""
+        if self.bits is None or not self.use_kernel:
+            return None
+        b, kv = pq.shape[:2]
+        order = speculate_mass(self.codes, self.scale, self.lo, self._query(pq), self.bits,
+                               visible, caps, width)
+        return None if order is None else order.view(b, kv, width)

@@ -33,6 +33,7 @@ from ..tiered import TieredTensor
 
 class PipelineEngine(Engine):
     stops_early = False  # every rank must run the same steps
+    reuses_prefill = False
 
     def __init__(self, cfg, weights, policy, tiers, kv_policy, dtype, part, link):
         super().__init__(cfg, weights, policy, tiers, kv_policy, dtype, part)

@@ -1,0 +1,290 @@
+#include "common.h"
+
+/* Decode attention: one query token per sequence, keys and values read where the cache
+   keeps them. A cache is [T, C, D] rows (C = batch x KV heads columns), each row of D floats
+   contiguous; row t of column c sits at t * st + c * sc floats: token-major (st = C * D,
+   sc = D) or head-major (st = D, sc = T' * D: every column's rows one after the other, the
+   layout a CPU cache uses, so that a column is read as one stream). q: [C, G, D], pre-scaled;
+   D a multiple of 8, at most 256; G at most 16.
+
+   Work items are (column, range of rows), so that every thread has work when columns are few;
+   an item walks its rows in blocks of TB: the block's G scores (pairs of heads against four
+   rows at a time, the partial sums in registers), each head's running softmax (max m, sum
+   l), then the block's values added into each head's weighted sum (up to three heads, even
+   and odd rows in separate registers). A (column, head) state is m, l and D sums; the states
+   of a column's ranges are merged at the end. */
+#define TB 64
+#ifndef AHEAD
+#define AHEAD 128  /* selected rows are asked for this many rows before they are read */
+#endif
+
+static inline float hsum8(v8 a) {
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 lo = {a[0], a[1], a[2], a[3]}, hi = {a[4], a[5], a[6], a[7]};
+    lo += hi;
+    return (lo[0] + lo[2]) + (lo[1] + lo[3]);
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    v8 s0 = {0}, s1 = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        s0 += load8(a + d) * load8(b + d);
+        s1 += load8(a + d + 8) * load8(b + d + 8);
+    }
+    for (; d < D; d += 8)
+        s0 += load8(a + d) * load8(b + d);
+    return hsum8(s0 + s1);
+}
+
+/* Eight sums at once: lane j of the result is the sum of the lanes of a[j]. */
+static inline v8 reduce8(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5, v8 a6, v8 a7) {
+#ifdef __AVX__
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
+#else
+    return (v8){hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(a4), hsum8(a5), hsum8(a6),
+                hsum8(a7)};
+#endif
+}
+
+/* s[g * TB + i] = q[g] . rows[i] for every head g < G and row i < n: heads in pairs against
+   four rows at a time (eight partial sums in registers), an odd head against eight rows.
+   The rows ``ahead`` (of a later block) are prefetched along the way, two per row scored. */
+static void score_block(const float *q, const float *const *rows, int64_t n, int64_t G,
+                        int64_t D, float *s, const float *const *ahead, int64_t n_ahead) {
+    int64_t g = 0, asked = 0;
+    for (; g + 2 <= G; g += 2) {
+        const float *q0 = q + g * D, *q1 = q0 + D;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+            for (; asked < n_ahead && asked < 2 * (i + 4); asked++)  /* spread out, not a burst */
+                for (int64_t d = 0; d < D; d += 16)
+                    __builtin_prefetch(ahead[asked] + d);
+            const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8 x = load8(q0 + d), y = load8(q1 + d);
+                const v8 k0 = load8(r0 + d), k1 = load8(r1 + d), k2 = load8(r2 + d),
+                         k3 = load8(r3 + d);
+                a0 += k0 * x; a1 += k1 * x; a2 += k2 * x; a3 += k3 * x;
+                b0 += k0 * y; b1 += k1 * y; b2 += k2 * y; b3 += k3 * y;
+            }
+            const v8 r = reduce8(a0, a1, a2, a3, b0, b1, b2, b3);
+            float *s0 = s + g * TB + i, *s1 = s0 + TB;
+            s0[0] = r[0]; s0[1] = r[1]; s0[2] = r[2]; s0[3] = r[3];
+            s1[0] = r[4]; s1[1] = r[5]; s1[2] = r[6]; s1[3] = r[7];
+        }
+        for (; i < n; i++) {
+            s[g * TB + i] = dot(q0, rows[i], D);
+            s[(g + 1) * TB + i] = dot(q1, rows[i], D);
+        }
+    }
+    for (; asked < n_ahead; asked++)
+        for (int64_t d = 0; d < D; d += 16)
+            __builtin_prefetch(ahead[asked] + d);
+    if (g < G) {
+        const float *q0 = q + g * D;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const float *const *r = rows + i;
+            v8 a[8] = {{0}};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8 x = load8(q0 + d);
+                for (int j = 0; j < 8; j++)
+                    a[j] += load8(r[j] + d) * x;
+            }
+            store8(s + g * TB + i, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+        }
+        for (; i < n; i++)
+            s[g * TB + i] = dot(q0, rows[i], D);
+    }
+}
+
+/* acc[g] += sum_i p[g * TB + i] * rows[i] for heads g0 .. g0 + NG (NG <= 3), W vectors of 8
+   floats of the row at a time (NG * W <= 6), even and odd rows into separate sums so that
+   the multiply-adds of a row do not wait for the previous row's. */
+static inline __attribute__((always_inline)) void add_values(
+        const float *p, const float *const *rows, int64_t n, int64_t g0, const int64_t NG,
+        const int64_t W, int64_t D, float *const *acc) {
+    for (int64_t d = 0; d < D; d += 8 * W) {
+        const int64_t w = (D - d) / 8 < W ? (D - d) / 8 : W;
+        v8 a[3][4], b[3][4];
+        for (int64_t g = 0; g < NG; g++)
+            for (int64_t j = 0; j < w; j++) {
+                a[g][j] = load8(acc[g0 + g] + d + 8 * j);
+                b[g][j] = (v8){0};
+            }
+        int64_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const float *r0 = rows[i] + d, *r1 = rows[i + 1] + d;
+            for (int64_t j = 0; j < w; j++) {
+                const v8 x0 = load8(r0 + 8 * j), x1 = load8(r1 + 8 * j);
+                for (int64_t g = 0; g < NG; g++) {
+                    a[g][j] += splat8(p[(g0 + g) * TB + i]) * x0;
+                    b[g][j] += splat8(p[(g0 + g) * TB + i + 1]) * x1;
+                }
+            }
+        }
+        for (; i < n; i++)
+            for (int64_t j = 0; j < w; j++) {
+                const v8 x0 = load8(rows[i] + d + 8 * j);
+                for (int64_t g = 0; g < NG; g++)
+                    a[g][j] += splat8(p[(g0 + g) * TB + i]) * x0;
+            }
+        for (int64_t g = 0; g < NG; g++)
+            for (int64_t j = 0; j < w; j++)
+                store8(acc[g0 + g] + d + 8 * j, a[g][j] + b[g][j]);
+    }
+}
+
+/* One block of n <= TB rows for one column: scores (plus bias[i] when given), the running
+   softmax of each head updated, the values added. state: G x (m, l, acc[D]). */
+static void attend_block(const float *q, const float *const *krows, const float *const *vrows,
+                         const float *bias, int64_t n, int64_t G, int64_t D, float *state,
+                         float *s, const float *const *ahead, int64_t n_ahead) {
+    score_block(q, krows, n, G, D, s, ahead, n_ahead);
+    float *acc[16];
+    int64_t g;
+    for (g = 0; g < G; g++) {
+        float *sg = s + g * TB, *st = state + g * (D + 2);
+        if (bias)
+            for (int64_t i = 0; i < n; i++)
+                sg[i] += bias[i];
+        float m = st[0];
+        for (int64_t i = 0; i < n; i++)
+            m = sg[i] > m ? sg[i] : m;
+        const float rescale = expf(st[0] - m);
+        float l = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            sg[i] = expf(sg[i] - m);
+            l += sg[i];
+        }
+        st[0] = m;
+        st[1] = st[1] * rescale + l;
+        acc[g] = st + 2;
+        if (rescale != 1.0f)
+            for (int64_t d = 0; d < D; d++)
+                acc[g][d] *= rescale;
+    }
+    for (g = 0; g + 3 <= G; g += 3)
+        add_values(s, vrows, n, g, 3, 2, D, acc);
+    if (G - g == 2)
+        add_values(s, vrows, n, g, 2, 3, D, acc);
+    else if (G - g == 1)
+        add_values(s, vrows, n, g, 1, 4, D, acc);
+}
+
+static void init_states(float *state, int64_t n, int64_t D) {
+    for (int64_t i = 0; i < n; i++) {
+        float *st = state + i * (D + 2);
+        st[0] = -3.0e38f;
+        st[1] = 0.0f;
+        for (int64_t d = 0; d < D; d++)
+            st[2 + d] = 0.0f;
+    }
+}
+
+/* out[c, g] from the states of `parts` ranges of every (column, head): range r's state of
+   (column, head) cg, (m, l, acc[D]), at part + (r * CG + cg) * (D + 2). */
+static void merge_states(float *out, const float *part, int64_t CG, int64_t D, int64_t parts) {
+    for (int64_t cg = 0; cg < CG; cg++) {
+        float m = -3.0e38f, l = 0.0f;
+        for (int64_t r = 0; r < parts; r++) {
+            const float mr = part[(r * CG + cg) * (D + 2)];
+            m = mr > m ? mr : m;
+        }
+        float *o = out + cg * D;
+        for (int64_t d = 0; d < D; d++)
+            o[d] = 0.0f;
+        for (int64_t r = 0; r < parts; r++) {
+            const float *st = part + (r * CG + cg) * (D + 2);
+            if (st[1] == 0.0f)
+                continue;
+            const float w = expf(st[0] - m);
+            l += w * st[1];
+            for (int64_t d = 0; d < D; d++)
+                o[d] += w * st[2 + d];
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int64_t d = 0; d < D; d++)
+            o[d] *= inv;
+    }
+}
+
+/* Ranges a column's rows are cut into, so that every thread has work when columns are few. */
+static int64_t ranges_per_column(int64_t C, int64_t rows, int64_t nthreads) {
+    int64_t r = (2 * nthreads + C - 1) / C;
+    const int64_t most = (rows + TB - 1) / TB;
+    r = r < most ? r : most;
+    return r < 1 ? 1 : r;
+}
+
+/* Attention over every row: row t of column c of k and v is at t * st + c * sc floats
+   (token-major [T, C, D]: st = C * D, sc = D; head-major [C, T, D]: st = D, sc = T' * D).
+   q: [C, G, D]; bias: [C, T]; out: [C, G, D]. Work items are (column, range of rows),
+   each walked in order, so that a head-major cache is read as one stream per item. */
+void attend_rows(const float *q, const float *k, const float *v, const float *bias,
+                 float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
+                 int64_t sc, int64_t nthreads) {
+    const int64_t R = ranges_per_column(C, T, nthreads), S = G * (D + 2);
+    float *part = (float *)malloc(sizeof(float) * C * R * S);
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t item = 0; item < C * R; item++) {
+        const int64_t c = item / R, r = item % R;
+        const int64_t lo = T * r / R, hi = T * (r + 1) / R;
+        float *state = part + (r * C + c) * S;
+        float s[16 * TB];
+        const float *kr[TB], *vr[TB];
+        init_states(state, G, D);
+        for (int64_t t0 = lo; t0 < hi; t0 += TB) {
+            const int64_t n = t0 + TB < hi ? TB : hi - t0;
+            for (int64_t i = 0; i < n; i++) {
+                kr[i] = k + (t0 + i) * st + c * sc;
+                vr[i] = v + (t0 + i) * st + c * sc;
+            }
+            attend_block(q + c * G * D, kr, vr, bias + c * T + t0, n, G, D, state, s, NULL, 0);
+        }
+    }
+    merge_states(out, part, C * G, D, R);
+    free(part);
+}
+
+/* Attention over chosen rows read where the cache keeps them (InfiniGen's selected tokens):
+   column c attends to rows index[c, 0 .. counts[c]) of k and v (row t of column c at
+   t * st + c * sc), then to its new token k_new[c], v_new[c]. q, out: [C, G, D]. */
+void attend_indexed(const float *q, const float *k, const float *v, const int64_t *index,
+                    const int64_t *counts, int64_t n, const float *k_new, const float *v_new,
+                    float *out, int64_t C, int64_t G, int64_t D, int64_t st, int64_t sc,
+                    int64_t nthreads) {
+    const int64_t R = ranges_per_column(C, n + 1, nthreads), S = G * (D + 2);
+    float *part = (float *)malloc(sizeof(float) * C * R * S);
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t item = 0; item < C * R; item++) {
+        const int64_t c = item / R, r = item % R, used = counts[c] + 1;
+        const int64_t lo = used * r / R, hi = used * (r + 1) / R;
+        const int64_t *idx = index + c * n;
+        float *state = part + (r * C + c) * S;
+        float s[16 * TB];
+        const float *kr[TB], *vr[TB], *ahead[2 * TB];
+        init_states(state, G, D);
+        for (int64_t t0 = lo; t0 < hi; t0 += TB) {
+            const int64_t m = t0 + TB < hi ? TB : hi - t0;
+            for (int64_t i = 0; i < m; i++) {
+                const int64_t j = t0 + i;
+                kr[i] = j < counts[c] ? k + idx[j] * st + c * sc : k_new + c * D;
+                vr[i] = j < counts[c] ? v + idx[j] * st + c * sc : v_new + c * D;
+            }
+            int64_t na = 0;  /* the K and V rows AHEAD rows on */
+            for (int64_t j = t0 + AHEAD; j < t0 + AHEAD + m && j < counts[c] && j < hi; j++) {
+                ahead[na++] = k + idx[j] * st + c * sc;
+                ahead[na++] = v + idx[j] * st + c * sc;
+            }
+            attend_block(q + c * G * D, kr, vr, NULL, m, G, D, state, s, ahead, na);
+        }
+    }
+    merge_states(out, part, C * G, D, R);
+    free(part);
+}
+
