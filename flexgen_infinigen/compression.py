@@ -79,3 +79,52 @@ def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
         torch.mul(q, scale[part], out=flat_out[part])
         flat_out[part] += minimum[part]
     return out if dtype is None else out.to(dtype)
+
+
+@dataclass
+class PackedWeight:
+    """A compressed weight handed to the model's math as stored (in CPU memory that a CPU
+    computes on): ``cpu_kernels.linear`` multiplies with its codes directly, anything else
+    asks for :meth:`dense` rows or :meth:`rows`."""
+
+    packed: Packed
+
+    def __post_init__(self):
+        p = self.packed
+        # what the CPU kernel takes (cpu_kernels.linear_q4): a float32 matrix, its codes as
+        # this module packs them, every part contiguous
+        self.kernel_ready = (len(p.shape) == 2 and p.shape[-1] % GROUP_SIZE == 0
+                             and GROUP_SIZE == 64 and p.scale.dtype == torch.float32
+                             and p.codes.shape[-1] == 32 and not p.codes.is_cuda
+                             and all(t.is_contiguous() for t in p.parts))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.packed.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.scale.dtype
+
+    def dense(self) -> torch.Tensor:
+        return decompress(self.packed)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``dense()[ids]`` without expanding the other rows (an embedding lookup)."""
+        p = self.packed
+        flat = ids.reshape(-1)
+        picked = Packed(p.codes[flat], p.scale[flat], p.minimum[flat],
+                        (flat.numel(), *p.shape[1:]))
+        return decompress(picked).view(*ids.shape, *p.shape[1:])
+
+
+def dense(w):
+    """A weight as a tensor, whether it came packed (:class:`PackedWeight`) or not."""
+    return w.dense() if isinstance(w, PackedWeight) else w
+
+
+def lookup(w, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table, packed or not."""
+    if isinstance(w, PackedWeight):
+        return w.rows(ids)
+    return torch.nn.functional.embedding(ids, w)

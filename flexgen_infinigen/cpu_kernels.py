@@ -81,8 +81,12 @@ def library() -> ctypes.CDLL | None:
         lib.score_packed.restype = None
         lib.speculate_mass.argtypes = [ptr] * 8 + [i64] * 9
         lib.speculate_mass.restype = None
+        lib.spec_write.argtypes = [ptr] * 4 + [i64] * 7
+        lib.spec_write.restype = None
         lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.linear_rows.restype = None
+        lib.linear_q4.argtypes = [ptr] * 6 + [i64] * 4
+        lib.linear_q4.restype = ctypes.c_int
         lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6
@@ -128,6 +132,24 @@ def score_packed(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, q: 
     return out
 
 
+def spec_write(rows: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
+               start: int, bits: int) -> bool:
+    """Projected keys ``rows [n, C, W]`` packed into head-major ``codes [C, L, P]``,
+    ``lo``/``scale`` ``[C, L]`` at rows ``start ..`` (as ``SpeculationKeys.write``'s torch
+    path); False when the kernel cannot take them."""
+    if (rows.is_cuda or lo.dtype != torch.float32 or not codes.is_contiguous()
+            or not lo.is_contiguous() or not scale.is_contiguous()):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    x = rows.float().contiguous()
+    n, c, w = x.shape
+    lib.spec_write(x.data_ptr(), codes.data_ptr(), lo.data_ptr(), scale.data_ptr(), n, start,
+                   codes.shape[1], c, w, codes.shape[2], bits)
+    return True
+
+
 def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                    q: torch.Tensor, bits: int, visible: torch.Tensor, caps: torch.Tensor,
                    width: int) -> torch.Tensor | None:
@@ -156,11 +178,17 @@ def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
 MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
     read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
-    anything else, or without the kernel, goes to ``F.linear``."""
+    a packed 4-bit weight (:class:`~.compression.PackedWeight`) is multiplied as stored
+    (:func:`linear_q4`). Anything else, or without the kernels, goes to ``F.linear``."""
+    from .compression import PackedWeight
+
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if isinstance(weight, PackedWeight):
+        out = linear_q4(x, weight, bias) if 0 < rows <= MAX_LINEAR_ROWS else None
+        return out if out is not None else torch.nn.functional.linear(x, weight.dense(), bias)
     if (x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32
             or not 0 < rows <= MAX_LINEAR_ROWS or not weight.is_contiguous()
             or (bias is not None and bias.dtype != torch.float32)):
@@ -175,6 +203,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     out.data_ptr(), rows, weight.shape[0], weight.shape[1],
                     torch.get_num_threads())
     return out
+
+
+def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
+    """``x @ W.T (+ bias)`` for a packed 4-bit weight read as stored (``kernels/linear.c``:
+    x rounded to 8 bits per group of 64 for the byte products), or None when the kernel
+    cannot take the inputs (no AVX2, not float32, a GPU)."""
+    if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
+            bias is not None and bias.dtype != torch.float32):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    p = weight.packed
+    n, k = p.shape
+    rows = x.numel() // k
+    xs = x.reshape(rows, k).contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    b = bias.contiguous() if bias is not None else None
+    done = lib.linear_q4(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
+                         p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
+                         out.data_ptr(), rows, n, k, torch.get_num_threads())
+    return out if done else None
 
 
 MIN_ATTEND_ROWS = 2048  # below this many cached tokens torch's two products are as fast

@@ -175,7 +175,7 @@ class Engine:
         (no queries: a policy that needs them runs its own prefill); the first logits."""
         dev = self.tiers.device
         for (j, k), cache in self.caches.items():
-            key, value = prefilled.kv[(self.stages[j].layer, k)]
+            key, value = prefilled.take(self.stages[j].layer, k)
             cache.store_prompt(None, key.to(dev), value.to(dev), self.states[k].valid)
         return list(prefilled.logits)
 
@@ -229,7 +229,8 @@ class Engine:
 
     # ---- the schedule -----------------------------------------------------------------------
     def _load_weights(self, j: int) -> dict[str, torch.Tensor]:
-        return {short: self.weights[full].read() for short, full in self.stages[j].weights.items()}
+        return {short: self.weights[full].read_for_compute()
+                for short, full in self.stages[j].weights.items()}
 
     def _load_cache(self, decode: bool, j: int, k: int):
         if not decode or (j, k) not in self.caches:

@@ -31,16 +31,24 @@ FORMAT = 1
 @dataclass
 class Prefilled:
     """One block's prefill: ``kv[(layer, batch)] = (k, v)`` ``[b, P, KV, d]`` on the CPU, and
-    every GPU batch's logits ``[b, vocab]`` at the prompt's last position."""
+    every GPU batch's logits ``[b, vocab]`` at the prompt's last position. One read from a
+    file (``path``) holds only the logits: each layer's keys and values are read when asked
+    for (:meth:`take`), so that a 32K-token prefill never sits in memory beside its cache."""
 
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     logits: list[torch.Tensor] = field(default_factory=list)
+    path: Path | None = None
 
     def keep(self, layer: int, batch: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv[(layer, batch)] = (k.detach().cpu(), v.detach().cpu())
 
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv.values())
+    def take(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.path is None:
+            return self.kv[(layer, batch)]
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:
+            return f.get_tensor(f"k.{layer}.{batch}"), f.get_tensor(f"v.{layer}.{batch}")
 
 
 class PrefillCache:
@@ -84,12 +92,15 @@ class PrefillCache:
         return found
 
     def put(self, key: str, prefilled: Prefilled) -> None:
-        self.memory[key] = prefilled
-        if self.folder is not None:
-            _write(self.folder / f"{key}.safetensors", prefilled)
+        """Keep ``prefilled``: in memory, or, with a folder, on disk only (later uses read it
+        layer by layer)."""
+        if self.folder is None:
+            self.memory[key] = prefilled
+            return
+        path = self.folder / f"{key}.safetensors"
+        _write(path, prefilled)
+        self.memory[key] = Prefilled(logits=prefilled.logits, path=path)
 
-    def clear_memory(self) -> None:
-        self.memory.clear()
 
 
 def _write(path: Path, p: Prefilled) -> None:
@@ -108,22 +119,16 @@ def _write(path: Path, p: Prefilled) -> None:
 
 
 def _read(path: Path) -> Prefilled | None:
+    """The logits of a kept prefill and where its keys and values are (read when asked)."""
     if not path.is_file():
         return None
     from safetensors import safe_open
 
-    out = Prefilled()
     logits = {}
     with safe_open(str(path), framework="pt") as f:
         if (f.metadata() or {}).get("format") != str(FORMAT):
             return None
-        names = list(f.keys())
-        for name in names:
-            kind, *idx = name.split(".")
-            if kind == "logits":
-                logits[int(idx[0])] = f.get_tensor(name)
-            elif kind == "k":
-                layer, b = int(idx[0]), int(idx[1])
-                out.kv[(layer, b)] = (f.get_tensor(name), f.get_tensor(f"v.{layer}.{b}"))
-    out.logits = [logits[b] for b in sorted(logits)]
-    return out
+        for name in f.keys():
+            if name.startswith("logits."):
+                logits[int(name.split(".")[1])] = f.get_tensor(name)
+    return Prefilled(logits=[logits[b] for b in sorted(logits)], path=path)

@@ -63,6 +63,7 @@ class TieredTensor:
             start += size
         # nothing to move: every segment sits on the compute device, uncompressed
         self.resident = not self.compressed and all(s.tier == DEVICE for s in self.segments)
+        self._packed = None  # read_for_compute's handle on packed codes, made once
 
     def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
         if self.head_major:
@@ -112,6 +113,18 @@ class TieredTensor:
         """Rows of an ``addressable`` tensor as they are stored: no copy, nothing counted."""
         assert self.addressable, "view() needs an addressable tensor"
         return self.segments[0].data[slice(None) if rows is None else rows]
+
+    def read_for_compute(self):
+        """What the model's math gets: the tensor on the compute device (:meth:`read`), or, for
+        a compressed tensor held in one segment in CPU memory that a CPU computes on, its
+        codes as stored (a :class:`~.compression.PackedWeight`: nothing is expanded)."""
+        if (self.compressed and len(self.segments) == 1 and not self.tiers.is_cuda
+                and (self.segments[0].tier == DEVICE
+                     or (self.segments[0].tier == HOST and self.tiers.host_in_place))):
+            if self._packed is None:
+                self._packed = compression.PackedWeight(self.segments[0].data)
+            return self._packed
+        return self.read()
 
     def _read_into_place(self, sel: slice, to: str, out: torch.Tensor | None) -> torch.Tensor:
         """A split tensor read into one buffer, each segment copied straight to its place

@@ -244,3 +244,18 @@ def test_fused_mass_selection_chooses_what_select_chooses(b, kv, group, length):
             n = int(caps[i])
             assert set(fused[i, h, :n].tolist()) == set(order[i, h, :n].tolist())
             assert all(visible[i, t] for t in fused[i, h, :n].tolist())
+
+
+@pytest.mark.parametrize("kind,width", [("int4", 64), ("int4", 19), ("int2", 64), ("int2", 19)])
+def test_kernel_packs_speculation_keys_as_torch_does(kind, width):
+    torch.manual_seed(width)
+    fast = SpeculationKeys(kind, 50, 6, width, torch.float32, Tiers("cpu"))
+    slow = SpeculationKeys(kind, 50, 6, width, torch.float32, Tiers("cpu"))
+    slow.use_kernel = False
+    prompt, step = torch.randn(30, 6, width) * 2, torch.randn(1, 6, width)
+    for keys in (fast, slow):
+        keys.write(prompt, 0)
+        keys.write(step, 30)  # a decode step's key
+    assert torch.equal(fast.codes, slow.codes)
+    assert torch.equal(fast.lo, slow.lo)
+    assert torch.allclose(fast.scale, slow.scale, rtol=1e-6, atol=0)

@@ -39,15 +39,17 @@ def test_a_kept_prefill_decodes_as_a_fresh_one(family, request, tmp_path):
     """One prefill, kept by a full-cache run, then every policy decoded from it (from memory
     and, in a second cache, from disk): the same tokens and logits as its own prefill."""
     _, store = request.getfixturevalue(family)
-    cache = PrefillCache(tmp_path)
+    in_memory, disk = PrefillCache(), PrefillCache(tmp_path)
     with _load(store) as lm:
-        first = _generate(lm, "full", {}, cache)
-    assert first.prefills_reused == 0 and len(cache.memory) == 1  # one block of 2 x 2
+        for cache in (in_memory, disk):
+            first = _generate(lm, "full", {}, cache)
+            assert first.prefills_reused == 0 and len(cache.memory) == 1  # one block of 2 x 2
+    assert disk.memory[next(iter(disk.memory))].kv == {}  # on disk only, read when used
     on_disk = PrefillCache(tmp_path)
     for kv, kw, compress in POLICIES:
         with _load(store, compress) as lm:
             fresh = _generate(lm, kv, kw)
-            for kept in (cache, on_disk):
+            for kept in (in_memory, disk, on_disk):
                 reused = _generate(lm, kv, kw, kept)
                 assert reused.token_ids == fresh.token_ids, (kv, compress)
                 for a, b in zip(reused.logits, fresh.logits):

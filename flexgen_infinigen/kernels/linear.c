@@ -59,3 +59,105 @@ void linear_rows(const float *x, const float *w, const float *bias, float *out, 
         }
 }
 
+
+#ifdef __AVX2__
+/* Output rows o .. o + P (P <= 2) of linear_q4 for M <= 4 rows of x (see below). */
+static inline __attribute__((always_inline)) void q4_rows(
+        const int64_t M, const uint8_t *codes, const float *scale, const float *minimum,
+        const float *bias, float *out, const int8_t *xq, const float *xs, const float *xsum,
+        int64_t o, int64_t P, int64_t N, int64_t K) {
+    const int64_t G = K / 64;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < P; r++) {
+        const uint8_t *co = codes + (o + r) * G * 32;
+        const float *so = scale + (o + r) * G, *mo = minimum + (o + r) * G;
+        v8 acc[4] = {{0}, {0}, {0}, {0}};
+        for (int64_t g = 0; g < G; g++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
+            const __m256i even = _mm256_and_si256(c, nibble);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *q = xq + m * K + g * 64;
+                const __m256i p = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(even, _mm256_loadu_si256((const __m256i *)q)),
+                    _mm256_maddubs_epi16(odd, _mm256_loadu_si256((const __m256i *)(q + 32))));
+                const v8 f = (v8)_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                acc[m] += f * splat8(so[g] * xs[m * G + g]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            v8 lo = {0};  /* the minimum's share: minimum . (sums of x per group) */
+            int64_t g = 0;
+            for (; g + 8 <= G; g += 8)
+                lo += load8(mo + g) * load8(xsum + m * G + g);
+            float rest = 0.0f;
+            for (; g < G; g++)
+                rest += mo[g] * xsum[m * G + g];
+            const v8 a = acc[m] + lo;
+            const float s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+            out[m * N + o + r] = s + rest + (bias ? bias[o + r] : 0.0f);
+        }
+    }
+}
+#endif
+
+/* out[m, o] = sum_k x[m, k] * w[o, k] (+ bias[o]) for 4-bit group-quantized weights (the
+   runtime's --compress-weight format): w[o, k] = code * scale[o, g] + minimum[o, g] for group
+   g = k / 64; codes [N, K / 64, 32] bytes, element 2j of a group in the low nibble of byte j,
+   2j + 1 in the high one. The weights are read as they are stored (a quarter of their float
+   bytes), never expanded in memory.
+
+   With AVX2: each row of x is rounded to 8-bit integers per group of 64 (max |x| to 127)
+   and laid out even elements then odd ones, so that a group's 32 code bytes multiply it with
+   two byte products (vpmaddubsw); the integer sums are scaled per group and accumulated in
+   floats; the minimum's share is minimum . (sum of x over the group), exact. Returns 0 when
+   it cannot run (no AVX2). */
+int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
+              const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+              int64_t nthreads) {
+#ifdef __AVX2__
+    const int64_t G = K / 64;
+    static __thread void *buf;
+    static __thread size_t have;
+    int8_t *xq = (int8_t *)thread_scratch(&buf, &have, M * K + 2 * sizeof(float) * M * G + 64);
+    if (!xq)
+        return 0;
+    float *xs = (float *)(xq + ((M * K + 63) / 64) * 64), *xsum = xs + M * G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + m * K + g * 64;
+            float most = 0.0f, sum = 0.0f;
+            for (int64_t i = 0; i < 64; i++) {
+                most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
+                sum += xg[i];
+            }
+            const float step = most > 0.0f ? most / 127.0f : 1.0f;
+            int8_t *q = xq + m * K + g * 64;
+            for (int64_t j = 0; j < 32; j++) {
+                q[j] = (int8_t)lrintf(xg[2 * j] / step);
+                q[32 + j] = (int8_t)lrintf(xg[2 * j + 1] / step);
+            }
+            xs[m * G + g] = step;
+            xsum[m * G + g] = sum;
+        }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < N; o += 2) {
+        const int64_t pair = o + 1 < N ? 2 : 1;
+        switch (M) {  /* constant row counts: the sums stay in registers */
+            case 1: q4_rows(1, codes, scale, minimum, bias, out, xq, xs, xsum, o, pair, N, K); break;
+            case 2: q4_rows(2, codes, scale, minimum, bias, out, xq, xs, xsum, o, pair, N, K); break;
+            case 3: q4_rows(3, codes, scale, minimum, bias, out, xq, xs, xsum, o, pair, N, K); break;
+            case 4: q4_rows(4, codes, scale, minimum, bias, out, xq, xs, xsum, o, pair, N, K); break;
+            default:
+                for (int64_t m = 0; m < M; m += 4)
+                    q4_rows(M - m < 4 ? M - m : 4, codes, scale, minimum, bias, out + m * N,
+                            xq + m * K, xs + m * (K / 64), xsum + m * (K / 64), o, pair, N, K);
+        }
+    }
+    return 1;
+#else
+    (void)x; (void)codes; (void)scale; (void)minimum; (void)bias; (void)out; (void)M;
+    (void)N; (void)K; (void)nthreads;
+    return 0;
+#endif
+}

@@ -226,3 +226,38 @@ void speculate_mass(const uint8_t *codes, const float *scale, const float *lo, c
         }
     }
 }
+
+/* Rows of projected keys x [n, C, W] (float) written as packed codes at rows start ..
+   start + n of every column: codes [C, L, P], lo and scale [C, L]; per row the minimum and
+   (max - min) / levels, codes rounded to nearest and packed per / byte (code s of byte j is
+   column j * per + s, at bit s * bits), as SpeculationKeys.write does in torch. */
+void spec_write(const float *x, uint8_t *codes, float *lo, float *scale, int64_t n,
+                int64_t start, int64_t L, int64_t C, int64_t W, int64_t P, int64_t bits) {
+    const int64_t per = 8 / bits, levels = (1 << bits) - 1;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < C; c++) {
+            const float *r = x + (i * C + c) * W;
+            float mn = r[0], mx = r[0];
+            for (int64_t w = 1; w < W; w++) {
+                mn = r[w] < mn ? r[w] : mn;
+                mx = r[w] > mx ? r[w] : mx;
+            }
+            float step = (mx - mn) / levels;
+            step = step > 1e-8f ? step : 1e-8f;
+            uint8_t *out = codes + (c * L + start + i) * P;
+            for (int64_t j = 0; j < P; j++) {
+                uint8_t byte = 0;
+                for (int64_t s = 0; s < per; s++) {
+                    const int64_t w = j * per + s;
+                    if (w < W) {
+                        float q = rintf((r[w] - mn) / step);
+                        q = q < 0.0f ? 0.0f : (q > levels ? (float)levels : q);
+                        byte |= (uint8_t)((int)q << (s * bits));
+                    }
+                }
+                out[j] = byte;
+            }
+            lo[c * L + start + i] = mn;
+            scale[c * L + start + i] = step;
+        }
+}

@@ -141,7 +141,7 @@ class InfiniGenCache(SelectiveCache):
             if pending is not None:  # the load stream must see the finished speculation
                 torch.cuda.current_stream().wait_event(pending)
             if self.attend_in_place:  # a CPU kernel reads the chosen rows where they are
-                used = counts.sum()
+                used = int(counts.sum())  # on the CPU: no sync to avoid
                 self.count(used, used, length)
                 return None, None, counts, order
             k_sel, v_sel = gather_on_device(self, order)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu_kernels import score_packed, speculate_mass
+from ..cpu_kernels import score_packed, spec_write, speculate_mass
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 
@@ -53,6 +53,9 @@ class SpeculationKeys:
         end = start + rows.shape[0]
         if self.bits is None:
             self.data[:, start:end] = rows.transpose(0, 1)
+            return
+        if self.use_kernel and spec_write(rows, self.codes, self.lo, self.scale, start,
+                                          self.bits):
             return
         levels = (1 << self.bits) - 1
         x = rows.float().transpose(0, 1)  # [columns, s, width]

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..compression import lookup
 from ..cpu_kernels import linear
 from ..config import ModelConfig
 
@@ -108,7 +109,7 @@ def rotary(x: torch.Tensor, rope) -> torch.Tensor:
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, w["embed.weight"])
+    return lookup(w["embed.weight"], ids)
 
 
 def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..compression import lookup
 from ..cpu_kernels import linear
 from ..config import ModelConfig
 
@@ -57,10 +58,10 @@ def _ln(x, w, name, eps=1e-5):
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    x = F.embedding(ids, w["embed.weight"])
+    x = lookup(w["embed.weight"], ids)
     if "project_in.weight" in w:
         x = linear(x, w["project_in.weight"])
-    return x + F.embedding(positions + POSITION_OFFSET, w["pos_embed.weight"])
+    return x + lookup(w["pos_embed.weight"], positions + POSITION_OFFSET)
 
 
 def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
