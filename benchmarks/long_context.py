@@ -96,8 +96,8 @@ def run_one(spec: dict) -> dict:
     from long_prompts import natural_prompts
 
     from flexgen_infinigen import OffloadedLM, Policy, memory_plan
-
     from flexgen_infinigen.loading import model_config
+    from flexgen_infinigen.prefill_cache import PrefillCache
 
     kv, options, compress = POLICIES[spec["policy"]]
     b, gen = spec["batch"], spec["gen_len"]
@@ -109,7 +109,8 @@ def run_one(spec: dict) -> dict:
                           kv_options=options or None, max_len_hint=(ctx, gen),
                           progress=False) as lm:
         prompts, source = natural_prompts(lm.tokenizer, ctx, b)
-        out = lm.generate(prompts, gen, stop_token_id=None)
+        kept = PrefillCache(spec["prefill_dir"]) if spec.get("prefill_dir") else None
+        out = lm.generate(prompts, gen, stop_token_id=None, prefill_cache=kept)
         report = lm.engine.kv_policy.report()
         steps = out.step_times[1:]
         step = statistics.median(steps[2:] if len(steps) > 4 else steps)
@@ -120,8 +121,11 @@ def run_one(spec: dict) -> dict:
         name = lm.cfg.name
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     bandwidth = spec["bandwidth"]
+    shared = out.prefills_reused > 0  # the prefill of an earlier row, read back from disk
+    prefill = None if shared else out.prefill_latency_s
     return {**spec, "context": ctx, "model_name": name, "prompt_source": source,
-            "prefill_s": out.prefill_latency_s, "prefill_tokens_s": b * ctx / out.prefill_latency_s,
+            "prefill_shared": shared, "prefill_s": prefill,
+            "prefill_tokens_s": None if shared else b * ctx / prefill,
             "decode_step_s": step, "decode_tokens_s": b / step,
             "must_read_bytes": {"weights": weights, "kv": kv_bytes},
             "bound_s": (weights + kv_bytes) / bandwidth,
@@ -191,6 +195,14 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="smollm2")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--quick", action="store_true", help="4K, batch 1, full and infinigen")
+    p.add_argument("--update", action="store_true",
+                   help="keep the rows of the existing results for this tag; rows measured "
+                        "now replace those of the same model, policy, context and batch")
+    p.add_argument("--prefill-dir", default=None,
+                   help="keep prefills there and reuse them (default: a temporary folder, "
+                        "deleted at the end); each context and batch is prefilled once, by its "
+                        "first policy, and every policy that needs no prompt queries decodes "
+                        "from it (H2O prefills itself)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
@@ -205,29 +217,55 @@ def main(argv=None) -> int:
 
     bandwidth = read_bandwidth()
     print(f"read bandwidth (1 GiB sum, all threads): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    import shutil
+    import tempfile
+
+    from flexgen_infinigen.weights.embedded import default_cache_dir
+    folder = a.prefill_dir or tempfile.mkdtemp(prefix="prefills-", dir=default_cache_dir())
     specs = [{"model": a.model, "context": c, "batch": b, "policy": pol, "gen_len": a.gen_len,
-              "bandwidth": bandwidth} for c in a.contexts for b in a.batches for pol in a.policies]
+              "bandwidth": bandwidth, "prefill_dir": folder}
+             for c in a.contexts for b in a.batches for pol in a.policies]
     if a.reference_gguf:
         specs += [{"model": a.model, "context": c, "batch": 1, "policy": "transformers",
                    "gen_len": a.gen_len, "reference": True, "gguf": a.reference_gguf}
                   for c in a.contexts]
     rows = []
-    for spec in tqdm(specs, desc="configurations", unit="run"):
-        row = in_subprocess(spec, a.timeout)
-        rows.append(row)
-        tqdm.write(_line(row))
+    try:
+        for spec in tqdm(specs, desc="configurations", unit="run"):
+            row = in_subprocess(spec, a.timeout)
+            rows.append(row)
+            tqdm.write(_line(row))
+    finally:
+        if a.prefill_dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
     result = {"machine": machine_info(), "read_bandwidth_bytes_s": bandwidth,
               "llama_cpp_separately_measured": LLAMA_CPP.get(a.llama_cpp),
               "rows": rows}
+    if a.update:
+        result = _merged(OUT / f"long_context_{a.tag}.json", result)
     write_outputs(result, OUT / f"long_context_{a.tag}")
     return 0
+
+
+def _merged(path: Path, result: dict) -> dict:
+    """The earlier results at ``path`` with this run's rows in place of theirs (each row keeps
+    the bandwidth its own run measured; the header shows the latest)."""
+    if not path.is_file():
+        return result
+    old = json.loads(path.read_text())
+    key = ("model", "policy", "context", "batch")
+    new = {tuple(r.get(k) for k in key): r for r in result["rows"]}
+    rows = [new.pop(tuple(r.get(k) for k in key), r) for r in old["rows"]]
+    return {**old, **{k: v for k, v in result.items() if k != "rows" and v is not None},
+            "rows": rows + list(new.values())}
 
 
 def _line(r: dict) -> str:
     head = f"{r['policy']:<12} ctx {r['context']:>6} b {r['batch']}"
     if "error" in r:
         return f"{head}: error: {r['error']}"
-    text = (f"{head}: prefill {r['prefill_tokens_s']:.0f} tok/s, decode "
+    prefill = "shared" if r.get("prefill_shared") else f"{r['prefill_tokens_s']:.0f} tok/s"
+    text = (f"{head}: prefill {prefill}, decode "
             f"{r['decode_tokens_s']:.2f} tok/s ({1e3 * r['decode_step_s']:.0f} ms/step")
     if "bound_s" in r:
         text += (f", bound {1e3 * r['bound_s']:.0f} ms = {r['step_over_bound']:.2f}x; "

@@ -5,13 +5,24 @@ import json
 from pathlib import Path
 
 
+def _spread(result: dict) -> str:
+    """When rows come from runs that measured different bandwidths (``--update``)."""
+    seen = sorted({r["bandwidth"] for r in result["rows"] if "bandwidth" in r})
+    if len(seen) < 2:
+        return ""
+    return (f" in the latest run; the rows come from runs that measured "
+            f"{seen[0] / 1e9:.1f}-{seen[-1] / 1e9:.1f} GB/s, and each row's bound uses its own")
+
+
 def markdown(result: dict) -> str:
     bw = result["read_bandwidth_bytes_s"] / 1e9
     m = result["machine"]
     lines = [f"# Long context, KV cache in CPU memory ({m['cpu']}, {m['torch_threads']} threads)",
-             "", f"Read bandwidth (1 GiB `sum`, all threads): {bw:.1f} GB/s. A step's bound is "
-             "the bytes it must read (weights once, the KV rows and speculation keys the "
-             "policy reads) over that bandwidth.", "",
+             "", f"Read bandwidth (1 GiB `sum`, all threads): {bw:.1f} GB/s{_spread(result)}. "
+             "A step's bound is the bytes it must read (weights once, the KV rows and "
+             "speculation keys the policy reads) over that bandwidth. Each context and batch "
+             "is prefilled once, by its first policy; the others decode from that prefill "
+             "(\"shared\"; H2O, which scores the prompt's attention, prefills itself).", "",
              "| model | policy | context | batch | prefill tok/s | decode tok/s | step ms | "
              "bound ms | step/bound | must-read GB (w + kv) | spec share | KV read | "
              "peak RSS GB | plan GB |",
@@ -24,7 +35,8 @@ def markdown(result: dict) -> str:
             continue
         bound = r.get("bound_s")
         read = r.get("must_read_bytes")
-        cells = [name, r["policy"], r["context"], r["batch"], f"{r['prefill_tokens_s']:.0f}",
+        prefill = "shared" if r.get("prefill_shared") else f"{r['prefill_tokens_s']:.0f}"
+        cells = [name, r["policy"], r["context"], r["batch"], prefill,
                  f"{r['decode_tokens_s']:.2f}", f"{1e3 * r['decode_step_s']:.0f}",
                  f"{1e3 * bound:.0f}" if bound else "",
                  f"{r['step_over_bound']:.2f}x" if bound else "",
