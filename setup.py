@@ -11,8 +11,11 @@ setup(
     # PuLP 4 no longer bundles the CBC solver the optimizer uses
     install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",
                       "gguf"],
-    extras_require={"test": ["pytest", "transformers", "ruff"],
+    extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5"],
+                    # the lm-evaluation-harness model (flexgen_infinigen.harness)
+                    "eval": ["lm-eval>=0.4.8,<0.5"],
                     # accelerate: transformers loads a GGUF (the long-context reference) with it
                     "bench": ["matplotlib", "transformers", "accelerate"]},
-    entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main"]},
+    entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main",
+                                      "flexgen-infinigen-eval=flexgen_infinigen.harness:main"]},
 )

@@ -5,7 +5,9 @@
 
 Each input line is a JSON object: ``id`` (unique), ``prompt`` (text or token ids) or
 ``messages`` (a chat, [{"role", "content"}], through the model's chat template), and
-optionally ``gen_len``, ``temperature``, ``top_p``, ``repetition_penalty``. Prompts with the
+optionally ``gen_len``, ``temperature``, ``top_p``, ``repetition_penalty``. A file in the
+OpenAI Batch API format (``custom_id``, ``method``, ``url``, ``body``; see
+:mod:`.openai_batch`) is read as such and answered in that format. Prompts with the
 same settings are sorted by length (less padding) and run in blocks of the policy's size;
 each finished block is appended to ``--output`` (one line per id) and synced to disk. A
 rerun skips the ids already written: an interrupted job loses at most the block in flight
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import openai_batch
 from .config import DEFAULT_MODEL, ConfigError
 from .guards import check_output_path, run_command
 from .kv import kv_policy_from_args
@@ -43,7 +46,7 @@ def read_requests(path: str, defaults: dict) -> list[dict]:
         raise ConfigError(f"cannot read --input {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"--input {path} is not UTF-8 text") from None
-    requests, seen = [], set()
+    requests, seen, first = [], set(), None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -52,39 +55,56 @@ def read_requests(path: str, defaults: dict) -> list[dict]:
             item = json.loads(line)
         except ValueError as e:
             raise ConfigError(f"{where} is not JSON ({e.msg})") from None
-        if not isinstance(item, dict) or "id" not in item:
-            raise ConfigError(f"{where} needs an object with an \"id\"")
-        key = str(item["id"])
-        if key in seen:
-            raise ConfigError(f"{where}: id {key!r} appears twice; ids must be unique")
-        seen.add(key)
-        if ("prompt" in item) == ("messages" in item):
-            raise ConfigError(f"{where}: give exactly one of \"prompt\" and \"messages\"")
-        prompt = item.get("prompt")
-        if prompt is not None and not (isinstance(prompt, str) and prompt.strip() or
-                                       isinstance(prompt, list) and prompt and
-                                       all(isinstance(t, int) for t in prompt)):
-            raise ConfigError(f"{where}: \"prompt\" must be non-empty text or token ids")
-        messages = item.get("messages")
-        if messages is not None and not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-            raise ConfigError(f"{where}: \"messages\" must be a list of {{role, content}}")
-        settings = dict(defaults)
-        for name, kind in SETTINGS.items():
-            if name in item:
-                try:
-                    settings[name] = kind(item[name])
-                except (TypeError, ValueError):
-                    raise ConfigError(f"{where}: {name} must be a number") from None
-        if settings["gen_len"] < 1:
-            raise ConfigError(f"{where}: gen_len must be at least 1")
-        SamplingConfig(settings["temperature"], settings["top_p"], 0,
-                       settings["repetition_penalty"]).validate()
-        requests.append({"id": key, "prompt": prompt, "messages": messages,
-                         "settings": settings})
+        openai = openai_batch.is_openai(item)
+        if first is None:
+            first = (n, openai)
+        elif openai != first[1]:
+            formats = ("our format", "the OpenAI Batch format")
+            raise ConfigError(f"{where} is in {formats[openai]} but line {first[0]} is in "
+                              f"{formats[first[1]]}; one file holds one format")
+        if openai:
+            request = openai_batch.parse(item, where, defaults)
+        else:
+            request = _ours(item, where, defaults)
+        if request["id"] in seen:
+            raise ConfigError(f"{where}: id {request['id']!r} appears twice; ids must be "
+                              "unique")
+        seen.add(request["id"])
+        requests.append(request)
     if not requests:
         raise ConfigError(f"--input {path} holds no requests (one JSON object per line)")
     return requests
+
+
+def _ours(item, where: str, defaults: dict) -> dict:
+    """A request in this command's own format (see the module docstring)."""
+    if not isinstance(item, dict) or "id" not in item:
+        raise ConfigError(f"{where} needs an object with an \"id\"")
+    key = str(item["id"])
+    if ("prompt" in item) == ("messages" in item):
+        raise ConfigError(f"{where}: give exactly one of \"prompt\" and \"messages\"")
+    prompt = item.get("prompt")
+    if prompt is not None and not (isinstance(prompt, str) and prompt.strip() or
+                                   isinstance(prompt, list) and prompt and
+                                   all(isinstance(t, int) for t in prompt)):
+        raise ConfigError(f"{where}: \"prompt\" must be non-empty text or token ids")
+    messages = item.get("messages")
+    if messages is not None and not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+        raise ConfigError(f"{where}: \"messages\" must be a list of {{role, content}}")
+    settings = dict(defaults)
+    for name, kind in SETTINGS.items():
+        if name in item:
+            try:
+                settings[name] = kind(item[name])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: {name} must be a number") from None
+    if settings["gen_len"] < 1:
+        raise ConfigError(f"{where}: gen_len must be at least 1")
+    SamplingConfig(settings["temperature"], settings["top_p"], 0,
+                   settings["repetition_penalty"]).validate()
+    return {"id": key, "format": "ours", "prompt": prompt, "messages": messages,
+            "settings": settings, "refused": None, "stop": []}
 
 
 def done_ids(path: str) -> set[str]:
@@ -100,7 +120,8 @@ def done_ids(path: str) -> set[str]:
     ids = set()
     for line in complete.decode("utf-8").splitlines():
         if line.strip():
-            ids.add(str(json.loads(line)["id"]))
+            row = json.loads(line)
+            ids.add(str(row["custom_id"] if "custom_id" in row else row["id"]))
     return ids
 
 
@@ -139,13 +160,27 @@ def planned(a, model: str, todo: list[dict]):
     return policy_from_args(a, cfg, (longest, gen))
 
 
+def _result(lm, request: dict, ids: list[int], text: str) -> dict:
+    """One output line, in the request's format."""
+    stopped = bool(ids) and ids[-1] in lm.stop_token_ids
+    if request["format"] == "ours":
+        return {"id": request["id"], "text": text, "token_ids": ids,
+                "prompt_tokens": len(request["ids"]),
+                "finish_reason": "stop" if stopped else "length"}
+    text, cut = openai_batch.cut_at_stop(text, request["stop"])
+    return openai_batch.response_line(request, text, len(ids), len(request["ids"]),
+                                      "stop" if stopped or cut else "length", lm.cfg.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_policy_args(p)
     g = p.add_argument_group("batch")
-    g.add_argument("--input", required=True, help="JSON lines: id, prompt or messages, ...")
+    g.add_argument("--input", required=True,
+                   help="JSON lines: id, prompt or messages, ...; or an OpenAI Batch API file "
+                        "(custom_id, method, url, body)")
     g.add_argument("--output", required=True, help="JSON lines, appended (resumable)")
     g.add_argument("--gen-len", type=int, default=64, help="default tokens per request")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -186,8 +221,12 @@ def _main(argv=None) -> int:
                           offload_dir=a.offload_dir, seed=a.seed)
     with lm, open(a.output, "a", encoding="utf-8") as out:
         template = store_template(lm.store_path)  # read once, not per request
-        for r in todo:
-            r["ids"] = prompt_ids(lm, r, a.chat, template)
+        for r in [r for r in todo if r["refused"]]:  # answered at once, the job goes on
+            out.write(json.dumps(openai_batch.error_line(r, r["refused"])) + "\n")
+        out.flush()
+        todo = [r for r in todo if not r["refused"]]
+        for r in todo:  # an OpenAI completion is plain text, never a chat
+            r["ids"] = prompt_ids(lm, r, a.chat and r["format"] == "ours", template)
         groups: dict[tuple, list[dict]] = {}
         for r in todo:
             groups.setdefault(tuple(sorted(r["settings"].items())), []).append(r)
@@ -196,17 +235,14 @@ def _main(argv=None) -> int:
         for key, group in groups.items():
             settings = dict(key)
             group.sort(key=lambda r: len(r["ids"]))
-            sampling = SamplingConfig(settings["temperature"], settings["top_p"], a.seed,
+            sampling = SamplingConfig(settings["temperature"], settings["top_p"],
+                                      settings.get("seed", a.seed),
                                       settings["repetition_penalty"])
             for i in range(0, len(group), policy.block_size):
                 block = group[i:i + policy.block_size]
                 gen = lm.generate([r["ids"] for r in block], settings["gen_len"], sampling)
                 for r, ids, text in zip(block, gen.token_ids, gen.texts):
-                    stopped = bool(ids) and ids[-1] in lm.stop_token_ids
-                    out.write(json.dumps({"id": r["id"], "text": text, "token_ids": ids,
-                                          "prompt_tokens": len(r["ids"]),
-                                          "finish_reason": "stop" if stopped else "length"})
-                              + "\n")
+                    out.write(json.dumps(_result(lm, r, ids, text)) + "\n")
                     tokens += len(ids)
                 out.flush()
                 os.fsync(out.fileno())

@@ -113,3 +113,87 @@ def test_batch_duplicate_ids(tmp_path):
     proc = _batch(["--model", "opt-125m", "--dummy", "--input", tmp_path / "in.jsonl",
                    "--output", tmp_path / "out.jsonl"], tmp_path)
     assert proc.returncode == 2 and "appears twice" in proc.stderr
+
+
+def _openai(custom_id, url, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_openai_batch_gives_our_texts(smollm2_store, tmp_path):
+    """The same chat and completion requests in our format and in the OpenAI Batch format,
+    greedy: the same texts and token counts; unsupported options refused on their own line
+    while the rest of the job runs; a stop string cuts the text."""
+    ours = [{"id": "c", "messages": QUESTION, "gen_len": 8, "temperature": 0},
+            {"id": "p", "prompt": "The capital of France is", "gen_len": 8, "temperature": 0}]
+    theirs = [_openai("c", CHAT, messages=QUESTION, max_tokens=8, temperature=0),
+              _openai("p", COMPLETION, prompt="The capital of France is", max_tokens=8,
+                      temperature=0, model="anything"),
+              _openai("two", CHAT, messages=QUESTION, n=2),
+              _openai("lp", COMPLETION, prompt="Hi", logprobs=3),
+              _openai("tools", CHAT, messages=QUESTION, tools=[{"type": "function"}]),
+              _openai("cut", COMPLETION, prompt="The capital of France is", max_tokens=8,
+                      temperature=0, stop=["France", " Paris"])]
+    for name, rows in (("ours", ours), ("theirs", theirs)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+        proc = _batch(["--path", smollm2_store, "--input", tmp_path / f"{name}.jsonl",
+                       "--output", tmp_path / f"{name}.out.jsonl", "--no-chat"], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    mine = {r["id"]: r for r in _lines(tmp_path / "ours.out.jsonl")}
+    got = {r["custom_id"]: r for r in _lines(tmp_path / "theirs.out.jsonl")}
+    assert sorted(got) == sorted(r["custom_id"] for r in theirs)
+    chat, completion = got["c"]["response"]["body"], got["p"]["response"]["body"]
+    assert got["c"]["response"]["status_code"] == 200 and got["c"]["error"] is None
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": mine["c"]["text"]}
+    assert completion["choices"][0]["text"] == mine["p"]["text"]
+    for key, body in (("c", chat), ("p", completion)):
+        usage = body["usage"]
+        assert usage["completion_tokens"] == len(mine[key]["token_ids"])
+        assert usage["prompt_tokens"] == mine[key]["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert body["choices"][0]["finish_reason"] == mine[key]["finish_reason"]
+    for key, word in (("two", "n > 1"), ("lp", "logprobs"), ("tools", "tools")):
+        assert got[key]["response"] is None and word in got[key]["error"]["message"]
+    cut = got["cut"]["response"]["body"]["choices"][0]
+    assert " Paris" in mine["p"]["text"]
+    assert cut["text"] == mine["p"]["text"].split(" Paris")[0]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_openai_batch_resumes(tiny_opt, tmp_path):
+    rows = [_openai(f"r{i}", COMPLETION, prompt=[2] + [(5 * i + k) % 400 + 4 for k in range(4)],
+                    max_tokens=4, temperature=0) for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    common = ["--path", tiny_opt[1], "--input", tmp_path / "in.jsonl", "--gpu-batch-size", "2"]
+    assert _batch([*common, "--output", tmp_path / "whole.jsonl"], tmp_path).returncode == 0
+    whole = {r["custom_id"]: r for r in _lines(tmp_path / "whole.jsonl")}
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl").write_text("".join(lines[:2]) + lines[2][:15])
+    again = _batch([*common, "--output", tmp_path / "resumed.jsonl"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    got = _lines(tmp_path / "resumed.jsonl")
+    assert sorted(r["custom_id"] for r in got) == sorted(whole)  # every request once
+    for r in got:
+        assert r["response"]["body"]["choices"] == whole[r["custom_id"]]["response"]["body"][
+            "choices"]
+
+
+@pytest.mark.parametrize("lines, words", [
+    ([_openai("a", COMPLETION, prompt="x"), {"id": "b", "prompt": "y"}],
+     ["line 2", "our format", "line 1", "OpenAI"]),
+    ([_openai("a", "/v1/embeddings", input="x")], ["line 1", "/v1/embeddings"]),
+    ([{"custom_id": "a", "url": CHAT}], ["line 1", "body"]),
+    ([_openai("a", COMPLETION, prompt="x"), _openai("a", COMPLETION, prompt="y")],
+     ["line 2", "twice"]),
+])
+def test_openai_batch_bad_lines_are_one_error_before_loading(tmp_path, lines, words):
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc = _batch(["--model", "opt-125m", "--dummy", "--input", tmp_path / "in.jsonl",
+                   "--output", tmp_path / "out.jsonl"], tmp_path)
+    err = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    for w in words:
+        assert w in err[0], (w, err[0])
