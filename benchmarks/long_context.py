@@ -35,13 +35,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
-# policy label -> (kv policy, options, compress cache)
+# policy label -> (kv policy, options, 4-bit KV cache, 4-bit weights); "-w4" labels keep the
+# weights in 4 bits (multiplied as stored on a CPU), the setting that reads fewest bytes
 POLICIES = {
-    "full": ("full", {}, False),
-    "infinigen": ("infinigen", {}, False),
-    "h2o": ("h2o", {"hh_ratio": 0.1, "recent_ratio": 0.1}, False),
-    "full-4bit": ("full", {}, True),
+    "full": ("full", {}, False, False),
+    "infinigen": ("infinigen", {}, False, False),
+    "infinigen@0.1": ("infinigen", {"max_kv_fraction": 0.1}, False, False),
+    "h2o": ("h2o", {"hh_ratio": 0.1, "recent_ratio": 0.1}, False, False),
+    "full-4bit": ("full", {}, True, False),
+    "full-w4": ("full", {}, False, True),
+    "infinigen-w4": ("infinigen", {}, False, True),
+    "infinigen@0.1-w4": ("infinigen", {"max_kv_fraction": 0.1}, False, True),
 }
+DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "h2o", "full-4bit"]
 # llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
 # machine and quoted in issue 27: decode tokens/s by depth, prefill tokens/s by depth
 LLAMA_CPP = {"smollm2-135m": {"decode": {0: 212, 4096: 77.9, 8192: 44.3},
@@ -50,16 +56,17 @@ LLAMA_CPP = {"smollm2-135m": {"decode": {0: 212, 4096: 77.9, 8192: 44.3},
                                     "prefill": {0: 335, 4096: 170, 16384: 62.8}}}
 
 
-def read_bandwidth(size: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second one large ``sum`` reads, all threads, best of ``repeats``."""
+def read_bandwidth(size: int = 1 << 30, repeats: int = 15) -> float:
+    """Bytes per second one large ``sum`` reads, all threads, the median of ``repeats`` (this
+    shared machine's bandwidth moves between runs: each configuration measures its own)."""
     x = torch.ones(size // 4)
     x.sum()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - start)
-    return size / best
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
 
 
 def weight_read_bytes(lm) -> int:
@@ -99,12 +106,16 @@ def run_one(spec: dict) -> dict:
     from flexgen_infinigen.loading import model_config
     from flexgen_infinigen.prefill_cache import PrefillCache
 
-    kv, options, compress = POLICIES[spec["policy"]]
+    # this configuration's own, just before it runs (256 MB: far past the caches, small
+    # beside the run's peak RSS)
+    bandwidth = read_bandwidth(256 << 20)
+    kv, options, compress, weights4 = POLICIES[spec["policy"]]
     b, gen = spec["batch"], spec["gen_len"]
     # "8K" on a model of 8,192 positions: the prompt leaves room for the generated tokens
     ctx = min(spec["context"], model_config(spec["model"]).max_positions - gen)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
-                                 compress_cache=compress, prefill_chunk=spec.get("chunk"))
+                                 compress_cache=compress, compress_weight=weights4,
+                                 prefill_chunk=spec.get("chunk"))
     with OffloadedLM.load(model=spec["model"], policy=policy, kv_policy=kv,
                           kv_options=options or None, max_len_hint=(ctx, gen),
                           progress=False) as lm:
@@ -120,11 +131,10 @@ def run_one(spec: dict) -> dict:
         kv_bytes = kv_read_bytes(lm, report, b, ctx + gen / 2, compress)
         name = lm.cfg.name
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    bandwidth = spec["bandwidth"]
     shared = out.prefills_reused > 0  # the prefill of an earlier row, read back from disk
     prefill = None if shared else out.prefill_latency_s
-    return {**spec, "context": ctx, "model_name": name, "prompt_source": source,
-            "prefill_shared": shared, "prefill_s": prefill,
+    return {**spec, "bandwidth": bandwidth, "context": ctx, "model_name": name,
+            "prompt_source": source, "prefill_shared": shared, "prefill_s": prefill,
             "prefill_tokens_s": None if shared else b * ctx / prefill,
             "decode_step_s": step, "decode_tokens_s": b / step,
             "must_read_bytes": {"weights": weights, "kv": kv_bytes},
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf / folder")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, choices=list(POLICIES))
     p.add_argument("--gen-len", type=int, default=12)
     p.add_argument("--reference-gguf", default=None,
                    help="the model's GGUF: also time transformers at batch 1 (its own loader)")

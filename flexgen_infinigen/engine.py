@@ -248,9 +248,11 @@ class Engine:
         elif decode:
             self.caches[(j, k)].store_token(key, value, valid.shape[1] - 1)
         else:
-            self.caches[(j, k)].store_prompt(q, key, value, valid)
-            if self.capture is not None:
-                self.capture.keep(self.stages[j].layer, k, key, value)
+            cache = self.caches[(j, k)]
+            cache.store_prompt(q, key, value, valid)
+            if self.capture is not None:  # read back from the cache later, when it is exact
+                self.capture.keep(self.stages[j].layer, k, key, value, cache.prompt_reader(
+                    key.shape[1], key.shape[0]))
 
     def _iteration(self, decode: bool, lanes: Lanes, batches: range | list[int]) -> None:
         """Every stage for the GPU batches ``batches`` (all of the block's, or one pipeline

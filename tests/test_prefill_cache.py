@@ -74,20 +74,52 @@ def test_the_key_is_everything_the_prefill_depends_on(tiny_llama, tiny_opt, tmp_
 
 
 def test_an_interrupted_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
-    import safetensors.torch
+    """A prefill is written layer by layer to a temporary name: stopped half way (Ctrl-C while
+    the third tensor is read back), nothing is left that a later run could find."""
+    from flexgen_infinigen.prefill_cache import Prefilled
 
     _, store = tiny_llama
     cache = PrefillCache(tmp_path)
+    real_take, calls = Prefilled.take, []
 
-    def broken(tensors, path, metadata=None):
-        with open(path, "wb") as f:
-            f.write(b"half a file")
-        raise KeyboardInterrupt
+    def take(self, *a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_take(self, *a)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    monkeypatch.setattr(Prefilled, "take", take)
     with _load(store) as lm, pytest.raises(KeyboardInterrupt):
         _generate(lm, "full", {}, cache)
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(Prefilled, "take", real_take)
+    with _load(store) as lm:
+        assert _generate(lm, "full", {}, PrefillCache(tmp_path)).prefills_reused == 0
+
+
+def test_a_kept_prefill_copies_nothing_while_the_block_runs(smollm2_store):
+    """Kept from exact caches, a prefill holds functions that read each layer back when it
+    is written (no copy of the whole prompt's keys and values beside the cache); a 4-bit
+    cache is not exact, so its prompt's own keys and values are kept."""
+    from flexgen_infinigen.prefill_cache import Prefilled
+
+    seen = []
+    real_put = PrefillCache.put
+
+    def put(self, key, prefilled):
+        seen.append((len(prefilled.sources), len(prefilled.kv)))
+        real_put(self, key, prefilled)
+
+    PrefillCache.put = put
+    try:
+        for compress in (False, True):  # head dim 64: a 4-bit cache really is 4-bit
+            with _load(smollm2_store, compress) as lm:
+                lm.generate(PROMPTS, 2, stop_token_id=None, prefill_cache=PrefillCache())
+    finally:
+        PrefillCache.put = real_put
+    layers = 30 * 2  # SmolLM2's layers x GPU batches
+    assert seen == [(layers, 0), (0, layers)]
+    assert Prefilled  # the class the sources live in
 
 
 def test_a_pipeline_rank_refuses_it():

@@ -91,6 +91,12 @@ class KVCache(ABC):
         the new token may see (``visible``); called on the compute stream before this cache's
         ``load`` is waited for. Most caches ignore it."""
 
+    def prompt_reader(self, length: int, batch_size: int):
+        """A function that reads the prompt's keys and values back as stored, ``[b, P, KV, d]``
+        each, or None when the cache does not hold them exactly (a kept prefill then copies
+        them: :mod:`..prefill_cache`)."""
+        return None
+
     def abort(self) -> None:
         """The block failed: wake a ``load`` that waits for work the engine will not do."""
 

@@ -76,6 +76,16 @@ class FullCache(KVCache):
         self.v.read(rows, to=to, out=v[:n])
         return k, v
 
+    def prompt_reader(self, length: int, batch_size: int):
+        if self.k.compressed:  # 4-bit: not the values the prompt made
+            return None
+
+        def read():  # where the compute device can read it, a view; else a copy to the host
+            rows = slice(0, length)
+            return tuple(from_rows(t.view(rows) if t.addressable else t.read(rows, to=HOST),
+                                   batch_size) for t in (self.k, self.v))
+        return read
+
     def load(self, length: int):
         if self.cpu_compute or self.in_place:
             return None

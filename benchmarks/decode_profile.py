@@ -1,0 +1,139 @@
+"""Where a decode step's time goes on a CPU: each compiled kernel's share, and the rest (the
+model's other torch operations and Python), for several KV policies from one prefill.
+
+    python benchmarks/decode_profile.py                       # SmolLM2, batch 8 x 8,180 tokens
+    python benchmarks/decode_profile.py --model path/to/qwen2.5-coder-0.5b-instruct.gguf \\
+        --context 16384 --batch 1 --compress-weight --tag qwen16k
+
+The prompt is prefilled once (kept on disk, see ``flexgen_infinigen.prefill_cache``) and each
+policy decodes ``--steps`` tokens from it; every kernel call is timed (wall time, on the
+calling thread, which waits for it) and the step's remainder is reported as "other". The
+KV cache lives in CPU memory (``--percent 100 0 0 100 100 0``). Writes
+``benchmarks/results/decode_profile_<tag>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+OUT = ROOT / "benchmarks" / "results"
+KERNELS = ("linear", "attend_rows", "attend_indexed", "speculate_mass", "score_packed",
+           "select_mass")
+
+
+def _timed_kernels(times: dict, calls: collections.Counter) -> None:
+    """Wrap the kernels where the runtime calls them, adding each call's wall time."""
+    import importlib
+
+    from flexgen_infinigen import cpu_kernels
+
+    def wrap(name):
+        real = getattr(cpu_kernels, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = real(*args, **kwargs)
+            times[name] += time.perf_counter() - start
+            calls[name] += 1
+            return out
+        return timed
+
+    timed = {name: wrap(name) for name in KERNELS}
+    for module in ("flexgen_infinigen.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
+                   "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
+                   "flexgen_infinigen.models.opt", "flexgen_infinigen.attention"):
+        mod = importlib.import_module(module)
+        for name, fn in timed.items():
+            if module.endswith("cpu_kernels") or getattr(mod, name, None) is not None:
+                setattr(mod, name, fn)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=8180)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--policies", nargs="+",
+                   default=["full", "infinigen", "infinigen:max_kv_fraction=0.1"],
+                   help="NAME or NAME:key=value,... (kv options)")
+    p.add_argument("--compress-weight", action="store_true")
+    p.add_argument("--prefill-dir", default=None, help="keep the prefill there (reused)")
+    p.add_argument("--tag", default="smollm2_b8_8k")
+    a = p.parse_args(argv)
+
+    from long_context import read_bandwidth
+    from long_prompts import natural_prompts
+    from machine import machine_info
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.kv import make_kv_policy
+    from flexgen_infinigen.prefill_cache import PrefillCache
+
+    times: dict = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    _timed_kernels(times, calls)
+    kept = PrefillCache(a.prefill_dir) if a.prefill_dir else PrefillCache()
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
+                                 compress_weight=a.compress_weight)
+    rows = []
+    with OffloadedLM.load(model=a.model, policy=policy, progress=False,
+                          max_len_hint=(a.context, a.steps + 1)) as lm:
+        prompts, source = natural_prompts(lm.tokenizer, a.context, a.batch)
+        for label in a.policies:
+            kv, _, opts = label.partition(":")
+            kw = {k: float(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+            lm.use_kv_policy(make_kv_policy(kv, **kw))
+            times.clear()
+            calls.clear()
+            out = lm.generate(prompts, a.steps + 1, stop_token_id=None, prefill_cache=kept)
+            steps = out.step_times[1:]
+            n = len(steps)
+            step = statistics.median(steps[1:] if n > 2 else steps)
+            per_step = {k: v / n for k, v in times.items()}
+            rows.append({"policy": label, "step_s": step, "mean_step_s": sum(steps) / n,
+                         "kernels_s": per_step, "calls_per_step": {k: v // n for k, v in
+                                                                   calls.items()},
+                         "other_s": sum(steps) / n - sum(per_step.values()),
+                         "kv_fetch_fraction": lm.engine.kv_policy.report().get(
+                             "kv_fetch_fraction", 1.0)})
+            print(f"{label}: {1e3 * step:.1f} ms a step; " + ", ".join(
+                f"{k} {1e3 * v:.1f}" for k, v in per_step.items()), flush=True)
+    result = {"machine": machine_info(), "model": a.model, "context": a.context,
+              "batch": a.batch, "compress_weight": a.compress_weight, "prompt_source": source,
+              "read_bandwidth_bytes_s": read_bandwidth(256 << 20), "rows": rows}
+    OUT.mkdir(parents=True, exist_ok=True)
+    stem = OUT / f"decode_profile_{a.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown(result))
+    print(f"written {stem}.json, .md")
+    return 0
+
+
+def markdown(result: dict) -> str:
+    names = [k for k in KERNELS if any(k in r["kernels_s"] for r in result["rows"])]
+    lines = [f"# Decode step profile: {result['model']}, batch {result['batch']} x "
+             f"{result['context']} tokens" + (", 4-bit weights" if result["compress_weight"]
+                                              else ""), "",
+             "Milliseconds a step (mean over the measured steps; the step column is the "
+             "median), KV cache in CPU memory.", "",
+             "| policy | step | " + " | ".join(names) + " | other | KV read |",
+             "|---" * (len(names) + 4) + "|"]
+    for r in result["rows"]:
+        cells = [r["policy"], f"{1e3 * r['step_s']:.1f}"]
+        cells += [f"{1e3 * r['kernels_s'].get(k, 0.0):.1f}" for k in names]
+        cells += [f"{1e3 * r['other_s']:.1f}", f"{r['kv_fetch_fraction']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
