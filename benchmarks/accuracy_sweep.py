@@ -24,9 +24,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
 from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
 from flexgen_infinigen.kv.spec_keys import bytes_per_key
-from flexgen_infinigen.metrics import perplexity, teacher_forced_nll
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from flexgen_infinigen.config import get_config
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
     from flexgen_infinigen.weights.embedded import default_model_store
     store = default_model_store(progress=False)
     ids = load_tokenizer(store, get_config("smollm2-135m")).encode(

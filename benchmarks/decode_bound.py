@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         print(f"error: {a.text} is absent; pass --text (wikitext-2 test split)", file=sys.stderr)
         return 2
     from flexgen_infinigen.config import get_config
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
     from flexgen_infinigen.weights.embedded import default_model_store
     store = default_model_store(progress=False)
     ids = load_tokenizer(store, get_config("smollm2-135m")).encode(

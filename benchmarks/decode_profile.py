@@ -33,7 +33,7 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
     ``active[0]`` (decode steps only)."""
     import importlib
 
-    from flexgen_infinigen import cpu_kernels
+    from flexgen_infinigen.runtime import cpu_kernels
 
     def wrap(name):
         real = getattr(cpu_kernels, name)
@@ -48,9 +48,9 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
         return timed
 
     timed = {name: wrap(name) for name in KERNELS}
-    for module in ("flexgen_infinigen.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
+    for module in ("flexgen_infinigen.runtime.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
                    "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
-                   "flexgen_infinigen.models.opt", "flexgen_infinigen.attention"):
+                   "flexgen_infinigen.models.opt", "flexgen_infinigen.runtime.attention"):
         mod = importlib.import_module(module)
         for name, fn in timed.items():
             if module.endswith("cpu_kernels") or getattr(mod, name, None) is not None:
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     from flexgen_infinigen import OffloadedLM, Policy
     from flexgen_infinigen.kv import make_kv_policy
-    from flexgen_infinigen.prefill_cache import PrefillCache
+    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
 
     times: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

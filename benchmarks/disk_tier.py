@@ -68,9 +68,9 @@ def child(spec: dict) -> dict:
     import torch
 
     from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.cli.prompts import synthesize_prompts
     from flexgen_infinigen.config import KNOWN_MODELS, get_config
-    from flexgen_infinigen.memory_plan import plan
-    from flexgen_infinigen.prompts import synthesize_prompts
+    from flexgen_infinigen.runtime.memory_plan import plan
 
     if spec.get("layers"):  # OPT-13B's shapes, fewer layers: what fits in memory
         cfg = dataclasses.replace(get_config(spec["model"]), num_layers=spec["layers"],
@@ -236,9 +236,8 @@ def main(argv=None) -> int:
         result = json.loads(out.with_suffix(".json").read_text())
         write(result, out)
         return 0
-    from tqdm.auto import tqdm
-
     import torch
+    from tqdm.auto import tqdm
 
     from flexgen_infinigen.planner.measure.transfers import disk_bandwidths
 

@@ -80,8 +80,8 @@ def weight_read_bytes(lm) -> int:
 
 def kv_read_bytes(lm, report: dict, batch: int, context: float, compress: bool) -> float:
     """Bytes of KV cache (and speculation keys) one decode step must read at ``context``."""
-    from flexgen_infinigen.compression import stored_bytes
     from flexgen_infinigen.kv.spec_keys import bytes_per_key
+    from flexgen_infinigen.runtime.compression import stored_bytes
 
     cfg, item = lm.cfg, lm.engine.dtype.itemsize
     rows = batch * cfg.num_kv_heads
@@ -102,13 +102,15 @@ def run_one(spec: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; speed, bound and memory."""
     from long_prompts import natural_prompts
 
-    from flexgen_infinigen import OffloadedLM, Policy, memory_plan
-    from flexgen_infinigen.loading import model_config
-    from flexgen_infinigen.prefill_cache import PrefillCache
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.runtime.loading import model_config
+    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
 
     # this configuration's own, just before it runs (256 MB: far past the caches, small
     # beside the run's peak RSS)
     bandwidth = read_bandwidth(256 << 20)
+    baseline = _current_rss()  # Python, torch and the libraries: what no plan counts
     kv, options, compress, weights4 = POLICIES[spec["policy"]]
     b, gen = spec["batch"], spec["gen_len"]
     # "8K" on a model of 8,192 positions: the prompt leaves room for the generated tokens
@@ -143,8 +145,17 @@ def run_one(spec: dict) -> dict:
             "speculation_share": report.get("speculation_time_s", 0.0)
             / max(out.decode_latency_s, 1e-9),
             "kv_fetch_fraction": report.get("kv_fetch_fraction", 1.0),
-            "peak_rss_bytes": rss,
+            "peak_rss_bytes": rss, "baseline_rss_bytes": baseline,
             "planned_bytes": plan["total"]["device"] + plan["total"]["host"]}
+
+
+def _current_rss() -> int:
+    """This process's resident bytes now (not its peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def run_reference(spec: dict) -> dict:
@@ -152,12 +163,12 @@ def run_reference(spec: dict) -> dict:
     from long_prompts import natural_prompts
     from transformers import AutoModelForCausalLM
 
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     path = Path(spec["gguf"])
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32).eval()
-    from flexgen_infinigen.loading import find_weights
+    from flexgen_infinigen.runtime.loading import find_weights
 
     store = find_weights(spec["model"], None, False, progress=False)[2]
     tok = load_tokenizer(store.path, store.config)

@@ -91,7 +91,7 @@ def _cut(tokens: list[int], stops: set[int]) -> list[int]:
 
 
 def _row(label, s, tokens, text, seconds, report=None) -> dict:
-    from flexgen_infinigen.retrieval_tasks import score
+    from flexgen_infinigen.evals.retrieval_tasks import score
 
     return {"policy": label, "sample": s.key, "task": s.task, "length": s.length,
             "depth": s.depth, "seed": s.seed, "answers": s.answers, "tokens": tokens,
@@ -105,8 +105,8 @@ def run_policies(a, model, samples, labels, done, path, bar, kept) -> None:
     prompts is prefilled once (``kept``, a PrefillCache) and every policy that needs no
     prompt queries decodes from that prefill."""
     from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.evals.retrieval_tasks import GEN_LEN
     from flexgen_infinigen.kv import make_kv_policy
-    from flexgen_infinigen.retrieval_tasks import GEN_LEN
 
     gen = max(GEN_LEN[s.task] for s in samples)
     length = samples[0].length
@@ -195,9 +195,9 @@ def main(argv=None) -> int:
     from long_prompts import SHARED, source_text
     from tqdm.auto import tqdm
 
-    from flexgen_infinigen.loading import find_weights
-    from flexgen_infinigen.retrieval_tasks import GEN_LEN, TASKS, Filler, make_samples
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.evals.retrieval_tasks import GEN_LEN, TASKS, Filler, make_samples
+    from flexgen_infinigen.runtime.loading import find_weights
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     tasks = a.tasks or list(TASKS)
     _, _, store = find_weights(a.model, None, False, progress=True)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     import shutil
     import tempfile
 
-    from flexgen_infinigen.prefill_cache import PrefillCache
+    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
     from flexgen_infinigen.weights.embedded import default_cache_dir
 
     folder = a.prefill_dir or tempfile.mkdtemp(prefix="prefills-", dir=default_cache_dir())

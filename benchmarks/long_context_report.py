@@ -14,18 +14,29 @@ def _spread(result: dict) -> str:
             f"{seen[0] / 1e9:.1f}-{seen[-1] / 1e9:.1f} GB/s, and each row's bound uses its own")
 
 
+def _plan(r: dict) -> str:
+    """The memory plan's prediction plus the process's baseline (Python, torch, libraries:
+    measured before loading), and how far the peak RSS is from it."""
+    if "planned_bytes" not in r:
+        return ""
+    want = r["planned_bytes"] + r.get("baseline_rss_bytes", 0)
+    return f"{want / 1e9:.2f} ({100 * (r['peak_rss_bytes'] / want - 1):+.0f}%)"
+
+
 def markdown(result: dict) -> str:
     bw = result["read_bandwidth_bytes_s"] / 1e9
     m = result["machine"]
     lines = [f"# Long context, KV cache in CPU memory ({m['cpu']}, {m['torch_threads']} threads)",
              "", f"Read bandwidth (1 GiB `sum`, all threads): {bw:.1f} GB/s{_spread(result)}. "
              "A step's bound is the bytes it must read (weights once, the KV rows and "
-             "speculation keys the policy reads) over that bandwidth. Each context and batch "
+             "speculation keys the policy reads) over that bandwidth. \"plan + base\": the "
+             "memory plan's bytes plus the process's baseline RSS before loading, and the "
+             "peak's distance from it. Each context and batch "
              "is prefilled once, by its first policy; the others decode from that prefill "
              "(\"shared\"; H2O, which scores the prompt's attention, prefills itself).", "",
              "| model | policy | context | batch | prefill tok/s | decode tok/s | step ms | "
              "bound ms | step/bound | must-read GB (w + kv) | spec share | KV read | "
-             "peak RSS GB | plan GB |",
+             "peak RSS GB | plan + base GB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         name = r.get("model_name", Path(r["model"]).stem)
@@ -44,7 +55,7 @@ def markdown(result: dict) -> str:
                  f"{100 * r['speculation_share']:.0f}%" if bound else "",
                  f"{r['kv_fetch_fraction']:.2f}" if bound else "",
                  f"{r['peak_rss_bytes'] / 1e9:.2f}",
-                 f"{r['planned_bytes'] / 1e9:.2f}" if "planned_bytes" in r else ""]
+                 _plan(r)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     ref = result.get("llama_cpp_separately_measured")
     if ref:

@@ -17,7 +17,7 @@ def source_text(data_dir: Path = SHARED) -> tuple[str, str]:
     """(text, name of its source)."""
     found = [data_dir / f for f in FILES if (data_dir / f).is_file()]
     if not found:
-        from flexgen_infinigen.prompts import FILLER_TEXT
+        from flexgen_infinigen.cli.prompts import FILLER_TEXT
         return FILLER_TEXT * 64, "built-in paragraph"
     return "\n\n".join(p.read_text(encoding="utf-8") for p in found), \
         " + ".join(p.name for p in found)

@@ -55,7 +55,7 @@ def stage_weight_bytes(model: str, stages: int, item: int = 4) -> list[int]:
     check_stages(stages, cfg)
     shapes = family_of(cfg).weight_shapes(cfg)
     if stages == 1:
-        from flexgen_infinigen.stages import LayerSlice
+        from flexgen_infinigen.runtime.stages import LayerSlice
         parts = [LayerSlice.whole(cfg)]
     else:  # the split is recomputed here with the run's default profile
         from flexgen_infinigen.pipeline.partition import stage_costs

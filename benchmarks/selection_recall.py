@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from flexgen_infinigen import OffloadedLM
-from flexgen_infinigen.attention import attend, mask_bias
-from flexgen_infinigen.infinigen.skew import (DEFAULT_CALIBRATION, key_gram, projection,
-                                              query_gram)
+from flexgen_infinigen.infinigen.skew import DEFAULT_CALIBRATION, key_gram, projection, query_gram
 from flexgen_infinigen.kv.selection import Budget, select
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys, bytes_per_key
+from flexgen_infinigen.runtime.attention import attend, mask_bias
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"

@@ -31,12 +31,12 @@ from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
 from throughput_report import bar_chart, markdown  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen.cli.report import build_report  # noqa: E402
 from flexgen_infinigen.config import get_config  # noqa: E402
-from flexgen_infinigen.loading import find_weights  # noqa: E402
-from flexgen_infinigen.report import build_report  # noqa: E402
 from flexgen_infinigen.run import synthesize_prompts  # noqa: E402
-from flexgen_infinigen.tiers import KINDS, LINKS, TIERS  # noqa: E402
-from flexgen_infinigen.tokenizer import load_tokenizer  # noqa: E402
+from flexgen_infinigen.runtime.loading import find_weights  # noqa: E402
+from flexgen_infinigen.runtime.tiers import KINDS, LINKS, TIERS  # noqa: E402
+from flexgen_infinigen.text.tokenizer import load_tokenizer  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "throughput_cpu.json"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flexgen_infinigen.tiers import LINKS
+from flexgen_infinigen.runtime.tiers import LINKS
 
 
 def _gb(n: float) -> str:

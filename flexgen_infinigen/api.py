@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
 
-from . import memory_plan
 from .config import ConfigError, ModelConfig
-from .engine import Engine
-from .guards import raise_if_interrupted
 from .kv import KVPolicy, make_kv_policy
-from .loading import find_weights, place_weights, resolve_device, resolve_dtype
 from .policy import Policy
-from .prefill_cache import PrefillCache, Prefilled
+from .runtime import memory_plan
+from .runtime.engine import Engine
+from .runtime.guards import raise_if_interrupted
+from .runtime.loading import find_weights, place_weights, resolve_device, resolve_dtype
+from .runtime.prefill_cache import PrefillCache, Prefilled
+from .runtime.stages import LayerSlice
+from .runtime.tiers import TIERS, Tiers
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
-from .stages import LayerSlice
-from .tiers import TIERS, Tiers
 
 
 @dataclass
@@ -57,14 +58,14 @@ class OffloadedLM:
              kv_policy: str | KVPolicy = "full", kv_options: dict | None = None,
              offload_dir: str | None = None, seed: int = 0, progress: bool = True,
              max_len_hint: tuple[int, int] | None = None, part: LayerSlice | None = None,
-             link=None) -> "OffloadedLM":
+             make_engine: Callable[..., Engine] = Engine) -> "OffloadedLM":
         """Find the weights, check that the policy fits, and place the weights on the tiers.
 
         ``kv_policy``: a :class:`~.kv.base.KVPolicy` (``InfiniGenPolicy(max_kv_fraction=0.2)``)
         or a registered name with its ``kv_options``. ``max_len_hint`` = (prompt_len, gen_len)
-        lets the memory check include the KV cache. ``part`` and ``link``: one rank of a
-        pipeline (:mod:`.pipeline`) loads and runs only its layers, talking to the others
-        over ``link``.
+        lets the memory check include the KV cache. ``part`` and ``make_engine``: one rank
+        of a pipeline loads and runs only its layers, with an engine that talks to the other
+        ranks (:func:`.pipeline.engine.rank_engine`; this module knows nothing of them).
         """
         start = time.perf_counter()
         policy = (policy or Policy()).validate()
@@ -94,14 +95,10 @@ class OffloadedLM:
         except BaseException:
             tiers.close()
             raise
-        if link is None:
-            engine = Engine(cfg, weights, policy, tiers, kv, torch_dtype, part)
-        else:
-            from .pipeline.engine import PipelineEngine
-            engine = PipelineEngine(cfg, weights, policy, tiers, kv, torch_dtype, part, link)
+        engine = make_engine(cfg, weights, policy, tiers, kv, torch_dtype, part)
         tokenizer = None
         if store is not None:
-            from .tokenizer import load_tokenizer
+            from .text.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(store.path, cfg)
         lm = cls(cfg, engine, tokenizer, tiers)
         lm.store_path = store.path if store is not None else None

@@ -22,17 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-from . import openai_batch
-from .config import DEFAULT_MODEL, ConfigError
-from .guards import check_output_path, run_command
-from .kv import kv_policy_from_args
-from .run import (
+from .cli import openai_batch
+from .cli.args import (
     add_model_args,
     add_policy_args,
     check_policy_args,
     policy_from_args,
     wants_plan,
 )
+from .config import DEFAULT_MODEL, ConfigError
+from .kv import kv_policy_from_args
+from .runtime.guards import check_output_path, run_command
 from .sampling import SamplingConfig
 
 SETTINGS = {"gen_len": int, "temperature": float, "top_p": float, "repetition_penalty": float}
@@ -128,7 +128,7 @@ def done_ids(path: str) -> set[str]:
 def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> list[int]:
     """A request's token ids: ``messages``, or a text ``prompt`` when ``chat``, through the
     model's chat ``template``; else the prompt as written."""
-    from .chat import chat_prompt_ids
+    from .text.chat import chat_prompt_ids
 
     messages = request["messages"]
     if messages is None and isinstance(request["prompt"], str) and chat \
@@ -145,8 +145,8 @@ def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> li
 def planned(a, model: str, todo: list[dict]):
     """``--percent auto``: the optimizer's policy for the longest request (its text tokens
     plus a margin for a chat template) and the longest generation."""
-    from .loading import find_weights
-    from .tokenizer import load_tokenizer
+    from .runtime.loading import find_weights
+    from .text.tokenizer import load_tokenizer
 
     cfg, _, store = find_weights(model, a.path, a.dummy, a.seed, progress=True)
     tok = load_tokenizer(store.path, cfg) if store is not None else None
@@ -199,7 +199,7 @@ def _main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from .api import OffloadedLM
-    from .chat import store_template
+    from .text.chat import store_template
 
     a = build_parser().parse_args(argv)
     check_output_path(a.output, "--output")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -176,3 +178,14 @@ def get_config(name: str) -> ModelConfig:
             f"unknown model {name!r}; pick one of: {', '.join(KNOWN_MODELS)} "
             "(or pass --path to a converted weight store)")
     return KNOWN_MODELS[key]
+
+
+CACHE_ENV = "FLEXGEN_INFINIGEN_CACHE"
+
+
+def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: the argument, else ``$FLEXGEN_INFINIGEN_CACHE``, else ~/.cache/..."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "flexgen_infinigen"

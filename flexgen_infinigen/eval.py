@@ -16,11 +16,11 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
+from .cli.args import add_model_args, add_policy_args, policy_from_args, write_json
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
-from .guards import check_output_path, run_command
+from .evals.metrics import teacher_forced_nll
 from .kv import kv_policy_from_args
-from .metrics import teacher_forced_nll
-from .run import add_model_args, add_policy_args, policy_from_args, write_json
+from .runtime.guards import check_output_path, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def check_args(a) -> tuple[list[int], object]:
     if a.seq_len > cfg.max_positions:
         raise ConfigError(f"--seq-len {a.seq_len} is over {cfg.name}'s maximum of "
                           f"{cfg.max_positions} positions; lower it")
-    from .tokenizer import load_tokenizer
+    from .text.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(store_path, cfg)
     if tokenizer is None:
         raise ConfigError(f"the store at {store_path} has no tokenizer; perplexity needs one")

@@ -34,7 +34,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from .config import DEFAULT_MODEL, ConfigError
-from .prefill_cache import PrefillCache
+from .runtime.prefill_cache import PrefillCache
 
 NAME = "flexgen_infinigen"
 DEFAULT_MAX_LENGTH = 2048
@@ -57,7 +57,7 @@ def _argv(options: dict) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .run import add_model_args, add_policy_args
+    from .cli.args import add_model_args, add_policy_args
 
     p = argparse.ArgumentParser(prog=NAME, add_help=False, exit_on_error=False)
     add_model_args(p)
@@ -73,8 +73,8 @@ class OffloadedHarnessLM(LM):
         if batch_size not in (None, "auto") and "gpu_batch_size" not in options:
             options["gpu_batch_size"] = int(batch_size)  # lm-eval's --batch_size
         from .api import OffloadedLM
+        from .cli.args import check_policy_args, policy_from_args
         from .kv import kv_policy_from_args
-        from .run import check_policy_args, policy_from_args
 
         try:
             a, unknown = _parser().parse_known_args(_argv(options))
@@ -131,7 +131,7 @@ class OffloadedHarnessLM(LM):
         return str(self.lm.store_path or self.lm.cfg.name)
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        from .chat import render, store_template
+        from .text.chat import render, store_template
 
         template = store_template(self.lm.store_path)
         if template is None:

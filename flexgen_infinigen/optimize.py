@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli.args import write_json
 from .config import DEFAULT_MODEL
-from .loading import model_config
-from .guards import check_output_path
-from .guards import run_command as run_guarded
+from .flags import int_or_auto
 from .kv import plannable_names
 from .planner.auto import (
     check_possible,
@@ -24,7 +23,9 @@ from .planner.auto import (
 )
 from .planner.hardware import BUILTIN
 from .policy import Policy
-from .run import int_or_auto, write_json
+from .runtime.guards import check_output_path
+from .runtime.guards import run_command as run_guarded
+from .runtime.loading import model_config
 
 
 def build_parser() -> argparse.ArgumentParser:

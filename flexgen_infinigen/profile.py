@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .guards import check_output_path, run_command
-from .loading import resolve_device
+from .cli.args import write_json
 from .planner.hardware import BUILTIN, GB, OPTIONAL_RATES, RATES, HardwareProfile
 from .planner.measure import cache_path, measure_hardware, save_to_cache
-from .run import write_json
+from .runtime.guards import check_output_path, run_command
+from .runtime.loading import resolve_device
 
 
 def _size(n: int) -> str:

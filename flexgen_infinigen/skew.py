@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from .config import ConfigError, read_text
-from .guards import run_command
+from .runtime.guards import run_command
 
 
 def main(argv=None) -> int:

@@ -24,8 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flexgen_infinigen import OffloadedLM, Policy, memory_plan  # noqa: E402
+from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
 from flexgen_infinigen.kv import make_kv_policy  # noqa: E402
+from flexgen_infinigen.runtime import memory_plan  # noqa: E402
 
 GB = 1e9
 

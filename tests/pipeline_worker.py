@@ -13,6 +13,7 @@ def main(spec_path: str, out_dir: str) -> None:
     from flexgen_infinigen.api import OffloadedLM
     from flexgen_infinigen.kv import make_kv_policy
     from flexgen_infinigen.pipeline import Link, plan_slices
+    from flexgen_infinigen.pipeline.engine import rank_engine
     from flexgen_infinigen.planner.hardware import BUILTIN
     from flexgen_infinigen.policy import Policy
     from flexgen_infinigen.sampling import SamplingConfig
@@ -22,13 +23,13 @@ def main(spec_path: str, out_dir: str) -> None:
     for model in spec["models"]:
         policy = Policy.from_percent(model["percent"], gpu_batch_size=model["batch"],
                                      num_gpu_batches=model["gpu_batches"])
-        from flexgen_infinigen.loading import find_weights
+        from flexgen_infinigen.runtime.loading import find_weights
         cfg = find_weights(model["model"], model["path"], model["dummy"], progress=False)[0]
         part = plan_slices(cfg, link.world, policy, model["prompt_len"], model["gen_len"], 4,
                            BUILTIN["t4-pcie3"])[link.rank]
         lm = OffloadedLM.load(model["model"], model["path"], model["dummy"], policy,
                               device="cpu", offload_dir=model["offload_dir"], progress=False,
-                              part=part, link=link)
+                              part=part, make_engine=rank_engine(link))
         with lm:
             for kv in model["kv_policies"]:
                 lm.use_kv_policy(make_kv_policy(kv["name"], **kv["options"]))

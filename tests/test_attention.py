@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from flexgen_infinigen import attention
-from flexgen_infinigen.attention import attend, mask_bias
+from flexgen_infinigen.runtime import attention
+from flexgen_infinigen.runtime.attention import attend, mask_bias
 
 
 def _inputs(b=2, s=37, heads=6, kv=2, d=16):

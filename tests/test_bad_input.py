@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexgen_infinigen import api, loading, run
+from flexgen_infinigen import api, run
+from flexgen_infinigen.runtime import loading
 from flexgen_infinigen.weights import embedded
 
 FAST_S = 2.0  # a bad input must be reported well before any long work
@@ -281,9 +282,10 @@ def test_bad_repetition_penalty(capsys, value):
 def test_optimize_refuses_the_impossible_before_profiling(capsys, monkeypatch):
     """A model that cannot fit at all is refused before the minute-long machine profile."""
     from flexgen_infinigen import optimize
-    from flexgen_infinigen.planner import auto
+    from flexgen_infinigen.planner import auto, measure
 
     monkeypatch.setattr(auto, "load_profile", lambda *a, **k: pytest.fail("profiled first"))
+    monkeypatch.setattr(measure, "cached_profile", lambda *a, **k: pytest.fail("profiled first"))
     capsys.readouterr()
     rc = optimize.main(["--model", "opt-175b", "--gpu-mem", "0", "--cpu-mem", "8",
                         "--disk-mem", "10"])

@@ -28,8 +28,8 @@ def test_chat_template_renders_like_transformers(smollm2_store):
     """Our jinja rendering of the stored template equals transformers' apply_chat_template."""
     from transformers import PreTrainedTokenizerFast
 
-    from flexgen_infinigen.chat import chat_prompt_ids, store_template
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.chat import chat_prompt_ids, store_template
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     template = store_template(smollm2_store)
     tok = load_tokenizer(smollm2_store)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.attention import attend, attend_prompt, mask_bias
+from flexgen_infinigen.runtime.attention import attend, attend_prompt, mask_bias
 
 PROMPTS = [[1, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 3, 9],
            [1, 40, 41, 42, 43, 44, 45, 46, 400, 2, 77]]
@@ -118,8 +118,8 @@ def test_prefill_chunk_flag_is_checked(capsys):
 def test_plan_holds_nothing_prompt_by_prompt():
     """The device working set grows linearly with the prompt: doubling a 16K prompt adds
     about as much as the first 16K did (a [q, k] mask would quadruple)."""
-    from flexgen_infinigen import memory_plan
     from flexgen_infinigen.config import get_config
+    from flexgen_infinigen.runtime import memory_plan
 
     cfg, policy = get_config("qwen2.5-7b"), Policy()
     work = [memory_plan.plan(cfg, policy, torch.float32, p, 1)["working_set_device"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.compression import GROUP_SIZE, compress, decompress
-from flexgen_infinigen.metrics import perplexity, teacher_forced_nll
+from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
+from flexgen_infinigen.runtime.compression import GROUP_SIZE, compress, decompress
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -39,7 +39,7 @@ def wikitext_ids(smollm2_store):
     from pathlib import Path
 
     from flexgen_infinigen.config import get_config
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     path = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
     if path.is_file():
@@ -82,7 +82,7 @@ def test_compressed_model_stays_close(smollm2_store, wikitext_ids, full_score, w
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_chunked_decompression_equals_the_plain_formula(dtype, monkeypatch):
     """Decompression in row chunks gives exactly codes * scale + minimum, element by element."""
-    from flexgen_infinigen import compression
+    from flexgen_infinigen.runtime import compression
 
     x = (torch.randn(37, 3, 128, generator=torch.Generator().manual_seed(1))).to(dtype)
     packed = compression.compress(x)
@@ -101,8 +101,8 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
     teacher-forced perplexity 45.50 against 45.85, the first tokens the same, a decode step's
     logits moved by 0.24 of their spread, where the 4-bit weights themselves move them by
     0.46 from the float model's: the rounding is noise of about half that size)."""
-    from flexgen_infinigen import cpu_kernels
-    from flexgen_infinigen.compression import PackedWeight
+    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.runtime.compression import PackedWeight
 
     calls = []
     real = cpu_kernels.linear_q4

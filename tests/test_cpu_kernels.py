@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen import cpu_kernels as kernels
 from flexgen_infinigen.kv import spec_keys
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys
-from flexgen_infinigen.tiers import Tiers
+from flexgen_infinigen.runtime import cpu_kernels as kernels
+from flexgen_infinigen.runtime.tiers import Tiers
 
 if kernels.library() is None:
     pytest.skip("no C compiler here: the kernel falls back to torch", allow_module_level=True)
@@ -105,8 +105,8 @@ def test_byte_products_change_few_selections_on_a_real_model(smollm2_store, monk
     """SmolLM2 (head dim 64: the 8-bit query products apply), the same tokens teacher-forced
     with and without the kernels: the rows each KV head selects agree (measured: 98.8% on
     average, 95.4% at worst over layers and steps), and the logits barely move (0.17)."""
+    from flexgen_infinigen.cli.prompts import synthesize_prompts
     from flexgen_infinigen.kv import infinigen
-    from flexgen_infinigen.prompts import synthesize_prompts
 
     chosen = []
     real_rank = infinigen.InfiniGenCache._rank
@@ -166,7 +166,7 @@ def test_linear_hands_other_cases_to_torch():
 def test_attention_kernel_equals_torch(b, kv, group, length, d):
     """Decode attention over token-major rows, padding masked, against the two torch
     products (``return_key_mass`` keeps the torch path); rows must be contiguous."""
-    from flexgen_infinigen.attention import attend_rows
+    from flexgen_infinigen.runtime.attention import attend_rows
 
     torch.manual_seed(length)
     k, v = torch.randn(length, b * kv, d), torch.randn(length, b * kv, d)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Policy
-from conftest import hf_greedy
 
 pytestmark = pytest.mark.cuda
 
@@ -119,7 +119,7 @@ def test_decode_step_syncs_are_the_counted_ones(tiny_llama, kv):
 
 
 def test_host_tier_is_pinned_at_its_exact_size(tiny_opt):
-    from flexgen_infinigen.tiers import EXACT_PIN_BYTES
+    from flexgen_infinigen.runtime.tiers import EXACT_PIN_BYTES
     _, store = tiny_opt
     policy = Policy.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=64)
     with OffloadedLM.load(path=store, device="cuda", policy=policy, progress=False) as lm:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen import disk_io
-from flexgen_infinigen.disk_io import OffloadIOError
-from flexgen_infinigen.tiers import DEVICE, DISK, HOST, Tiers
+from flexgen_infinigen.runtime import disk_io
+from flexgen_infinigen.runtime.disk_io import OffloadIOError
+from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST, Tiers
 
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy, eval as evaluation
-from flexgen_infinigen.metrics import perplexity, teacher_forced_nll
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import eval as evaluation
+from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
 
 
 def test_decode_path_perplexity_equals_a_single_forward(tiny_opt):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from flexgen_infinigen.config import ConfigError
-from flexgen_infinigen.tokenizer import Tokenizer
+from flexgen_infinigen.text.tokenizer import Tokenizer
 from flexgen_infinigen.weights import gguf_tokenizer
 from flexgen_infinigen.weights.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flexgen_infinigen.config import KNOWN_MODELS, ConfigError, get_config
-from flexgen_infinigen.tokenizer import Tokenizer, load_tokenizer
+from flexgen_infinigen.text.tokenizer import Tokenizer, load_tokenizer
 from flexgen_infinigen.weights import embedded, gguf_convert
 from flexgen_infinigen.weights.store import StoreWriter, WeightStore
 

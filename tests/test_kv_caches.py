@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexgen_infinigen.attention import attend, mask_bias, visible
-from flexgen_infinigen.compression import compress, decompress
 from flexgen_infinigen.kv import POLICIES, FullPolicy, H2OPolicy, InfiniGenPolicy, OraclePolicy
 from flexgen_infinigen.kv.base import CacheSpec
 from flexgen_infinigen.kv.options import InfiniGenOptions, SelectionOptions
-from flexgen_infinigen.tiers import Tiers
+from flexgen_infinigen.runtime.attention import attend, mask_bias, visible
+from flexgen_infinigen.runtime.compression import compress, decompress
+from flexgen_infinigen.runtime.tiers import Tiers
 
 B, KV, H, D, PROMPT, STEPS = 2, 2, 4, 64, 12, 4
 PAD = 3  # left padding of the second sequence

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.cli.report import build_report, print_report
 from flexgen_infinigen.planner import measure
 from flexgen_infinigen.planner.hardware import BUILTIN, GB
 from flexgen_infinigen.planner.measure import cache_path, save_to_cache
-from flexgen_infinigen.report import build_report, print_report
-from flexgen_infinigen.tiers import LINKS
+from flexgen_infinigen.runtime.tiers import LINKS
 from flexgen_infinigen.weights.embedded import CACHE_ENV
 
 PROMPT = [2, 11, 12, 13, 14, 15, 16]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Policy
-from conftest import hf_greedy
 
 STEPS = 32
 TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
@@ -26,7 +26,7 @@ POLICIES = {k: p if p.overlap is not None else dataclasses.replace(p, overlap=Tr
 @pytest.fixture(scope="module")
 def prompts(smollm2_store):
     from flexgen_infinigen.config import get_config
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_store, get_config("smollm2-135m"))
     return [tok.encode(t) for t in TEXTS]

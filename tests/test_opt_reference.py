@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Policy
-from conftest import hf_greedy
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300],
            [2, 40, 41, 42],
@@ -100,7 +100,7 @@ def test_fp16_close_to_fp32(tiny_opt, references):
 def test_prefill_attention_in_query_chunks_matches_transformers(tiny_opt, references,
                                                                  monkeypatch):
     """Long prompts score attention a few query rows at a time; the output must not change."""
-    from flexgen_infinigen import attention
+    from flexgen_infinigen.runtime import attention
 
     _, store = tiny_opt
     # 3 query rows per chunk for these shapes (4 heads, 10 keys): every prompt is chunked

@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from flexgen_infinigen import memory_plan
 from flexgen_infinigen.config import ConfigError, get_config
-from flexgen_infinigen.stages import LayerSlice, build_stages
 from flexgen_infinigen.models import family_of
 from flexgen_infinigen.pipeline.partition import plan_slices, split_layers
 from flexgen_infinigen.planner.hardware import BUILTIN
 from flexgen_infinigen.policy import Policy
+from flexgen_infinigen.runtime import memory_plan
+from flexgen_infinigen.runtime.stages import LayerSlice, build_stages
 
 
 def brute_force(layers, stages, per_layer, embed, head) -> float:

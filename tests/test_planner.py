@@ -16,8 +16,8 @@ from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.config import ConfigError, get_config
 from flexgen_infinigen.planner import cost, lp, workload
 from flexgen_infinigen.planner.cost import predict
-from flexgen_infinigen.planner.workload import Workload
 from flexgen_infinigen.planner.hardware import BUILTIN, GB, HardwareProfile, load_profile
+from flexgen_infinigen.planner.workload import Workload
 
 A6000 = BUILTIN["a6000-pcie3"]
 
@@ -138,7 +138,7 @@ def test_lp_is_not_beaten_by_a_grid_and_respects_memory():
 
 @pytest.mark.parametrize("limits", [(10, 12, 100), (24, 64, 0), (6, 200, 0), (12, 8, 60)])
 def test_optimizer_pick_passes_the_runtime_memory_plan(limits):
-    from flexgen_infinigen import memory_plan
+    from flexgen_infinigen.runtime import memory_plan
 
     gpu, cpu, disk = limits
     hw = A6000.with_memory(gpu, cpu, disk)

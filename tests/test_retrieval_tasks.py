@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flexgen_infinigen.prompts import FILLER_TEXT
-from flexgen_infinigen.retrieval_tasks import TASKS, Filler, found, make_sample, score
+from flexgen_infinigen.cli.prompts import FILLER_TEXT
+from flexgen_infinigen.evals.retrieval_tasks import TASKS, Filler, found, make_sample, score
 
 # natural-looking filler with varied sentences (the built-in paragraph, numbered so that
 # windows differ)
@@ -14,7 +14,7 @@ TEXT = " ".join(f"Chapter {i}. " + FILLER_TEXT for i in range(40))
 
 @pytest.fixture(scope="module")
 def filler(smollm2_store):
-    from flexgen_infinigen.tokenizer import load_tokenizer
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     return Filler(load_tokenizer(smollm2_store), TEXT)
 

@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy, memory_plan
-from flexgen_infinigen.attention import attend, attend_rows
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.runtime import memory_plan
+from flexgen_infinigen.runtime.attention import attend, attend_rows
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 40] * 3, [9, 8, 7, 6, 5, 4, 3] * 4]
 STEPS = 6

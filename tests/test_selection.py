@@ -83,7 +83,7 @@ def test_fetch_moves_exactly_the_selected_rows(tmp_path):
     from flexgen_infinigen.kv.base import CacheSpec
     from flexgen_infinigen.kv.full import FullCache
     from flexgen_infinigen.kv.selective import fetch_selected
-    from flexgen_infinigen.tiers import Tiers
+    from flexgen_infinigen.runtime.tiers import Tiers
 
     tiers = Tiers(torch.device("cpu"), str(tmp_path))
     b, kv, d, max_len = 2, 3, 4, 10
@@ -119,7 +119,7 @@ def test_speculation_keys_score_like_their_dequantized_keys(kind, width):
     """Scores from packed codes equal q . (codes * scale + min), and every dequantized value
     is within half a quantization step of the key written."""
     from flexgen_infinigen.kv.spec_keys import KINDS, SpeculationKeys
-    from flexgen_infinigen.tiers import Tiers
+    from flexgen_infinigen.runtime.tiers import Tiers
 
     torch.manual_seed(0)
     keys = SpeculationKeys(kind, 50, 6, width, torch.float32, Tiers(torch.device("cpu")))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu_kernels import linear
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
+from ..runtime.cpu_kernels import linear
 from .skew import Skew, calibrate, projection, query_gram
 
 PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
-from ..tiers import Tiers
+from ..runtime.tiers import Tiers
 
 
 @dataclass(frozen=True)

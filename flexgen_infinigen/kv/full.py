@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attend_rows
-from ..tiered import TieredTensor
-from ..tiers import DEVICE, HOST
+from ..runtime.attention import attend_rows
+from ..runtime.tiered import TieredTensor
+from ..runtime.tiers import DEVICE, HOST
 from .base import CacheSpec, KVCache, KVPolicy
 
 

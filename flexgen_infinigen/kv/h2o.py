@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..attention import attend_prompt, score_rows
 from ..config import ConfigError
+from ..runtime.attention import attend_prompt, score_rows
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected
 from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from .. import cpu_kernels
-from ..attention import attend_rows
+from ..runtime import cpu_kernels
+from ..runtime.attention import attend_rows
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected, to_rows
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
@@ -235,7 +235,7 @@ class InfiniGenPolicy(SelectivePolicy):
     # ---- command line -----------------------------------------------------------------------
     @classmethod
     def add_args(cls, parser) -> None:
-        from ..run import str2bool
+        from ..flags import str2bool
 
         add_selection_args(parser)
         g = parser.add_argument_group("InfiniGen (with --kv-policy infinigen)")

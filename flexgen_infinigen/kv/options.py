@@ -9,7 +9,6 @@ from .pool import check_pool_options
 from .selection import RULES, Budget
 from .spec_keys import KINDS
 
-
 # Per selecting layer; with the two layers that read everything, SmolLM2 (30 layers) then reads
 # 0.235 of its cache and OPT-13B (40 layers) 0.22 (see benchmarks/results/accuracy_sweep.md).
 DEFAULT_KV_FRACTION = 0.18

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cpu_kernels import score_packed, spec_write, speculate_mass
+from ..runtime.cpu_kernels import score_packed, spec_write, speculate_mass
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 

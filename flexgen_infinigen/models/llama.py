@@ -13,9 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..compression import lookup
-from ..cpu_kernels import linear
 from ..config import ModelConfig
+from ..runtime.compression import lookup
+from ..runtime.cpu_kernels import linear
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:

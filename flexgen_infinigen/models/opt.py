@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..compression import lookup
-from ..cpu_kernels import linear
 from ..config import ModelConfig
+from ..runtime.compression import lookup
+from ..runtime.cpu_kernels import linear
 
 POSITION_OFFSET = 2
 

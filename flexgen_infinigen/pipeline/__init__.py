@@ -16,7 +16,7 @@ From Python, every rank runs::
 
     link = Link(torch.device("cpu"))
     part = plan_slices(cfg, link.world, policy, prompt_len, gen_len, 4, hw)[link.rank]
-    lm = OffloadedLM.load(..., part=part, link=link)
+    lm = OffloadedLM.load(..., part=part, make_engine=rank_engine(link))
     gen = lm.generate(prompts, ...)  # the same prompts on every rank; rank 0 has the tokens
 """
 from .link import Link, PipelineError

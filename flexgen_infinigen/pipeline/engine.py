@@ -25,10 +25,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..engine import Engine, Step
+from ..runtime.engine import Engine, Step
+from ..runtime.streams import Lanes
+from ..runtime.tiered import TieredTensor
 from ..sampling import Sampler
-from ..streams import Lanes
-from ..tiered import TieredTensor
 
 
 class PipelineEngine(Engine):
@@ -162,3 +162,10 @@ def micro_batches(num_gpu_batches: int, count: int | None) -> list[list[int]]:
     count = num_gpu_batches if count is None else min(count, num_gpu_batches)
     bounds = [round(g * num_gpu_batches / count) for g in range(count + 1)]
     return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]
+
+
+def rank_engine(link):
+    """``OffloadedLM.load(make_engine=...)`` for one pipeline rank talking over ``link``."""
+    def make(cfg, weights, policy, tiers, kv_policy, dtype, part):
+        return PipelineEngine(cfg, weights, policy, tiers, kv_policy, dtype, part, link)
+    return make

@@ -14,9 +14,9 @@ import sys
 import torch
 
 from ..config import DEFAULT_MODEL, ConfigError
-from ..guards import Terminated
-from ..loading import resolve_device, resolve_dtype
-from .engine import micro_batches
+from ..runtime.guards import Terminated
+from ..runtime.loading import resolve_device, resolve_dtype
+from .engine import micro_batches, rank_engine
 from .link import Link
 from .partition import check_stages, plan_slices
 from .report import combine_reports, rank_summary
@@ -25,9 +25,9 @@ from .report import combine_reports, rank_summary
 def model_config(a):
     """The model's configuration without reading any weight (the store's own, for --path)."""
     if a.path:
-        from ..loading import find_weights
+        from ..runtime.loading import find_weights
         return find_weights(a.model, a.path, False, progress=False)[0]
-    from ..loading import model_config as config_of
+    from ..runtime.loading import model_config as config_of
     return config_of(a.model)
 
 
@@ -75,11 +75,12 @@ def _explain(error: BaseException, rank: int) -> int:
 
 def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     from ..api import OffloadedLM
+    from ..cli.args import policy_from_args, wants_plan, write_json
+    from ..cli.prompts import make_prompts
+    from ..cli.report import print_report
     from ..kv import kv_policy_from_args
-    from ..loading import find_weights
     from ..policy import Policy
-    from ..report import print_report
-    from ..run import make_prompts, policy_from_args, wants_plan, write_json
+    from ..runtime.loading import find_weights
     from ..sampling import SamplingConfig
 
     kv = kv_policy_from_args(a)
@@ -110,8 +111,8 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=base,
                           device=str(link.device.type), dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed,
-                          max_len_hint=None if texts else lengths, part=part, link=link,
-                          progress=link.is_first)
+                          max_len_hint=None if texts else lengths, part=part,
+                          make_engine=rank_engine(link), progress=link.is_first)
     with lm:
         lm.engine.micro_batches = a.pipeline_micro_batches
         shape = (lm.policy.gpu_batch_size, lm.policy.num_gpu_batches, a.pipeline_micro_batches)

@@ -13,9 +13,9 @@ import dataclasses
 import math
 
 from ..config import ConfigError, ModelConfig
-from ..stages import LayerSlice
 from ..models import family_of
 from ..policy import Policy
+from ..runtime.stages import LayerSlice
 
 
 def check_stages(stages: int, cfg: ModelConfig | None = None, world: int | None = None) -> None:

@@ -6,9 +6,8 @@ import resource
 
 import torch
 
-from ..tiers import DEVICE, DISK, HOST, LINKS
+from ..runtime.tiers import DEVICE, DISK, HOST, LINKS
 
-GB = 1e9
 
 
 def rank_summary(lm, gen, link, plan: dict | None) -> dict:
@@ -38,7 +37,7 @@ def rank_summary(lm, gen, link, plan: dict | None) -> dict:
 def combine_reports(lm, gen, ranks: list[dict]) -> dict:
     """Rank 0's report of the whole run (its latencies are the pipeline's: it sees the first
     input and the last token) with ``pipeline.ranks``, one entry per rank."""
-    from ..report import build_report, link_bandwidth
+    from ..cli.report import build_report, link_bandwidth
 
     kv = lm.engine.kv_policy
     stats = getattr(kv, "stats", None)
@@ -64,24 +63,3 @@ def combine_reports(lm, gen, ranks: list[dict]) -> dict:
                           "ranks": [{k: v for k, v in r.items() if k != "kv_counts"}
                                     for r in ranks]}
     return report
-
-
-def print_pipeline(p: dict, w) -> None:
-    """The per-rank lines of a pipeline run's report."""
-    w(f"pipeline: {p['stages']} stages, {p['between_ranks_bytes'] / GB:.4f} GB sent between "
-      "ranks")
-    w(f"  {'rank':<5}{'layers':<12}{'load s':>8}{'prefill s':>11}{'decode s':>10}"
-      f"{'waiting s':>11}{'moved GB':>10}{'sent GB':>9}  placement (wg wc cg cc hg hc)")
-    for r in p["ranks"]:
-        layers = f"{r['layers'][0]}-{r['layers'][1] - 1}" + ("+E" if r["embed"] else "") + \
-            ("+H" if r["head"] else "")
-        moved = sum(n for kinds in r["bytes_moved"].values() for n in kinds.values())
-        sent = sum(n for kinds in r["between_ranks_bytes"]["sent"].values()
-                   for n in kinds.values())
-        pol = r["policy"]
-        percent = " ".join(f"{pol[k]:g}" for k in (
-            "w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
-            "act_gpu_percent", "act_cpu_percent"))
-        w(f"  {r['rank']:<5}{layers:<12}{r['load_time_s']:>8.2f}{r['prefill_latency_s']:>11.3f}"
-          f"{r['decode_latency_s']:>10.3f}{r['waiting_s']:>11.3f}{moved / GB:>10.3f}"
-          f"{sent / GB:>9.4f}  {percent}")

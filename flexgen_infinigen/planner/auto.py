@@ -25,9 +25,9 @@ def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
     and cache on disk) cannot fit in this machine's free memory and disk together."""
     import torch
 
-    from ..loading import resolve_device
-    from ..memory_plan import GIB, available, plan
     from ..policy import Policy
+    from ..runtime.loading import resolve_device
+    from ..runtime.memory_plan import GIB, available, plan
 
     dtype = {2: torch.float16, 4: torch.float32}.get(item, torch.float16)
     lean = Policy.from_percent([0, 0, 0, 0, 100, 0])
@@ -49,10 +49,14 @@ def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
 def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | None = None,
                 disk_mem: float | None = None, offload_dir: str | None = None) -> HardwareProfile:
     """The named or saved profile; for this machine's own profile, memory as free right now."""
-    prof = load_profile(hw)
+    if hw is None:  # this machine: its saved profile, else measured now (half a minute)
+        from .measure import cached_profile
+        prof = cached_profile()
+    else:
+        prof = load_profile(hw)
     if hw is None:
-        from ..loading import resolve_device
-        from ..memory_plan import available
+        from ..runtime.loading import resolve_device
+        from ..runtime.memory_plan import available
         dev = resolve_device("auto")
         have = available(dev, offload_dir)
         prof = dataclasses.replace(prof, gpu_mem=float(have["device"]),

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 
-from ..attention import score_rows
 from ..policy import Policy
+from ..runtime.attention import score_rows
 from .hardware import HardwareProfile
 from .workload import Sizes, Workload, fits, fractions, mean_context, memory_needs
+
 
 def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
     """Seconds to bring every weight tensor of one step over the host link, one copy each."""

@@ -215,15 +215,9 @@ BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in [
 ]}
 
 
-def load_profile(spec: str | None) -> HardwareProfile:
-    """A built-in profile name, a JSON file written by the profiler, or None for this machine.
-
-    With None, ``hw.json`` in the cache folder is used when an earlier profile run saved one;
-    otherwise this machine is measured now (a quick profile, about half a minute).
-    """
-    if spec is None:
-        from .measure import cached_profile
-        return cached_profile()
+def load_profile(spec: str) -> HardwareProfile:
+    """A built-in profile name or a JSON file written by the profiler (this machine's own,
+    measured or cached: :func:`.measure.cached_profile`)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     try:

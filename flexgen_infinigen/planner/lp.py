@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import pulp
 
-from .. import memory_plan
 from ..config import ConfigError
 from ..policy import Policy
+from ..runtime import memory_plan
 from .cost import decode_terms, disk_apart, overlaps, predict, prefill_terms
 from .hardware import GB, HardwareProfile
 from .workload import Workload, extra_device_bytes, fractions, mean_context

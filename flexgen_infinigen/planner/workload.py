@@ -7,14 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import memory_plan
-from ..compression import stored_bytes
 from ..config import ConfigError, ModelConfig
-from ..stages import build_stages
 from ..models import family_of
 from ..policy import Policy
+from ..runtime import memory_plan
+from ..runtime.compression import stored_bytes
+from ..runtime.stages import build_stages
 from .hardware import HardwareProfile
-
 
 
 @dataclass(frozen=True)

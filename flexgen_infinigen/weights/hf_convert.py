@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..chat import CHAT_FILE, template_from_hf_folder
 from ..config import ConfigError, ModelConfig
-from ..guards import raise_if_interrupted
 from ..models import family_of
+from ..runtime.guards import raise_if_interrupted
+from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
 from .store import StoreWriter
 

@@ -39,7 +39,7 @@ def save_to_cache(prof: HardwareProfile) -> Path:
 
 def cached_profile(progress: bool = True) -> HardwareProfile:
     """This machine's saved profile, measured (quick) and saved first if there is none."""
-    from ...loading import resolve_device
+    from ...runtime.loading import resolve_device
 
     prof = saved_profile()
     if prof is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...attention import attend, mask_bias
-from ...compression import compress, decompress
+from ...runtime.attention import attend, mask_bias
+from ...runtime.compression import compress, decompress
 from .timing import rate_table, run_each, timed
 
 MATMUL_ROWS = [1, 4, 16, 64, 256, 1024, 4096]

@@ -9,15 +9,22 @@ import torch
 from tqdm.auto import tqdm
 
 from ..hardware import HardwareProfile
-from .compute import (attention_rates, dequant_rates, device_copy_rates, host_gather_rates,
-                      matmul_table, op_overhead, prefill_attention_rates)
+from .compute import (
+    attention_rates,
+    dequant_rates,
+    device_copy_rates,
+    host_gather_rates,
+    matmul_table,
+    op_overhead,
+    prefill_attention_rates,
+)
 from .overheads import engine_overheads
 from .transfers import disk_bandwidths, link_bandwidths, page_cache_rates
 
 
 def memory(dev: torch.device, offload_dir: str | None) -> dict[str, float]:
     """Bytes the runtime may use on each tier now."""
-    from ...memory_plan import available
+    from ...runtime.memory_plan import available
     have = available(dev, offload_dir)
     return {"gpu_mem": float(have["device"]), "cpu_mem": float(have["host"]),
             "disk_mem": float(have["disk"])}

@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from ...config import ModelConfig
-from ...tiers import Tiers
+from ...runtime.tiers import Tiers
 
 
 def tiny_config(family: str) -> ModelConfig:
@@ -27,10 +27,10 @@ def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent:
                kv_policy=None) -> float:
     """Median decode step time of a tiny model run by the real engine."""
     from ...api import OffloadedLM
-    from ...engine import Engine
     from ...kv import FullPolicy
-    from ...loading import place_weights
     from ...policy import Policy
+    from ...runtime.engine import Engine
+    from ...runtime.loading import place_weights
     from ...sampling import Sampler, SamplingConfig
     from ...weights.sources import DummySource
 

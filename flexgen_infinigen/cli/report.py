@@ -8,13 +8,13 @@ import sys
 
 import torch
 
-from . import memory_plan
-from .api import Generation, OffloadedLM
-from .stages import LayerSlice
-from .models import family_of
-from .planner.hardware import HardwareProfile
-from .planner.measure import saved_profile
-from .tiers import DEVICE, DISK, HOST, LINKS, Tiers
+from ..api import Generation, OffloadedLM
+from ..models import family_of
+from ..planner.hardware import HardwareProfile
+from ..planner.measure import saved_profile
+from ..runtime import memory_plan
+from ..runtime.stages import LayerSlice
+from ..runtime.tiers import DEVICE, DISK, HOST, LINKS, Tiers
 
 GB = 1e9
 
@@ -178,7 +178,6 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
                   f" (decode steps {row['decode_bytes_per_s'] / GB:.3f} GB/s)")
         w(f"  {link:<14}{row['bytes_per_s'] / GB:>9.3f} GB/s{peak}{decode}")
     if r.get("pipeline"):
-        from .pipeline.report import print_pipeline
         print_pipeline(r["pipeline"], w)
     for key, value in r["kv_policy"].items():
         if key == "kv_policy":
@@ -197,3 +196,24 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
             w(f"[generated] {text}")
     if r["texts"] and any(r["texts"]):
         w("-" * 60)
+
+
+def print_pipeline(p: dict, w) -> None:
+    """The per-rank lines of a pipeline run's report."""
+    w(f"pipeline: {p['stages']} stages, {p['between_ranks_bytes'] / GB:.4f} GB sent between "
+      "ranks")
+    w(f"  {'rank':<5}{'layers':<12}{'load s':>8}{'prefill s':>11}{'decode s':>10}"
+      f"{'waiting s':>11}{'moved GB':>10}{'sent GB':>9}  placement (wg wc cg cc hg hc)")
+    for r in p["ranks"]:
+        layers = f"{r['layers'][0]}-{r['layers'][1] - 1}" + ("+E" if r["embed"] else "") + \
+            ("+H" if r["head"] else "")
+        moved = sum(n for kinds in r["bytes_moved"].values() for n in kinds.values())
+        sent = sum(n for kinds in r["between_ranks_bytes"]["sent"].values()
+                   for n in kinds.values())
+        pol = r["policy"]
+        percent = " ".join(f"{pol[k]:g}" for k in (
+            "w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
+            "act_gpu_percent", "act_cpu_percent"))
+        w(f"  {r['rank']:<5}{layers:<12}{r['load_time_s']:>8.2f}{r['prefill_latency_s']:>11.3f}"
+          f"{r['decode_latency_s']:>10.3f}{r['waiting_s']:>11.3f}{moved / GB:>10.3f}"
+          f"{sent / GB:>9.4f}  {percent}")

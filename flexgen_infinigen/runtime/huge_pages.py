@@ -7,7 +7,6 @@ import sys
 
 import torch
 
-
 HUGE_PAGE = 2 << 20
 HUGE_MIN_BYTES = 32 << 20
 _MADV_HUGEPAGE = 14

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 DIR_PREFIX = "flexgen_infinigen-"
 OWNER_FILE = "owner.pid"  # the pid of the run that owns an offload folder

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 CHAT_FILE = "chat_template.jinja"
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError, ModelConfig
+from ..models import family_of
+from ..policy import Policy
 from .attention import FUSED_ROWS
 from .compression import can_compress, stored_bytes
-from .config import ConfigError, ModelConfig
-from .models import family_of
 from .offload_dir import remove_stale_folders
-from .policy import Policy
 from .tiered import split_sizes
 from .tiers import DEVICE, DISK, HOST, TIERS
 

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 MANIFEST = "manifest.json"  # mirrors weights.store.MANIFEST without importing numpy
 # special tokens that end a chat turn in the templates of common model families

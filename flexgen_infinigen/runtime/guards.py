@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 class Terminated(BaseException):

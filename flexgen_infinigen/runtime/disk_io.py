@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses in whole blocks
 REQUEST_BYTES = 16 << 20

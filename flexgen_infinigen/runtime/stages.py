@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
-from .models import family_of
+from ..config import ModelConfig
+from ..models import family_of
 
 
 @dataclass

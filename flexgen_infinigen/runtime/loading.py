@@ -6,14 +6,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .config import ConfigError, ModelConfig, get_config
+from ..config import ConfigError, ModelConfig, get_config
+from ..models import family_of
+from ..policy import Policy
+from ..weights.sources import DummySource, StoreSource
+from ..weights.store import WeightStore
 from .guards import raise_if_interrupted
-from .models import family_of
-from .policy import Policy
 from .tiered import TieredTensor
 from .tiers import Tiers
-from .weights.sources import DummySource, StoreSource
-from .weights.store import WeightStore
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,8 +40,8 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def model_config(model: str | None, path: str | None = None) -> ModelConfig:
     """The config of what a command was pointed at (a store, a GGUF or HF path, a registry
     name, else the default model), without converting or reading any weight."""
-    from .config import DEFAULT_MODEL
-    from .weights.local_model import is_model_path, source_config
+    from ..config import DEFAULT_MODEL
+    from ..weights.local_model import is_model_path, source_config
 
     if path:
         if not Path(path).exists():
@@ -57,7 +57,7 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
                  progress: bool = True):
     """(config, source, store or None) for a model name, a GGUF file or Hugging Face folder
     (converted into the cache on first use), a store folder, or dummy weights."""
-    from .weights.local_model import is_model_path, store_for
+    from ..weights.local_model import is_model_path, store_for
 
     if is_model_path(model):
         if path is not None or dummy:
@@ -74,7 +74,7 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
             raise ConfigError(
                 f"no weights for {model}: pass --path to a weight store converted with "
                 "`python -m flexgen_infinigen.convert`, or --dummy for random weights")
-        from .weights.embedded import default_model_store
+        from ..weights.embedded import default_model_store
         path = default_model_store(progress=progress)
     if not Path(path).exists():
         raise ConfigError(f"weight folder {path} does not exist; convert a checkpoint with "

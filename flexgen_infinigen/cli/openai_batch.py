@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from .config import ConfigError
+from ..config import ConfigError
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # body fields that change nothing here (or that we honour below)

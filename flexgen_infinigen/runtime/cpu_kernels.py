@@ -65,7 +65,7 @@ def library() -> ctypes.CDLL | None:
         _tried = True
         if os.environ.get(ENV, "1") == "0":
             return None
-        from .weights.embedded import default_cache_dir
+        from ..config import default_cache_dir
         path = _build(default_cache_dir() / "kernels")
         if path is None:
             print("note: no C compiler for the speculation kernel; scoring packed keys in "

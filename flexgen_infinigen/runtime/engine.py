@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
+from ..kv.base import CacheSpec, KVPolicy
+from ..models import family_of
+from ..policy import Policy
+from ..sampling import Sampler
 from .attention import attend_prompt, mask_bias, score_rows, visible
-from .config import ModelConfig
-from .kv.base import CacheSpec, KVPolicy
-from .models import family_of
-from .policy import Policy
 from .prefill_cache import Prefilled
-from .sampling import Sampler
 from .stages import LayerSlice, Stage, build_stages  # noqa: F401 (re-exported)
 from .streams import Lanes
 from .tiered import TieredTensor

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 if TYPE_CHECKING:
-    from .api import OffloadedLM
+    from ..api import OffloadedLM
 
 # Used to synthesize prompts of --prompt-len tokens when none are given.
 FILLER_TEXT = (
@@ -38,7 +38,7 @@ def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
 def chat_prompts(lm: OffloadedLM, a, texts: list[str]):
     """Token ids of each text (or of an example question when none is given and no synthetic
     prompts were asked for) in the model's chat template; None when not chatting."""
-    from .chat import DEFAULT_QUESTION, chat_prompt_ids, store_template
+    from ..text.chat import DEFAULT_QUESTION, chat_prompt_ids, store_template
 
     template = store_template(lm.store_path)
     if a.chat and (template is None or lm.tokenizer is None):
@@ -54,3 +54,19 @@ def chat_prompts(lm: OffloadedLM, a, texts: list[str]):
               "--prompt-len for synthesized throughput prompts)", file=sys.stderr)
     return [chat_prompt_ids(lm.tokenizer, template, [{"role": "user", "content": t}])
             for t in texts]
+
+
+def make_prompts(lm, a, texts: list[str]) -> list[list[int]]:
+    """Token ids of the run's prompts: the texts (through the chat template when the model
+    has one), or synthesized prompts of ``--prompt-len`` tokens."""
+    prompts = chat_prompts(lm, a, texts)
+    if prompts is None and texts:
+        prompts = lm.encode(texts)
+    elif prompts is None:
+        policy = lm.policy
+        count = a.num_prompts or policy.block_size
+        prompts = synthesize_prompts(lm, a.prompt_len, count, a.seed)
+        print(f"running {count} synthesized prompts of {a.prompt_len} tokens (one block "
+              f"of {policy.gpu_batch_size} x {policy.num_gpu_batches}; --num-prompts "
+              "sets the count)", file=sys.stderr)
+    return prompts
