@@ -28,8 +28,9 @@ KERNELS = ("linear", "attend_rows", "attend_indexed", "speculate_mass", "score_p
            "select_mass")
 
 
-def _timed_kernels(times: dict, calls: collections.Counter) -> None:
-    """Wrap the kernels where the runtime calls them, adding each call's wall time."""
+def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> None:
+    """Wrap the kernels where the runtime calls them, adding each call's wall time while
+    ``active[0]`` (decode steps only)."""
     import importlib
 
     from flexgen_infinigen import cpu_kernels
@@ -40,8 +41,9 @@ def _timed_kernels(times: dict, calls: collections.Counter) -> None:
         def timed(*args, **kwargs):
             start = time.perf_counter()
             out = real(*args, **kwargs)
-            times[name] += time.perf_counter() - start
-            calls[name] += 1
+            if active[0]:
+                times[name] += time.perf_counter() - start
+                calls[name] += 1
             return out
         return timed
 
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
 
     times: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
-    _timed_kernels(times, calls)
+    active = [False]  # kernels are timed in decode steps only, not in the prefill
+    _timed_kernels(times, calls, active)
     kept = PrefillCache(a.prefill_dir) if a.prefill_dir else PrefillCache()
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
                                  compress_weight=a.compress_weight)
@@ -88,6 +91,12 @@ def main(argv=None) -> int:
     with OffloadedLM.load(model=a.model, policy=policy, progress=False,
                           max_len_hint=(a.context, a.steps + 1)) as lm:
         prompts, source = natural_prompts(lm.tokenizer, a.context, a.batch)
+        iteration = lm.engine._iteration
+
+        def timed_iteration(decode, *args):
+            active[0] = decode
+            return iteration(decode, *args)
+        lm.engine._iteration = timed_iteration
         for label in a.policies:
             kv, _, opts = label.partition(":")
             kw = {k: float(v) for k, v in (o.split("=") for o in opts.split(",") if o)}

@@ -52,8 +52,9 @@ def markdown(summary: dict, settings: dict) -> str:
     for n in lengths:
         labels += [k for k in summary[n] if k not in labels and k != "full_vs_transformers"]
     lines = [f"# Long-context retrieval: {settings['model']}", "",
-             f"Tasks {', '.join(settings['tasks'])}; needle depths {settings['depths']}; "
-             f"{settings['seeds']} prompt(s) per task and depth; filler: {settings['filler']}. "
+             f"Tasks {', '.join(settings['tasks'])}; needle depths {settings['depths']} (not "
+             f"every depth at every length: n counts the prompts); {settings['seeds']} seed(s); "
+             f"filler: {settings['filler']}. "
              "Score: share of the expected answers found in the generated tokens (0-100). "
              "Relative KV: rows attention read over rows cached, all layers; 4-bit rows also "
              "count their bytes against an fp16 cache.", "",

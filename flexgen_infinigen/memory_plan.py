@@ -94,9 +94,10 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     act_shape = (b, prompt_len, cfg.hidden_size)
     act = [n * policy.num_gpu_batches
            for n in _split_bytes(act_shape, 0, policy.act_split, item, False)]
-    # working set on the device: two stages of weights in flight (a stage is attention and MLP
-    # together without --sep-layer), the loaded K and V of the batch computing and of the
-    # next (prefetched) one when any of the cache is off the device, prefill activations (the
+    # working set on the device: two stages of weights in flight when they are copied (a
+    # stage is attention and MLP together without --sep-layer), the loaded K and V of the
+    # batch computing and of the next (prefetched) one when any of the cache is off the
+    # device, prefill activations (the
     # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
     # one fused attention chunk's mask (scores are never materialized; a policy that needs
     # the prompt's attention mass, H2O, counts its score chunk itself)
@@ -108,7 +109,10 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
     chunk = prefill_chunk(cfg, policy, item, prompt_len)
     rows = min(prompt_len, chunk, FUSED_ROWS)
-    working = (2 * biggest_stage + loads
+    # a stage's weights are copied (brought to the device, or expanded from 4 bits) unless
+    # they all sit on the device as they are: then compute reads them in place
+    resident = policy.weight_split[0] >= 1.0 and not policy.compress_weight
+    working = (2 * biggest_stage * (not resident) + loads
                + b * rows * prompt_len  # one fused attention chunk's boolean mask
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)

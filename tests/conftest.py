@@ -97,3 +97,7 @@ def hf_greedy(model, prompt: list[int], steps: int):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# InfiniGen reads a layer whole while its KV is too small for choosing to pay (12 MB on a
+# CPU): the tests' models are tiny, and they test the selection, so it always selects here
+# (tests/test_infinigen.py checks the read-whole rule with explicit sizes)
+os.environ.setdefault("FLEXGEN_INFINIGEN_SELECT_FROM_MB", "0")

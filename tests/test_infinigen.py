@@ -295,3 +295,32 @@ def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
     layer0 = sum(prompt + i for i in range(STEPS - 1)) * kv * row  # decode steps 1..STEPS-1
     assert moved["host->device"]["kv_cache"] == layer0 + sum(chosen) * row
     assert report["kv_fetch_fraction"] == report["kv_selected_fraction"]  # moved == used
+
+
+@pytest.mark.parametrize("percent", [[100, 0, 0, 100, 100, 0], [100, 0, 100, 0, 100, 0]])
+@pytest.mark.parametrize("host_in_place", [True, False])
+def test_a_layer_too_small_to_choose_from_is_read_whole(tiny_opt, full_outputs, percent,
+                                                        host_in_place):
+    """Under ``select_from_mb`` a layer's KV is read whole (choosing would cost more than it
+    spares): the full cache's tokens and logits, every row counted as read, no speculation;
+    over it the same options select."""
+    policy = Policy.from_percent(percent, host_in_place=host_in_place)
+    options = InfiniGenOptions(max_kv_fraction=0.25, min_num_kv=1, first_layer=1,
+                               select_from_mb=1.0)  # the tiny model's KV is a few KB
+    out, report, _ = _run(tiny_opt[1], policy, "infinigen", options)
+    _assert_same(out, full_outputs)
+    assert report["kv_fetch_fraction"] == 1.0 and report["speculation_time_s"] == 0
+    assert report["select_from_mb"] == 1.0
+    _, chose, _ = _run(tiny_opt[1], policy, "infinigen",
+                       dataclasses.replace(options, select_from_mb=0.0))
+    assert chose["kv_fetch_fraction"] < 0.6
+
+
+def test_the_read_whole_default_is_the_device_s(tiny_opt, monkeypatch):
+    """Unset, ``select_from_mb`` is 12 on a CPU (the tests' environment sets 0; unset here)."""
+    from flexgen_infinigen.kv import infinigen
+
+    monkeypatch.delenv(infinigen.SELECT_FROM_ENV, raising=False)
+    with OffloadedLM.load(path=tiny_opt[1], policy=Policy(), kv_policy="infinigen",
+                          progress=False) as lm:
+        assert lm.engine.kv_policy.options.select_from_mb == infinigen.SELECT_FROM_MB["cpu"]

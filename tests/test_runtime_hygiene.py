@@ -182,14 +182,19 @@ def test_device_plan_counts_attention_and_mlp_together_without_sep_layer(tiny_ll
     _, store = tiny_llama
     with _load(store) as lm:
         cfg = lm.cfg
-    plans = [memory_plan.plan(cfg, Policy(sep_layer=sep), torch.float16, 64, 8)
-             for sep in (True, False)]
+    plans = [memory_plan.plan(cfg, Policy.from_percent([0, 100, 100, 0, 100, 0], sep_layer=sep),
+                              torch.float16, 64, 8) for sep in (True, False)]
     h, kv_dim = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     attn = (2 * h * h + 2 * h * kv_dim + h) * 2  # q, o, k, v and the norm, in fp16
     mlp = (3 * h * cfg.intermediate_size + h) * 2
     assert mlp > max(attn, cfg.vocab_size * h * 2)  # the MLP is the biggest stage alone
     # two stages in flight, each now attention and MLP together
     assert plans[1]["working_set_device"] - plans[0]["working_set_device"] == 2 * attn
+    # weights all on the device are read where they are: no stage in flight
+    resident = [memory_plan.plan(cfg, Policy(sep_layer=sep), torch.float16, 64, 8)
+                for sep in (True, False)]
+    assert resident[0]["working_set_device"] == resident[1]["working_set_device"]
+    assert plans[0]["working_set_device"] - resident[0]["working_set_device"] == 2 * mlp
 
 
 def test_peak_memory_leaves_out_loading(tiny_opt):

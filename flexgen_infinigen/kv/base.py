@@ -152,6 +152,22 @@ class KVPolicy(ABC):
         """Average fraction of each layer's cached rows read per decode step."""
         return 1.0
 
+    # the fixed time a decode step's layer spends on this policy beyond bytes and flops, for
+    # the cost model: its name in a hardware profile (``DecodeWork.overhead``), its value in
+    # the built-in profiles, and how ``profile`` measures it (see ``overhead_probe``)
+    overhead_name: str | None = None
+    default_overhead_s: float = 0.0
+
+    @classmethod
+    def overhead_probe(cls) -> "KVPolicy":
+        """The policy a tiny model runs with when ``profile`` measures ``overhead_name``
+        (against the full cache, with the cache in CPU memory)."""
+        return cls()
+
+    def overhead_layers(self, cfg) -> int:
+        """How many layers of ``cfg`` pay ``overhead_name`` at a decode step."""
+        return cfg.num_layers
+
     def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
         """What one decode step of a GPU batch of ``batch`` at ``context`` cached tokens adds
         besides reading its share of the cache (see :class:`DecodeWork`)."""

@@ -120,6 +120,8 @@ class H2OPolicy(SelectivePolicy):
     name = "h2o"
     summary = "keep the heavy hitters and the newest tokens, evict the rest for good"
     needs_prompt_queries = True  # the prompt's attention scores the heavy hitters
+    overhead_name = "h2o"
+    default_overhead_s = 0.2e-3
 
     def __init__(self, hh_ratio: float = 0.1, recent_ratio: float = 0.1):
         super().__init__()
@@ -154,7 +156,7 @@ class H2OPolicy(SelectivePolicy):
         return self.kv_fraction
 
     def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
-        return DecodeWork(gathers_rows=True, layers=cfg.num_layers, overhead="h2o")
+        return DecodeWork(gathers_rows=True, layers=cfg.num_layers, overhead=self.overhead_name)
 
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         caches = cfg.num_layers * policy.num_gpu_batches

@@ -18,12 +18,14 @@ The KV cache holds the model's own keys: only the speculation is skewed.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
 import torch
 
 from .. import cpu_kernels
+from ..attention import attend_rows
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected, to_rows
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
@@ -33,6 +35,12 @@ from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_o
 from .spec_keys import KINDS, SpeculationKeys, bytes_per_key
 
 SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fails
+READ_ALL = "read all"  # a step's selection when the layer is read whole
+# --select-from-mb by device: on a CPU a layer's speculation (~0.2 ms of kernels and Python)
+# costs more than the rows it spares below about 12 MB of KV (SmolLM2: 4K tokens x batch 2);
+# over a GPU's link every spared row pays (the paper's regime)
+SELECT_FROM_MB = {"cpu": 12.0, "cuda": 0.0}
+SELECT_FROM_ENV = "FLEXGEN_INFINIGEN_SELECT_FROM_MB"  # the default's default, for the tests
 
 
 class InfiniGenCache(SelectiveCache):
@@ -72,8 +80,18 @@ class InfiniGenCache(SelectiveCache):
         super().store_prompt(q, k, v, valid)
 
     # ---- speculation (compute stream, during the previous layer) ----------------------------
+    def reads_whole(self, length: int) -> bool:
+        """Whether this step reads the layer whole: its KV (the batch's) is too small for
+        choosing to pay (``--select-from-mb``)."""
+        cached = length * self.spec.batch_size * self.spec.kv_heads * self.row_bytes
+        return cached < self.policy.options.select_from_mb * 1e6
+
     def speculate(self, x, pos_enc, valid, visible) -> None:
         if not self.selecting:
+            return
+        if self.reads_whole(valid.shape[1] - 1):
+            self.selection = READ_ALL
+            self.ready.set()
             return
         stats = self.policy.stats
         if x.is_cuda:  # kernels run later than they are launched: time them with events
@@ -135,6 +153,10 @@ class InfiniGenCache(SelectiveCache):
         if self.aborted:
             raise RuntimeError("generation stopped by an error elsewhere")
         self.ready.clear()
+        if self.selection is READ_ALL:
+            self.selection = None
+            self.count_full_read(length)
+            return READ_ALL, None if self.attend_in_place else super().load(length)
         order, counts, pending = self.selection
         self.selection = None
         if self.k.addressable:  # gathered where it lives, no sync
@@ -158,12 +180,26 @@ class InfiniGenCache(SelectiveCache):
         self._write_keys(k_new, valid.shape[1] - 1)
         if not self.selecting:
             return super().attend(loaded, q, k_new, v_new, valid, bias)
+        if loaded[0] is READ_ALL:
+            return self._attend_whole(loaded[1], q, k_new, v_new, valid, bias)
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:
             self._update_pool(index, counts, valid)
         if k_sel is None:
             return self._attend_in_place(q, k_new, v_new, index, counts)
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
+
+    def _attend_whole(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+        """Attention over every visible row, as the full cache attends: read where the cache
+        lives (the new row written first; ``store_token`` writes it again), or over the rows
+        ``load`` brought."""
+        if loaded is not None:
+            return super().attend(loaded, q, k_new, v_new, valid, bias)
+        length = valid.shape[1] - 1
+        first = self.spec.first_visible(length)
+        self._store(k_new, v_new, length)
+        rows = slice(first, length + 1)
+        return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:])
 
     def _attend_in_place(self, q, k_new, v_new, index, counts) -> torch.Tensor:
         """Attention over the selected rows read where the cache lives (cpu_kernels)."""
@@ -221,6 +257,10 @@ class InfiniGenPolicy(SelectivePolicy):
         g.add_argument("--kv-pool-capacity", type=float, default=1.0,
                        help="fraction of each head's context kept in the host pool")
         g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
+        g.add_argument("--select-from-mb", type=float, default=None,
+                       help="read a layer whole while its KV for the batch is under this many "
+                            "MB, where choosing rows costs more than it spares (default 12 on "
+                            "a CPU, 0 on a GPU); 0 always selects")
 
     @classmethod
     def from_args(cls, a) -> "InfiniGenPolicy":
@@ -228,11 +268,22 @@ class InfiniGenPolicy(SelectivePolicy):
             a, InfiniGenOptions, partial_weight_ratio=a.partial_weight_ratio,
             speculation_keys=a.speculation_keys, calibration=a.calibration,
             prompt_skew=a.prompt_skew, column_score=a.column_score,
-            kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction))
+            kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction,
+            select_from_mb=a.select_from_mb))
 
     @classmethod
     def planned(cls, fraction: float) -> "InfiniGenPolicy":
         return cls(max_kv_fraction=fraction)
+
+    overhead_name = "infinigen"
+    default_overhead_s = 0.3e-3
+
+    @classmethod
+    def overhead_probe(cls) -> "InfiniGenPolicy":
+        return cls(select_from_mb=0.0)  # a tiny model's layers are small: select anyway
+
+    def overhead_layers(self, cfg) -> int:
+        return max(1, cfg.num_layers - self.options.first_layer)
 
     @property
     def needs_prompt_queries(self) -> bool:
@@ -268,7 +319,7 @@ class InfiniGenPolicy(SelectivePolicy):
         return DecodeWork(gathers_rows=True,
                           layers=max(0, cfg.num_layers - self.options.first_layer),
                           matmul_params=params, scan_bytes=keys + 4 * scores,
-                          overhead="infinigen")
+                          overhead=self.overhead_name)
 
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
@@ -303,9 +354,15 @@ class InfiniGenPolicy(SelectivePolicy):
 
     # ---- running ----------------------------------------------------------------------------
     def prepare(self, lm) -> None:
+        from dataclasses import replace
+
         from ..infinigen.rehearsal import Rehearsal
 
         self.options = self.options.with_defaults(lm.cfg.family, self.default_rule)
+        if self.options.select_from_mb is None:
+            env = os.environ.get(SELECT_FROM_ENV)
+            self.options = replace(self.options, select_from_mb=float(env) if env else
+                                   SELECT_FROM_MB.get(lm.tiers.device.type, 0.0))
         self.rehearsal = Rehearsal(lm, self.options)
 
     def make_cache(self, spec: CacheSpec) -> InfiniGenCache:
@@ -315,7 +372,7 @@ class InfiniGenPolicy(SelectivePolicy):
         o = self.options
         return {"selection": o.selection, "alpha": o.alpha,
                 "partial_weight_ratio": o.ratio, "speculation_keys": o.speculation_keys,
-                "max_kv_fraction": o.max_kv_fraction,
+                "max_kv_fraction": o.max_kv_fraction, "select_from_mb": o.select_from_mb,
                 "keep_sink": o.keep_sink, "keep_recent": o.keep_recent}
 
     def report(self) -> dict:

@@ -66,6 +66,9 @@ class InfiniGenOptions(SelectionOptions):
     prompt_skew: bool = False  # blend each prompt's own query statistics into its skew
     kv_pool_capacity: float = 1.0  # fraction of each head's context kept on the host
     eviction: str = "fifo"
+    # a layer whose KV (for the batch) is under this many MB is read whole, not chosen from:
+    # choosing costs more than it saves there; None: 12 on a CPU, 0 on a GPU
+    select_from_mb: float | None = None
 
     def validate(self) -> "InfiniGenOptions":
         super().validate()
@@ -79,6 +82,8 @@ class InfiniGenOptions(SelectionOptions):
         if self.calibration is not None and not os.path.isfile(self.calibration):
             raise ConfigError(f"--calibration {self.calibration} does not exist; give a text "
                               "file, or drop the flag to use the store's skew")
+        if self.select_from_mb is not None and not self.select_from_mb >= 0:
+            raise ConfigError(f"--select-from-mb must be 0 or more (got {self.select_from_mb})")
         if self.column_score not in ("q", "qk"):
             raise ConfigError(f"--column-score must be q or qk (got {self.column_score!r})")
         return self

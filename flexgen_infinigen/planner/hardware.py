@@ -22,7 +22,22 @@ RATES = ("h2d", "d2h", "page_cache_read", "attention", "prefill_attention", "cpu
          "dequant", "device_copy", "host_gather")
 # measured where the machine allows it; a profile without them uses disk_read_bw
 OPTIONAL_RATES = ("disk_read", "disk_buffered_read")
-OVERHEADS = ("layer", "kv_offload", "weights_offload", "infinigen", "h2o")
+# the engine's own fixed costs per layer; each KV policy names its own (``overhead_name``)
+ENGINE_OVERHEADS = {"layer": 0.25e-3, "kv_offload": 0.02e-3, "weights_offload": 0.05e-3}
+
+
+def overhead_names() -> tuple[str, ...]:
+    """Every fixed cost a profile holds: the engine's and the registered KV policies'."""
+    from ..kv import POLICIES
+    return tuple(ENGINE_OVERHEADS) + tuple(
+        cls.overhead_name for cls in POLICIES.values() if cls.overhead_name)
+
+
+def default_overheads() -> dict[str, float]:
+    """The built-in profiles' fixed costs per layer (seconds)."""
+    from ..kv import POLICIES
+    return {**ENGINE_OVERHEADS, **{cls.overhead_name: cls.default_overhead_s
+                                   for cls in POLICIES.values() if cls.overhead_name}}
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,8 @@ class HardwareProfile:
     #   disk tier with O_DIRECT / through the page cache, by read size
     rates: dict[str, dict[int, float]]
     # fixed seconds per layer and GPU batch at decode beyond flops and bytes (operator
-    # dispatch, kernel launches), as "<family>/<what>" for what in OVERHEADS: "layer" for a
-    # layer with everything on the device, and what offloading or a KV policy adds to it
+    # dispatch, kernel launches), as "<family>/<what>" for what in overhead_names(): "layer"
+    # for a layer with everything on the device, and what offloading or a KV policy adds
     overhead_s: dict[str, float]
     op_overhead_s: float = 10e-6  # one small operator
     # memory the OS can use to cache offloaded files; None: the host memory the placement
@@ -167,8 +182,7 @@ def _gpu(name, device, gpu_gb, link_gbs, tflops, hbm_gbs, cpu_gb, note) -> Hardw
     ms = [1, 4, 16, 64, 256, 1024, 4096, 16384]
     sizes = [64 << 10, 1 << 20, 4 << 20, 32 << 20, 256 << 20]
     by_size = {s: s / (10e-6 + s / link) for s in sizes}
-    overheads = {"layer": 0.25e-3, "kv_offload": 0.02e-3, "weights_offload": 0.05e-3,
-                 "infinigen": 0.3e-3, "h2o": 0.2e-3}
+    overheads = default_overheads()
     return HardwareProfile(
         name=name, device=device, dtype_bytes=2,
         gpu_mem=gpu_gb * GB * 0.95, cpu_mem=cpu_gb * GB * 0.9, disk_mem=1500 * GB,

@@ -2,8 +2,9 @@
 
 A tiny model's decode step has negligible flops and bytes, so its time per layer is what
 the runtime spends regardless of size: operator dispatch and kernel launches. Running
-it again with the cache offloaded, the weights offloaded, InfiniGen or H2O gives what
-each of those adds.
+it again with the cache offloaded, the weights offloaded, or each registered KV policy that
+names a fixed cost of its own (``KVPolicy.overhead_name``, run as its ``overhead_probe``,
+spread over its ``overhead_layers``) gives what each of those adds. No policy is named here.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ def tiny_config(family: str) -> ModelConfig:
 
 
 def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent: list,
-               kv: str) -> float:
+               kv_policy=None) -> float:
     """Median decode step time of a tiny model run by the real engine."""
     from ...api import OffloadedLM
     from ...engine import Engine
-    from ...kv import make_kv_policy
+    from ...kv import FullPolicy
     from ...loading import place_weights
     from ...policy import Policy
     from ...sampling import Sampler, SamplingConfig
@@ -37,7 +38,7 @@ def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent:
     policy = Policy.from_percent(percent, overlap=False)
     try:
         weights = place_weights(cfg, DummySource(cfg), policy, tiers, dtype, progress=False)
-        kv_policy = make_kv_policy(kv)
+        kv_policy = kv_policy or FullPolicy()
         engine = Engine(cfg, weights, policy, tiers, kv_policy, dtype)
         kv_policy.prepare(OffloadedLM(cfg, engine, None, tiers))
         ids = torch.randint(3, cfg.vocab_size, (1, 32))
@@ -52,18 +53,21 @@ def engine_overheads(dev: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Fixed seconds per layer and GPU batch: on the device, and what each option adds."""
     device, cache_host, weights_host = ([100, 0, 100, 0, 100, 0], [100, 0, 0, 100, 100, 0],
                                         [0, 100, 100, 0, 100, 0])
+    from ...kv import POLICIES
+
     out = {}
     for family in ("opt", "llama"):
         cfg = tiny_config(family)
         layers = cfg.num_layers
-        base = _tiny_step(dev, dtype, cfg, device, "full")
-        host = _tiny_step(dev, dtype, cfg, cache_host, "full")
+        base = _tiny_step(dev, dtype, cfg, device)
+        host = _tiny_step(dev, dtype, cfg, cache_host)
         got = {"layer": base / layers,
                "kv_offload": (host - base) / layers,
-               "weights_offload": (_tiny_step(dev, dtype, cfg, weights_host, "full") - base)
-               / layers,
-               "infinigen": (_tiny_step(dev, dtype, cfg, cache_host, "infinigen") - host)
-               / (layers - 2),
-               "h2o": (_tiny_step(dev, dtype, cfg, cache_host, "h2o") - host) / layers}
+               "weights_offload": (_tiny_step(dev, dtype, cfg, weights_host) - base) / layers}
+        for cls in POLICIES.values():
+            if cls.overhead_name:
+                probe = cls.overhead_probe()
+                got[cls.overhead_name] = (_tiny_step(dev, dtype, cfg, cache_host, probe)
+                                          - host) / probe.overhead_layers(cfg)
         out.update({f"{family}/{k}": max(0.0, v) for k, v in got.items()})
     return out
