@@ -83,8 +83,10 @@ class InfiniGenCache(SelectiveCache):
     def reads_whole(self, length: int) -> bool:
         """Whether this step reads the layer whole: its KV (the batch's) is too small for
         choosing to pay (``--select-from-mb``)."""
-        cached = length * self.spec.batch_size * self.spec.kv_heads * self.row_bytes
-        return cached < self.policy.options.select_from_mb * 1e6
+        mb = self.policy.options.select_from_mb  # None until prepare() sets the device's
+        if not mb:
+            return False
+        return length * self.spec.batch_size * self.spec.kv_heads * self.row_bytes < mb * 1e6
 
     def speculate(self, x, pos_enc, valid, visible) -> None:
         if not self.selecting:

@@ -49,7 +49,10 @@ def _coefficients(work: Workload, policy: Policy) -> dict[str, float]:
                             work.gen_len)
     return {"w": need["weights"]["device"], "c": need["kv_cache"]["device"],
             "h": need["activations"]["device"],
-            "fixed": need["working_set_device"] + extra_device_bytes(work, policy)}
+            # weights all on the device are read in place, but the placements searched here
+            # offload some: two stages of them are in flight
+            "fixed": need["working_set_device"] + need["stage_copies_if_offloaded"]
+            + extra_device_bytes(work, policy)}
 
 
 @functools.lru_cache(maxsize=1)

@@ -112,7 +112,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # a stage's weights are copied (brought to the device, or expanded from 4 bits) unless
     # they all sit on the device as they are: then compute reads them in place
     resident = policy.weight_split[0] >= 1.0 and not policy.compress_weight
-    working = (2 * biggest_stage * (not resident) + loads
+    stage_copies = 2 * biggest_stage
+    working = (stage_copies * (not resident) + loads
                + b * rows * prompt_len  # one fused attention chunk's boolean mask
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)
@@ -129,6 +130,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     headroom = int(ALLOCATOR_HEADROOM * totals[DEVICE])
     return {"weights": dict(zip(TIERS, weights)), "kv_cache": dict(zip(TIERS, cache)),
             "activations": dict(zip(TIERS, act)), "working_set_device": working,
+            # two stages of weights in flight (in ``working`` unless the weights are resident)
+            "stage_copies_if_offloaded": stage_copies,
             "kv_policy_device": kv_terms, "allocator_headroom_device": headroom,
             "staging_host": staging,
             "total": totals}
