@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         lm.engine._iteration = timed_iteration
         for label in a.policies:
             kv, _, opts = label.partition(":")
-            kw = {k: float(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+            kw = {k: _value(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
             lm.use_kv_policy(make_kv_policy(kv, **kw))
             times.clear()
             calls.clear()
@@ -125,6 +125,13 @@ def main(argv=None) -> int:
     stem.with_suffix(".md").write_text(markdown(result))
     print(f"written {stem}.json, .md")
     return 0
+
+
+def _value(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def markdown(result: dict) -> str:

@@ -46,6 +46,12 @@ POLICIES = {
     "full-w4": ("full", {}, False, True),
     "infinigen-w4": ("infinigen", {}, False, True),
     "infinigen@0.1-w4": ("infinigen", {"max_kv_fraction": 0.1}, False, True),
+    "infinigen-pages": ("infinigen", {"speculation_keys": "pages16"}, False, False),
+    "infinigen-pages@0.1": ("infinigen", {"speculation_keys": "pages16",
+                                          "max_kv_fraction": 0.1}, False, False),
+    "infinigen-pages@0.1-w4": ("infinigen", {"speculation_keys": "pages16",
+                                             "max_kv_fraction": 0.1}, False, True),
+    "infinigen-4bit": ("infinigen", {}, True, False),
 }
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "h2o", "full-4bit"]
 # llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
@@ -57,8 +63,7 @@ LLAMA_CPP = {"smollm2-135m": {"decode": {0: 212, 4096: 77.9, 8192: 44.3},
 
 
 def read_bandwidth(size: int = 1 << 30, repeats: int = 15) -> float:
-    """Bytes per second one large ``sum`` reads, all threads, the median of ``repeats`` (this
-    shared machine's bandwidth moves between runs: each configuration measures its own)."""
+    """Bytes per second one large ``sum`` reads, all threads, the median of ``repeats``."""
     x = torch.ones(size // 4)
     x.sum()
     times = []
@@ -107,9 +112,7 @@ def run_one(spec: dict) -> dict:
     from flexgen_infinigen.runtime.loading import model_config
     from flexgen_infinigen.runtime.prefill_cache import PrefillCache
 
-    # this configuration's own, just before it runs (256 MB: far past the caches, small
-    # beside the run's peak RSS)
-    bandwidth = read_bandwidth(256 << 20)
+    bandwidth = spec["bandwidth"]  # measured by the parent just before this process
     baseline = _current_rss()  # Python, torch and the libraries: what no plan counts
     kv, options, compress, weights4 = POLICIES[spec["policy"]]
     b, gen = spec["batch"], spec["gen_len"]
@@ -159,17 +162,18 @@ def _current_rss() -> int:
 
 
 def run_reference(spec: dict) -> dict:
-    """transformers' forward and ``generate`` on the same GGUF (its own loader), batch 1."""
+    """transformers on the same GGUF (its own loader), batch 1: the prompt's forward (its
+    prefill) and then ``gen_len`` one-token forwards with its KV cache (the decode steps,
+    the median reported)."""
     from long_prompts import natural_prompts
     from transformers import AutoModelForCausalLM
 
+    from flexgen_infinigen.runtime.loading import find_weights
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     path = Path(spec["gguf"])
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32).eval()
-    from flexgen_infinigen.runtime.loading import find_weights
-
     store = find_weights(spec["model"], None, False, progress=False)[2]
     tok = load_tokenizer(store.path, store.config)
     spec = {**spec, "context": min(spec["context"], store.config.max_positions - spec["gen_len"])}
@@ -177,13 +181,16 @@ def run_reference(spec: dict) -> dict:
     ids = torch.tensor(prompts)
     with torch.no_grad():
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False)
+        out = model(ids, use_cache=True)
         prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=spec["gen_len"] + 1, do_sample=False,
-                       min_new_tokens=spec["gen_len"] + 1)
-        total = time.perf_counter() - start
-    decode = max(total - prefill, 1e-9) / spec["gen_len"]
+        past, steps = out.past_key_values, []
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(spec["gen_len"]):
+            start = time.perf_counter()
+            out = model(token, past_key_values=past, use_cache=True)
+            steps.append(time.perf_counter() - start)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    decode = statistics.median(steps)
     return {**spec, "prefill_s": prefill, "prefill_tokens_s": spec["context"] / prefill,
             "decode_step_s": decode, "decode_tokens_s": 1 / decode,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -207,7 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf / folder")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, choices=list(POLICIES))
+    p.add_argument("--policies", nargs="*", default=DEFAULT_POLICIES, choices=list(POLICIES),
+                   help="none: only the transformers rows (with --reference-gguf)")
     p.add_argument("--gen-len", type=int, default=12)
     p.add_argument("--reference-gguf", default=None,
                    help="the model's GGUF: also time transformers at batch 1 (its own loader)")
@@ -253,6 +261,9 @@ def main(argv=None) -> int:
     rows = []
     try:
         for spec in tqdm(specs, desc="configurations", unit="run"):
+            # this configuration's own bandwidth, just before it runs (this shared machine's
+            # moves between runs), measured here so that no run's peak RSS holds the buffer
+            spec["bandwidth"] = read_bandwidth()
             row = in_subprocess(spec, a.timeout)
             rows.append(row)
             tqdm.write(_line(row))

@@ -15,8 +15,10 @@ answers found, as whole numbers or words, in the generated tokens. transformers'
 Every (policy, prompt) result is appended to ``<out>.jsonl`` as it finishes, so an
 interrupted run resumes where it stopped; the summary, table and plot are rebuilt from it.
 A policy label is ``NAME`` or ``NAME@FRACTION``: ``infinigen@0.05`` reads at most 5% of the
-cached tokens per KV head in its selecting layers; ``h2o@0.2`` keeps 10% heavy hitters and
-10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache in 4 bits.
+cached tokens per KV head in its selecting layers; ``infinigen-pages@0.1`` chooses whole
+pages of 16 tokens from page summaries (``--speculation-keys pages16``); ``h2o@0.2`` keeps
+10% heavy hitters and 10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache
+in 4 bits.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
-KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "oracle", "h2o")
+KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "oracle",
+         "h2o")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
-                    "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1", "full-4bit",
-                    "infinigen-4bit"]
+                    "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
+                    "full-4bit", "infinigen-4bit"]
 QUICK_POLICIES = ["full", "infinigen", "h2o@0.2"]
 
 
@@ -54,6 +57,8 @@ def parse_policy(label: str):
     opts = {} if f is None else {"max_kv_fraction": f}
     if kind == "oracle":
         return "oracle", {"options": SelectionOptions(**opts).validate()}, False
+    if kind == "infinigen-pages":  # page summaries of 16 tokens, whole pages chosen
+        opts["speculation_keys"] = "pages16"
     # select at every length (the speed default reads small layers whole: not what is measured)
     return "infinigen", {"options": InfiniGenOptions(select_from_mb=0.0, **opts).validate()}, \
         kind.endswith("4bit")

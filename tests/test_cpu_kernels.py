@@ -259,3 +259,33 @@ def test_kernel_packs_speculation_keys_as_torch_does(kind, width):
     assert torch.equal(fast.codes, slow.codes)
     assert torch.equal(fast.lo, slow.lo)
     assert torch.allclose(fast.scale, slow.scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_4bit_cache_read_in_place_equals_expanding_it(smollm2_store, batch, monkeypatch):
+    """A 4-bit KV cache in CPU memory is attended over where it is (``attend_rows_q4``:
+    codes expanded a block of rows at a time), head-major: the same tokens and logits (to
+    rounding) as expanding the whole cache into floats first, with left padding."""
+    from flexgen_infinigen.runtime import cpu_kernels as ck
+
+    prompts = [[1] + list(range(7, 7 + 2100 + 40 * i)) for i in range(batch)]
+    calls = []
+    real = ck.attend_rows_q4
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    runs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
+        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
+                                     compress_cache=True)
+        with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
+            runs.append(lm.generate(prompts, 4, stop_token_id=None, keep_logits=True))
+        if in_place:
+            assert calls, "the kernel was not used"
+    a, b = runs
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-3

@@ -1,6 +1,8 @@
 """The full KV cache: every cached token's key and value is read at every decode step."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..runtime.attention import attend_rows
@@ -59,7 +61,11 @@ class FullCache(KVCache):
         # computes), uncompressed: attention reads the cache where it is, the new token
         # written in place first, and load and store move nothing (run inline)
         self.in_place = self.k.addressable and not self.cpu_compute
-        self.inline = self.in_place
+        # 4-bit codes in CPU memory that the CPU computes on: a kernel attends over them where
+        # they are (nothing is expanded or moved; the new token is stored after attention)
+        self.packed_in_place = (self.k.packed_in_place and not self.cpu_compute
+                                and spec.head_dim % 64 == 0)
+        self.inline = self.in_place or self.packed_in_place
 
     def store_prompt(self, q, k, v, valid) -> None:
         self.k.write(to_rows(k), slice(0, k.shape[1]))
@@ -87,7 +93,7 @@ class FullCache(KVCache):
         return read
 
     def load(self, length: int):
-        if self.cpu_compute or self.in_place:
+        if self.cpu_compute or self.in_place or self.packed_in_place:
             return None
         return self._read_rows(length)
 
@@ -99,6 +105,11 @@ class FullCache(KVCache):
             self._store(k_new, v_new, length)
             rows = slice(first, length + q.shape[1])
             return attend_rows(q, self.k.view(rows), self.v.view(rows), bias)
+        if self.packed_in_place:
+            out = self._attend_packed(q, k_new, v_new, bias, first, length)
+            if out is not None:
+                return out
+            loaded = self._read_rows(length)  # no kernel: expand, as a copy would
         tiers = self.spec.tiers
         if self.cpu_compute:
             q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))
@@ -111,6 +122,24 @@ class FullCache(KVCache):
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")
         return out
+
+    def _attend_packed(self, q, k_new, v_new, bias, first: int, length: int):
+        """Attention over the 4-bit rows ``first .. length`` read where they are, plus the new
+        token (exact), by a CPU kernel; None without it."""
+        from ..runtime import cpu_kernels
+        from ..runtime.compression import Packed
+
+        b, s, heads, d = q.shape
+        if s != 1:
+            return None
+        rows = slice(first, length)
+        k, v = (Packed(*(p[rows] for p in t.packed().parts), t.shape) for t in (self.k, self.v))
+        cols = b * self.spec.kv_heads
+        flat = bias[..., :length - first].float().expand(b, self.spec.kv_heads, 1,
+                                                         length - first).reshape(cols, -1)
+        qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
+        out = cpu_kernels.attend_rows_q4(qc, k, v, flat, to_rows(k_new)[0], to_rows(v_new)[0])
+        return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
 
     def _store(self, k_new, v_new, position: int) -> None:
         rows = slice(position, position + k_new.shape[1])

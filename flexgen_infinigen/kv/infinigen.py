@@ -33,6 +33,8 @@ from .pool import KVPool
 from .selection import select
 from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
 from .spec_keys import KINDS, SpeculationKeys, bytes_per_key
+from .spec_pages import PAGE_KINDS
+from .spec_pages import SpeculationPages as PageSummaries
 
 SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fails
 READ_ALL = "read all"  # a step's selection when the layer is read whole
@@ -50,9 +52,10 @@ class InfiniGenCache(SelectiveCache):
         self.projection = None  # [b, KV, d, r]: set from the prompt (or the calibration)
         self.keys = None
         if self.selecting:
-            self.keys = SpeculationKeys(opts.speculation_keys, spec.max_len,
-                                        spec.batch_size * spec.kv_heads,
-                                        policy.rehearsal.columns, spec.dtype, spec.tiers)
+            kind = PageSummaries if opts.speculation_keys in PAGE_KINDS else SpeculationKeys
+            self.keys = kind(opts.speculation_keys, spec.max_len,
+                             spec.batch_size * spec.kv_heads, policy.rehearsal.columns,
+                             spec.dtype, spec.tiers)
         self.selection = None
         self.ready = threading.Event()
         self.aborted = False
@@ -65,18 +68,25 @@ class InfiniGenCache(SelectiveCache):
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
                                spec.batch_size * spec.kv_heads, spec.max_len, spec.tiers.device)
 
-    def _write_keys(self, k: torch.Tensor, start: int) -> None:
-        """Project keys ``[b, s, KV, d]`` on the kept columns into the speculation keys."""
-        if self.keys is not None:
-            rows = torch.einsum("bskd,bkdr->sbkr", k, self.projection)
-            self.keys.write(rows.reshape(rows.shape[0], -1, rows.shape[-1]), start)
+    def _write_keys(self, k: torch.Tensor, start: int, valid=None) -> None:
+        """Project keys ``[b, s, KV, d]`` on the kept columns into the speculation keys
+        (page summaries also take ``valid`` ``[b, s]``: padding widens no page)."""
+        if self.keys is None:
+            return
+        rows = torch.einsum("bskd,bkdr->sbkr", k, self.projection)
+        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
+        if isinstance(self.keys, PageSummaries):
+            seen = None if valid is None else valid.t().repeat_interleave(self.spec.kv_heads, 1)
+            self.keys.write(rows, start, seen)
+        else:
+            self.keys.write(rows, start)
 
     def store_prompt(self, q, k, v, valid) -> None:
         if self.selecting:
             # in the runtime dtype once, not converted again at every decode step
             self.projection = self.policy.rehearsal.prompt_projection(
                 self.spec.layer, self.spec.kv_heads, q, valid).to(k.dtype)
-        self._write_keys(k, 0)
+        self._write_keys(k, 0, valid)
         super().store_prompt(q, k, v, valid)
 
     # ---- speculation (compute stream, during the previous layer) ----------------------------
@@ -123,6 +133,8 @@ class InfiniGenCache(SelectiveCache):
             caps = torch.minimum(opts.budget.caps(n_valid), n_valid)
             width = min(opts.budget.most(length), length)
             order = self.keys.select_mass(pq, seen, caps, width)  # one compiled pass
+            if isinstance(order, tuple):  # page summaries: whole pages, their own counts
+                return order
             if order is not None:
                 return order, caps[:, None].expand(-1, kv).contiguous()
         scores = self.keys.scores(pq, length)  # [b, KV, G, t]
@@ -243,8 +255,10 @@ class InfiniGenPolicy(SelectivePolicy):
         g = parser.add_argument_group("InfiniGen (with --kv-policy infinigen)")
         g.add_argument("--speculation-keys", default="int4",
                        help="the device copy of the keys that speculation scores against: every "
-                            "skewed column quantized to 4 (default) or 2 bits, or the paper's "
-                            "partial columns in the runtime dtype")
+                            "skewed column quantized to 4 (default) or 2 bits, the paper's "
+                            "partial columns in the runtime dtype, or page summaries "
+                            "(pages8/16/32: the minimum and maximum of each page's keys; whole "
+                            "pages are chosen, scoring costs pages, not tokens)")
         g.add_argument("--partial-weight-ratio", type=float, default=None,
                        help="fraction of head_dim skewed columns used to rehearse attention "
                             "(default 0.3 for partial keys, 1.0 for quantized keys)")
@@ -344,7 +358,7 @@ class InfiniGenPolicy(SelectivePolicy):
             + (caches * cols * d * r * item if o.prompt_skew else 0),
             "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,
         }
-        bits = KINDS[o.speculation_keys]
+        bits = KINDS.get(o.speculation_keys)
         if bits is not None:  # the codes of one cache unpacked for scoring (one at a time)
             per_byte = 8 // bits
             terms["speculation_unpacked"] = max_len * cols * (-(-r // per_byte) * per_byte) * item

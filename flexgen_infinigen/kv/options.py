@@ -8,6 +8,7 @@ from ..config import ConfigError
 from .pool import check_pool_options
 from .selection import RULES, Budget
 from .spec_keys import KINDS
+from .spec_pages import PAGE_KINDS
 
 # Per selecting layer; with the two layers that read everything, SmolLM2 (30 layers) then reads
 # 0.235 of its cache and OPT-13B (40 layers) 0.22 (see benchmarks/results/accuracy_sweep.md).
@@ -74,8 +75,9 @@ class InfiniGenOptions(SelectionOptions):
         r = self.partial_weight_ratio
         if r is not None and not 0 < r <= 1:
             raise ConfigError(f"--partial-weight-ratio must be in (0, 1] (got {r})")
-        if self.speculation_keys not in KINDS:
-            raise ConfigError(f"--speculation-keys must be one of {', '.join(KINDS)} "
+        if self.speculation_keys not in {**KINDS, **PAGE_KINDS}:
+            raise ConfigError(f"--speculation-keys must be one of "
+                              f"{', '.join([*KINDS, *PAGE_KINDS])} "
                               f"(got {self.speculation_keys!r})")
         check_pool_options(self.kv_pool_capacity, self.eviction)
         if self.calibration is not None and not os.path.isfile(self.calibration):
@@ -91,7 +93,7 @@ class InfiniGenOptions(SelectionOptions):
     def ratio(self) -> float:
         if self.partial_weight_ratio is not None:
             return self.partial_weight_ratio
-        return DEFAULT_RATIO[self.speculation_keys]
+        return DEFAULT_RATIO.get(self.speculation_keys, 1.0)
 
 
 # partial-weight ratio by speculation key kind when none is given

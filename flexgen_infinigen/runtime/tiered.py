@@ -1,6 +1,8 @@
 """A tensor split across the three tiers along one dimension, optionally 4-bit compressed."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +51,13 @@ class TieredTensor:
                  zip(TIERS, split_sizes(self.shape[split_dim], fractions)) if size]
         # the compute device can read it where it is: one uncompressed segment on the device,
         # or in CPU memory when the compute device is the CPU (``Tiers.host_in_place``)
-        self.addressable = not self.compressed and len(sizes) == 1 and (
+        one_place = len(sizes) == 1 and (
             sizes[0][0] == DEVICE or (sizes[0][0] == HOST and tiers.host_in_place))
-        self.head_major = (head_major and self.addressable and not tiers.is_cuda
-                           and split_dim == 1 and len(self.shape) == 3)
+        self.addressable = not self.compressed and one_place
+        # 4-bit codes a CPU reads where they are (a kernel expands them in its registers)
+        self.packed_in_place = self.compressed and one_place and not tiers.is_cuda
+        self.head_major = (head_major and (self.addressable or self.packed_in_place)
+                           and not tiers.is_cuda and split_dim == 1 and len(self.shape) == 3)
         self.segments: list[Segment] = []
         start = 0
         for tier, size in sizes:
@@ -66,15 +71,17 @@ class TieredTensor:
         self._packed = None  # read_for_compute's handle on packed codes, made once
 
     def _alloc(self, tier: str, shape: tuple[int, ...], pin: bool):
-        if self.head_major:
-            rows, cols, d = shape
-            return self.tiers.empty(tier, (cols, rows, d), self.dtype, pin).transpose(0, 1)
+        def empty(shape, dtype):  # head-major: columns first in memory, rows first in view
+            if not self.head_major:
+                return self.tiers.empty(tier, shape, dtype, pin)
+            swapped = (shape[1], shape[0], *shape[2:])
+            return self.tiers.empty(tier, swapped, dtype, pin).transpose(0, 1)
+
         if not self.compressed:
-            return self.tiers.empty(tier, shape, self.dtype, pin)
+            return empty(shape, self.dtype)
         cs, ss, ms = compression.packed_shapes(shape)
-        return compression.Packed(self.tiers.empty(tier, cs, torch.uint8, pin),
-                                  self.tiers.empty(tier, ss, self.dtype, pin),
-                                  self.tiers.empty(tier, ms, self.dtype, pin), shape)
+        return compression.Packed(empty(cs, torch.uint8), empty(ss, self.dtype),
+                                  empty(ms, self.dtype), shape)
 
     # ---- sizes ------------------------------------------------------------------------------
     def bytes_by_tier(self) -> dict[str, int]:
@@ -139,6 +146,12 @@ class TieredTensor:
             self.tiers.write(dst, to, seg.data[sel], self.kind, src_tier=seg.tier)
         return out
 
+    def packed(self) -> compression.Packed:
+        """The 4-bit codes, scales and minima of a tensor held whole in CPU memory that a CPU
+        computes on (``packed_in_place``), as stored: no copy, nothing counted."""
+        assert self.packed_in_place, "packed() needs a compressed tensor in one CPU place"
+        return self.segments[0].data
+
     def flat_rows(self) -> tuple[torch.Tensor, int, int]:
         """An ``addressable`` tensor's rows as one ``[n, d]`` view of its storage, and where
         row (t, c) is in it: ``t * token_stride + c * column_stride``."""
@@ -186,8 +199,10 @@ class TieredTensor:
             flat = rows[lo:hi] * width + (cols[lo:hi] - seg.start)
             flat = self.tiers.index_to_device(flat) if seg.tier == DEVICE else flat
             tensors = seg.data.parts if self.compressed else (seg.data,)
-            moved = [self.tiers.take_to_compute(t.reshape(-1, *t.shape[2:]), seg.tier, flat,
-                                                self.kind) for t in tensors]
+            moved = []
+            for t in tensors:
+                src, index = _rows_of(t, rows[lo:hi], cols[lo:hi] - seg.start, flat)
+                moved.append(self.tiers.take_to_compute(src, seg.tier, index, self.kind))
             if self.compressed:
                 shape = (hi - lo, *self.shape[2:])
                 parts.append(compression.decompress(compression.Packed(*moved, shape)))
@@ -209,3 +224,15 @@ class TieredTensor:
             else:
                 self.tiers.write(seg.data[sel], seg.tier, piece, self.kind, src_tier)
 
+
+def _rows_of(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, flat: torch.Tensor):
+    """``t`` ([rows, columns, ...], token-major or a head-major view) as one ``[n, ...]`` view
+    of its storage, and where the (row, column) pairs are in it (``flat`` when token-major,
+    without copying ``t`` when not)."""
+    if t.is_contiguous():
+        return t.reshape(-1, *t.shape[2:]), flat
+    inner = math.prod(t.shape[2:])
+    view = t.as_strided((t.shape[0] * t.shape[1], *t.shape[2:]), (inner, *t.stride()[2:]),
+                        t.storage_offset())
+    index = (rows * t.stride(0) + cols * t.stride(1)) // inner
+    return view, index.to(flat.device)

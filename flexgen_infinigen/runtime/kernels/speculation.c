@@ -147,9 +147,10 @@ static float kth_largest_mass(float *x, int64_t n, int64_t k) {
    each query head over the tokens it may see, summed over the group; the cap tokens with
    the most mass (ties: the earlier token), in token order, into row[0 .. cap); the rest of
    the row repeats them (never read). mass, tmp: T floats of scratch. */
-static void select_column(const float *s, int64_t ld, const uint8_t *vis, int64_t cap,
-                          int64_t *row, int64_t width, int64_t G, int64_t T, float *mass,
-                          float *tmp) {
+/* mass[t]: the softmax of each of the G query heads' scores s [G, T] (row stride ld) over
+   the tokens it may see (vis), summed over the group; 0 where hidden. tmp: T floats. */
+static void column_mass(const float *s, int64_t ld, const uint8_t *vis, int64_t G, int64_t T,
+                        float *mass, float *tmp) {
     for (int64_t t = 0; t < T; t++)
         mass[t] = 0.0f;
     for (int64_t g = 0; g < G; g++) {  /* branch-free: hidden tokens get exp(-big) = 0 */
@@ -167,6 +168,15 @@ static void select_column(const float *s, int64_t ld, const uint8_t *vis, int64_
         for (int64_t t = 0; t < T; t++)
             mass[t] += tmp[t] * inv;
     }
+}
+
+/* The "mass" rule for one column from its scores s [G, T] (row stride ld): the cap tokens
+   with the most mass (column_mass; ties: the earlier token), in token order, into
+   row[0 .. cap); the rest of the row repeats them (never read). mass, tmp: T floats. */
+static void select_column(const float *s, int64_t ld, const uint8_t *vis, int64_t cap,
+                          int64_t *row, int64_t width, int64_t G, int64_t T, float *mass,
+                          float *tmp) {
+    column_mass(s, ld, vis, G, T, mass, tmp);
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
         if (vis[t]) tmp[n++] = mass[t];
@@ -260,4 +270,92 @@ void spec_write(const float *x, uint8_t *codes, float *lo, float *scale, int64_t
             lo[c * L + start + i] = mn;
             scale[c * L + start + i] = step;
         }
+}
+
+typedef struct { float mass; int64_t id; } ranked;
+
+static int by_mass(const void *x, const void *y) {  /* largest first, ties: the smaller id */
+    const ranked *a = (const ranked *)x, *b = (const ranked *)y;
+    if (a->mass != b->mass)
+        return a->mass < b->mass ? 1 : -1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+static int by_id(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* Page-level speculation (Quest's idea on InfiniGen's skewed keys): a page of P consecutive
+   tokens keeps the element-wise minimum and maximum of its projected keys, lo and hi
+   [C, NP, W] (head-major, row stride W, column stride NPmax * W); q . k of any key of the
+   page is at most sum_w max(q_w lo_w, q_w hi_w). For each column c: those bounds of its G
+   query heads over the pages its tokens may be in, the softmax of each head over the pages
+   with a visible token, summed over the group; then, best first, the pages that hold
+   cap[c] visible tokens (at most a page's worth more; at least one page), their visible tokens in token order into
+   order[c, 0 .. counts[c]); the rest of the row repeats them. visible: [b, T] bytes. */
+void speculate_pages(const float *lo, const float *hi, const float *q,
+                     const uint8_t *visible, const int64_t *cap, int64_t *order,
+                     int64_t *counts, int64_t T, int64_t NPmax, int64_t C, int64_t KV,
+                     int64_t W, int64_t G, int64_t P, int64_t width, int64_t nthreads) {
+    const int64_t NP = (T + P - 1) / P;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        static __thread void *buf;
+        static __thread size_t have;
+        char *work = (char *)thread_scratch(&buf, &have, (sizeof(float) * (G + 2)
+                                                          + sizeof(int64_t)
+                                                          + sizeof(ranked) + 1) * NP);
+        ranked *rank = (ranked *)work;
+        float *s = (float *)(rank + NP), *mass = s + G * NP, *tmp = mass + NP;
+        int64_t *pages = (int64_t *)(tmp + NP);
+        uint8_t *open = (uint8_t *)(pages + NP);  /* pages with a visible token */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < C; c++) {
+            const uint8_t *vis = visible + (c / KV) * T;
+            for (int64_t p = 0; p < NP; p++) {
+                uint8_t any = 0;
+                for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
+                    any |= vis[t];
+                open[p] = any;
+                const float *l = lo + (c * NPmax + p) * W, *h = hi + (c * NPmax + p) * W;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qg = q + (c * G + g) * W;
+                    float acc = 0.0f;
+                    for (int64_t w = 0; w < W; w++) {
+                        const float a = qg[w] * l[w], b = qg[w] * h[w];
+                        acc += a > b ? a : b;
+                    }
+                    s[g * NP + p] = acc;
+                }
+            }
+            /* pages by mass, best first, until they hold cap[c] visible tokens (whole
+               pages: at most a page's worth more); then in page order */
+            column_mass(s, NP, open, G, NP, mass, tmp);
+            int64_t m = 0;
+            for (int64_t p = 0; p < NP; p++)
+                if (open[p]) {
+                    rank[m].mass = mass[p];
+                    rank[m++].id = p;
+                }
+            qsort(rank, m, sizeof(ranked), by_mass);
+            int64_t held = 0, got = 0;
+            while (got < m && (held < cap[c] || got == 0)) {
+                const int64_t p = rank[got].id;
+                pages[got++] = p;
+                for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
+                    held += vis[t];
+            }
+            qsort(pages, got, sizeof(int64_t), by_id);
+            int64_t n = 0, *row = order + c * width;
+            for (int64_t i = 0; i < got; i++) {
+                const int64_t p = pages[i];
+                for (int64_t t = p * P; t < (p + 1) * P && t < T && n < width; t++)
+                    if (vis[t]) row[n++] = t;
+            }
+            counts[c] = n;
+            for (int64_t i = n; i < width; i++)
+                row[i] = n > 0 ? row[i % n] : 0;
+        }
+    }
 }
