@@ -272,20 +272,6 @@ void spec_write(const float *x, uint8_t *codes, float *lo, float *scale, int64_t
         }
 }
 
-typedef struct { float mass; int64_t id; } ranked;
-
-static int by_mass(const void *x, const void *y) {  /* largest first, ties: the smaller id */
-    const ranked *a = (const ranked *)x, *b = (const ranked *)y;
-    if (a->mass != b->mass)
-        return a->mass < b->mass ? 1 : -1;
-    return (a->id > b->id) - (a->id < b->id);
-}
-
-static int by_id(const void *x, const void *y) {
-    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
-    return (a > b) - (a < b);
-}
-
 /* Page-level speculation (Quest's idea on InfiniGen's skewed keys): a page of P consecutive
    tokens keeps the element-wise minimum and maximum of its projected keys, lo and hi
    [C, NP, W] (head-major, row stride W, column stride NPmax * W); q . k of any key of the
@@ -303,13 +289,10 @@ void speculate_pages(const float *lo, const float *hi, const float *q,
     {
         static __thread void *buf;
         static __thread size_t have;
-        char *work = (char *)thread_scratch(&buf, &have, (sizeof(float) * (G + 2)
-                                                          + sizeof(int64_t)
-                                                          + sizeof(ranked) + 1) * NP);
-        ranked *rank = (ranked *)work;
-        float *s = (float *)(rank + NP), *mass = s + G * NP, *tmp = mass + NP;
-        int64_t *pages = (int64_t *)(tmp + NP);
-        uint8_t *open = (uint8_t *)(pages + NP);  /* pages with a visible token */
+        char *work = (char *)thread_scratch(&buf, &have, (sizeof(float) * (G + 2) + 2) * NP);
+        float *s = (float *)work, *mass = s + G * NP, *tmp = mass + NP;
+        uint8_t *open = (uint8_t *)(tmp + NP);  /* pages with a visible token */
+        uint8_t *chosen = open + NP;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < C; c++) {
             const uint8_t *vis = visible + (c / KV) * T;
@@ -330,29 +313,42 @@ void speculate_pages(const float *lo, const float *hi, const float *q,
                 }
             }
             /* pages by mass, best first, until they hold cap[c] visible tokens (whole
-               pages: at most a page's worth more); then in page order */
+               pages: at most a page's worth more): the best `want` by a threshold (fewer
+               cannot hold cap[c]), then the next best one at a time while short */
             column_mass(s, NP, open, G, NP, mass, tmp);
             int64_t m = 0;
             for (int64_t p = 0; p < NP; p++)
-                if (open[p]) {
-                    rank[m].mass = mass[p];
-                    rank[m++].id = p;
+                if (open[p]) tmp[m++] = mass[p];
+            int64_t want = (cap[c] + P - 1) / P;
+            want = want < 1 ? 1 : (want > m ? m : want);
+            const float thr = m > 0 ? kth_largest_mass(tmp, m, want) : 0.0f;
+            int64_t above = 0, held = 0, got = 0;
+            for (int64_t p = 0; p < NP; p++)
+                above += open[p] && mass[p] > thr;
+            int64_t ties = want - above;
+            for (int64_t p = 0; p < NP; p++) {
+                chosen[p] = open[p] && (mass[p] > thr || (mass[p] == thr && ties-- > 0));
+                if (chosen[p]) {
+                    got++;
+                    for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
+                        held += vis[t];
                 }
-            qsort(rank, m, sizeof(ranked), by_mass);
-            int64_t held = 0, got = 0;
-            while (got < m && (held < cap[c] || got == 0)) {
-                const int64_t p = rank[got].id;
-                pages[got++] = p;
-                for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
+            }
+            while (held < cap[c] && got < m) {
+                int64_t best = -1;
+                for (int64_t p = 0; p < NP; p++)
+                    if (open[p] && !chosen[p] && (best < 0 || mass[p] > mass[best]))
+                        best = p;
+                chosen[best] = 1;
+                got++;
+                for (int64_t t = best * P; t < (best + 1) * P && t < T; t++)
                     held += vis[t];
             }
-            qsort(pages, got, sizeof(int64_t), by_id);
             int64_t n = 0, *row = order + c * width;
-            for (int64_t i = 0; i < got; i++) {
-                const int64_t p = pages[i];
-                for (int64_t t = p * P; t < (p + 1) * P && t < T && n < width; t++)
-                    if (vis[t]) row[n++] = t;
-            }
+            for (int64_t p = 0; p < NP; p++)
+                if (chosen[p])
+                    for (int64_t t = p * P; t < (p + 1) * P && t < T && n < width; t++)
+                        if (vis[t]) row[n++] = t;
             counts[c] = n;
             for (int64_t i = n; i < width; i++)
                 row[i] = n > 0 ? row[i % n] : 0;
