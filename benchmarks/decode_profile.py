@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
-KERNELS = ("linear", "attend_rows", "attend_indexed", "speculate_mass", "score_packed",
-           "select_mass")
+KERNELS = ("linear", "attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
+           "speculate_pages", "score_packed", "select_mass", "spec_write")
 
 
 def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> None:
@@ -49,6 +49,7 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
 
     timed = {name: wrap(name) for name in KERNELS}
     for module in ("flexgen_infinigen.runtime.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
+                   "flexgen_infinigen.kv.spec_pages",
                    "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
                    "flexgen_infinigen.models.opt", "flexgen_infinigen.runtime.attention"):
         mod = importlib.import_module(module)
