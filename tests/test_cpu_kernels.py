@@ -289,3 +289,71 @@ def test_a_4bit_cache_read_in_place_equals_expanding_it(smollm2_store, batch, mo
     assert a.token_ids == b.token_ids
     for x, y in zip(a.logits, b.logits):
         assert (x - y).abs().max().item() < 1e-3
+
+
+def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, monkeypatch):
+    """Under ``select_from_mb`` InfiniGen reads a 4-bit layer whole: over the codes where they
+    are (``attend_rows_q4``), never expanding the cache; the full 4-bit cache's tokens and
+    logits."""
+    from flexgen_infinigen.kv.infinigen import InfiniGenOptions
+    from flexgen_infinigen.runtime import cpu_kernels as ck
+
+    prompts = [[1] + list(range(7, 7 + 1500))]
+    calls = []
+    real = ck.attend_rows_q4
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(ck, "attend_rows_q4", counted)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
+    runs = []
+    for kv, kw in (("full", None), ("infinigen", {"options": InfiniGenOptions(
+            select_from_mb=1e6)})):
+        with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy=kv, kv_options=kw,
+                              progress=False) as lm:
+            calls.clear()
+            runs.append(lm.generate(prompts, 4, stop_token_id=None, keep_logits=True))
+            report = lm.engine.kv_policy.report()
+        assert len(calls) == 3 * 30, f"{kv}: {len(calls)} kernel calls"  # 3 steps x 30 layers
+    assert report["kv_fetch_fraction"] == 1.0 and report["speculation_time_s"] == 0
+    a, b = runs
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("keys", ["int4", "pages16"])
+def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monkeypatch):
+    """InfiniGen over a 4-bit cache in CPU memory attends over the chosen rows' codes
+    (gathered, then ``attend_rows_q4``) instead of expanding them into floats first: the same
+    tokens, logits to rounding and rows read, with left padding."""
+    from flexgen_infinigen.kv.infinigen import InfiniGenOptions
+    from flexgen_infinigen.runtime import cpu_kernels as ck
+
+    prompts = [[1] + list(range(7, 7 + 1200 + 70 * i)) for i in range(2)]
+    options = InfiniGenOptions(select_from_mb=0.0, max_kv_fraction=0.2,
+                               speculation_keys=keys).validate()
+    calls, runs = [], []
+    real = ck.attend_rows_q4
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    for in_place in (True, False):
+        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
+        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
+                                     compress_cache=True)
+        with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",
+                              kv_options={"options": options}, progress=False) as lm:
+            out = lm.generate(prompts, 4, stop_token_id=None, keep_logits=True)
+            runs.append((out, lm.engine.kv_policy.report()))
+        if in_place:
+            assert len(calls) == 3 * 30, "the kernel was not used in every layer"
+    (a, ra), (b, rb) = runs
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-3
+    assert ra["kv_selected_fraction"] == rb["kv_selected_fraction"] < 0.5

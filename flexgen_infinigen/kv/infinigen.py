@@ -31,13 +31,15 @@ from .full import attend_selected, to_rows
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .pool import KVPool
 from .selection import select
-from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
+from .selective import (SelectiveCache, SelectivePolicy, attend_packed_rows, fetch_selected,
+                        gather_on_device)
 from .spec_keys import KINDS, SpeculationKeys, bytes_per_key
 from .spec_pages import PAGE_KINDS
 from .spec_pages import SpeculationPages as PageSummaries
 
 SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fails
 READ_ALL = "read all"  # a step's selection when the layer is read whole
+PACKED = "packed"  # a step's chosen rows, to be read as 4-bit codes where they are
 # --select-from-mb by device: on a CPU a layer's speculation (~0.2 ms of kernels and Python)
 # costs more than the rows it spares below about 12 MB of KV (SmolLM2: 4K tokens x batch 2);
 # over a GPU's link every spared row pays (the paper's regime)
@@ -170,9 +172,14 @@ class InfiniGenCache(SelectiveCache):
         if self.selection is READ_ALL:
             self.selection = None
             self.count_full_read(length)
-            return READ_ALL, None if self.attend_in_place else super().load(length)
+            in_place = self.attend_in_place or self.packed_here
+            return READ_ALL, None if in_place else super().load(length)
         order, counts, pending = self.selection
         self.selection = None
+        if self.packed_here:  # 4-bit codes attended where they are (order is on the CPU)
+            used = int(counts.sum())
+            self.count(used, used, length)
+            return PACKED, None, counts, order
         if self.k.addressable:  # gathered where it lives, no sync
             if pending is not None:  # the load stream must see the finished speculation
                 torch.cuda.current_stream().wait_event(pending)
@@ -199,7 +206,12 @@ class InfiniGenCache(SelectiveCache):
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:
             self._update_pool(index, counts, valid)
-        if k_sel is None:
+        if k_sel is PACKED:
+            out = attend_packed_rows(self, q, k_new, v_new, index, counts)
+            if out is not None:
+                return out
+            k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them
+        elif k_sel is None:
             return self._attend_in_place(q, k_new, v_new, index, counts)
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
 
@@ -211,6 +223,11 @@ class InfiniGenCache(SelectiveCache):
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         length = valid.shape[1] - 1
         first = self.spec.first_visible(length)
+        if self.packed_here:  # 4-bit codes read where they are; store_token stores the row
+            out = self._attend_packed(q, k_new, v_new, bias[..., first:], first, length)
+            if out is not None:
+                return out
+            return super().attend(self._read_rows(length), q, k_new, v_new, valid, bias)
         self._store(k_new, v_new, length)
         rows = slice(first, length + 1)
         return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:])

@@ -3,10 +3,12 @@ that count the rows each step reads, and moving a chosen subset of K/V rows to t
 device, laid out per KV head for attention."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import CacheSpec
-from .full import FullCache, FullPolicy, row_buffers
+from .full import FullCache, FullPolicy, row_buffers, to_rows
 from .stats import FetchStats
 
 
@@ -21,6 +23,9 @@ class SelectiveCache(FullCache):
         # run on a lane); a layer that reads every row reads it where it is when it can
         self.in_place = self.inline = (not selecting and self.k.addressable
                                        and not self.cpu_compute)
+        # 4-bit codes in CPU memory that the CPU computes on: a selecting layer attends over
+        # them where they are too (a step that reads the layer whole, or the rows it chose)
+        self.packed_here = self.packed_in_place
         self.packed_in_place = self.packed_in_place and not selecting
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
@@ -82,6 +87,30 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
             buf.zero_()    # the reused scratch holds only earlier K/V values (zeros at first)
         buf.view(-1, buf.shape[-1]).index_copy_(0, place, tensor.take(rows, col))
     return buffers[0], buffers[1], int(rows.shape[0])
+
+
+def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts) -> torch.Tensor | None:
+    """Attention over the chosen rows ``order[b, KV, :counts]`` of a 4-bit cache in CPU memory
+    (``packed_here``) plus the new token: the rows' codes (an eighth of their float bytes) are
+    gathered, then attended by ``attend_rows_q4`` with the rows past each column's count
+    masked. None without the kernel."""
+    from ..runtime import cpu_kernels
+    from ..runtime.compression import Packed
+
+    spec = cache.spec
+    b, _, heads, d = q.shape
+    cols = b * spec.kv_heads
+    top = int(counts.max())
+    rows = order.reshape(cols, -1)[:, :top].t()  # [top, cols]; past a count: any valid row
+    rows = rows.clamp(0, spec.max_len - 1)
+    col = torch.arange(cols)[None, :]
+    k, v = (Packed(*(p[rows, col] for p in t.packed().parts), (top,) + tuple(t.shape[1:]))
+            for t in (cache.k, cache.v))
+    bias = torch.zeros(cols, top)
+    bias.masked_fill_(torch.arange(top)[None, :] >= counts.reshape(cols, 1), float("-inf"))
+    qc = q.reshape(cols, heads // spec.kv_heads, d) * (1.0 / math.sqrt(d))
+    out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0])
+    return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
 
 
 def gather_on_device(cache: FullCache, order: torch.Tensor):
