@@ -18,7 +18,7 @@ A policy label is ``NAME`` or ``NAME@FRACTION``: ``infinigen@0.05`` reads at mos
 cached tokens per KV head in its selecting layers; ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``); ``h2o@0.2`` keeps
 10% heavy hitters and 10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache
-in 4 bits.
+in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs the policy with 4-bit weights.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def parse_policy(label: str):
     """``label`` -> (kv policy name, its options, 4-bit cache)."""
     from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
 
+    label = label.removesuffix("-w4")  # 4-bit weights: see weights_4bit
     kind, _, budget = label.partition("@")
     if kind not in KINDS:
         raise SystemExit(f"unknown policy {label!r}: use one of {', '.join(KINDS)}, "
@@ -62,6 +63,12 @@ def parse_policy(label: str):
     # select at every length (the speed default reads small layers whole: not what is measured)
     return "infinigen", {"options": InfiniGenOptions(select_from_mb=0.0, **opts).validate()}, \
         kind.endswith("4bit")
+
+
+def weights_4bit(label: str) -> bool:
+    """``LABEL-w4``: the same policy with the model's weights in 4 bits (``--compress-weight``),
+    as the speed benchmark's fastest settings run."""
+    return label.endswith("-w4")
 
 
 def load_done(path: Path) -> dict:
@@ -115,13 +122,14 @@ def run_policies(a, model, samples, labels, done, path, bar, kept) -> None:
 
     gen = max(GEN_LEN[s.task] for s in samples)
     length = samples[0].length
-    for compress in (False, True):
+    for compress, w4 in ((False, False), (True, False), (False, True), (True, True)):
         group = [lab for lab in labels if parse_policy(lab)[2] == compress
+                 and weights_4bit(lab) == w4
                  and any((lab, s.key) not in done for s in samples)]
         if not group:
             continue
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
-                                     compress_cache=compress)
+                                     compress_cache=compress, compress_weight=w4)
         with OffloadedLM.load(model=model, policy=policy, max_len_hint=(length, gen),
                               progress=False) as lm:
             for label in group:
@@ -246,14 +254,15 @@ def main(argv=None) -> int:
         if a.prefill_dir is None:
             shutil.rmtree(folder, ignore_errors=True)
     # every result of this tag so far (runs with other lengths or depths add up)
-    rows = [r for r in done.values() if r["policy"] in a.policies + ["transformers"]]
+    rows = list(done.values())
     summary = write_outputs(rows, OUT / f"long_context_accuracy_{a.tag}",
                             {"model": store.config.name, "filler": source,
                              "tasks": sorted({r["task"] for r in rows}, key=TASKS.index),
                              "depths": sorted({r["depth"] for r in rows}),
                              "seeds": len({r["seed"] for r in rows}),
                              "lengths": sorted({r["length"] for r in rows}),
-                             "policies": a.policies, "reference": bool(refs)})
+                             "policies": sorted({r["policy"] for r in rows}),
+                             "reference": bool(refs)})
     print(summary)
     return 0
 

@@ -11,7 +11,7 @@ FOUR_BIT = (0.5 + 2 * 2 / 64) / 2
 
 
 def _kind(label: str) -> str:
-    return label.partition("@")[0]
+    return label.removesuffix("-w4").partition("@")[0]
 
 
 def summarize(rows: list[dict]) -> dict:
