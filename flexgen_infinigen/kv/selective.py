@@ -104,7 +104,8 @@ def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts) -> torc
     rows = order.reshape(cols, -1)[:, :top].t()  # [top, cols]; past a count: any valid row
     rows = rows.clamp(0, spec.max_len - 1)
     col = torch.arange(cols)[None, :]
-    k, v = (Packed(*(p[rows, col] for p in t.packed().parts), (top,) + tuple(t.shape[1:]))
+    k, v = (Packed(*(p[rows, col].contiguous() for p in t.packed().parts),
+                   (top,) + tuple(t.shape[1:]))
             for t in (cache.k, cache.v))
     bias = torch.zeros(cols, top)
     bias.masked_fill_(torch.arange(top)[None, :] >= counts.reshape(cols, 1), float("-inf"))
