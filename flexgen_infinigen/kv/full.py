@@ -126,19 +126,28 @@ class FullCache(KVCache):
     def _attend_packed(self, q, k_new, v_new, bias, first: int, length: int):
         """Attention over the 4-bit rows ``first .. length`` read where they are, plus the new
         token (exact), by a CPU kernel; None without it."""
-        from ..runtime import cpu_kernels
         from ..runtime.compression import Packed
 
-        b, s, heads, d = q.shape
+        b, s = q.shape[:2]
         if s != 1:
             return None
         rows = slice(first, length)
         k, v = (Packed(*(p[rows] for p in t.packed().parts), t.shape) for t in (self.k, self.v))
-        cols = b * self.spec.kv_heads
         flat = bias[..., :length - first].float().expand(b, self.spec.kv_heads, 1,
-                                                         length - first).reshape(cols, -1)
+                                                         length - first)
+        return self._attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
+                                  v_new)
+
+    def _attend_codes(self, q, k, v, bias, k_new, v_new):
+        """``attend_rows_q4`` of the decode query ``q [b, 1, H, d]`` over 4-bit rows ``k``/``v``
+        (:class:`Packed` ``[t, b*KV, ...]``) with ``bias [b*KV, t]``, plus the new token;
+        ``[b, 1, H*d]``, or None without the kernel."""
+        from ..runtime import cpu_kernels
+
+        b, _, heads, d = q.shape
+        cols = b * self.spec.kv_heads
         qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
-        out = cpu_kernels.attend_rows_q4(qc, k, v, flat, to_rows(k_new)[0], to_rows(v_new)[0])
+        out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0])
         return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
 
     def _store(self, k_new, v_new, position: int) -> None:

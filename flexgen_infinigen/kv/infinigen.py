@@ -207,7 +207,8 @@ class InfiniGenCache(SelectiveCache):
         if self.pool is not None:
             self._update_pool(index, counts, valid)
         if k_sel is PACKED:
-            out = attend_packed_rows(self, q, k_new, v_new, index, counts)
+            out = attend_packed_rows(self, q, k_new, v_new, index, counts,
+                                     valid.shape[1] - 1)
             if out is not None:
                 return out
             k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them

@@ -3,12 +3,10 @@ that count the rows each step reads, and moving a chosen subset of K/V rows to t
 device, laid out per KV head for attention."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .base import CacheSpec
-from .full import FullCache, FullPolicy, row_buffers, to_rows
+from .full import FullCache, FullPolicy, row_buffers
 from .stats import FetchStats
 
 
@@ -89,29 +87,26 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
     return buffers[0], buffers[1], int(rows.shape[0])
 
 
-def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts) -> torch.Tensor | None:
+def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts,
+                       length: int) -> torch.Tensor | None:
     """Attention over the chosen rows ``order[b, KV, :counts]`` of a 4-bit cache in CPU memory
     (``packed_here``) plus the new token: the rows' codes (an eighth of their float bytes) are
     gathered, then attended by ``attend_rows_q4`` with the rows past each column's count
     masked. None without the kernel."""
-    from ..runtime import cpu_kernels
     from ..runtime.compression import Packed
 
-    spec = cache.spec
-    b, _, heads, d = q.shape
-    cols = b * spec.kv_heads
+    cols = q.shape[0] * cache.spec.kv_heads
     top = int(counts.max())
-    rows = order.reshape(cols, -1)[:, :top].t()  # [top, cols]; past a count: any valid row
-    rows = rows.clamp(0, spec.max_len - 1)
+    # [top, cols]; past a column's count ``order`` holds anything: a written row stands in
+    rows = order.reshape(cols, -1)[:, :top].t().clamp(0, length - 1)
     col = torch.arange(cols)[None, :]
+    # contiguous: the kernel takes a row-major gather only (the transposed index may not give one)
     k, v = (Packed(*(p[rows, col].contiguous() for p in t.packed().parts),
                    (top,) + tuple(t.shape[1:]))
             for t in (cache.k, cache.v))
     bias = torch.zeros(cols, top)
     bias.masked_fill_(torch.arange(top)[None, :] >= counts.reshape(cols, 1), float("-inf"))
-    qc = q.reshape(cols, heads // spec.kv_heads, d) * (1.0 / math.sqrt(d))
-    out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0])
-    return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
+    return cache._attend_codes(q, k, v, bias, k_new, v_new)
 
 
 def gather_on_device(cache: FullCache, order: torch.Tensor):
