@@ -198,8 +198,9 @@ class OffloadedLM:
         for start in range(0, len(ids), block):
             chunk = ids[start:start + block]
             real = len(chunk)
-            chunk = chunk + [chunk[0]] * (block - real)  # pad the last block with a dummy row
-            batches = self._pad_batches(chunk)
+            size, count = self._block_shape(real)
+            chunk = chunk + [chunk[0]] * (size * count - real)  # equal GPU batches: dummy rows
+            batches = self._pad_batches(chunk, size)
             rows = [[] for _ in chunk]
             done = [False] * len(chunk)
             ran_before = len(step_times)
@@ -207,15 +208,13 @@ class OffloadedLM:
 
             chooser = sampler
             if sampling.repetition_penalty != 1.0:
-                chooser = RepetitionPenalty(sampler, chunk, self.policy.gpu_batch_size,
-                                            sampling.repetition_penalty)
+                chooser = RepetitionPenalty(sampler, chunk, size, sampling.repetition_penalty)
             if forced is not None:
                 rows_forced = [list(forced[start + r]) for r in range(real)]
-                rows_forced += [rows_forced[0]] * (block - real)
+                rows_forced += [rows_forced[0]] * (len(chunk) - real)
                 if any(len(f) < steps for f in rows_forced):
                     raise ConfigError(f"forced tokens must have at least {steps} per prompt")
-                chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]),
-                                       self.policy.gpu_batch_size)
+                chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]), size)
             block_logits = []
             prefilled, capture, key = self._kept_prefill(prefill_cache, batches)
             reused += prefilled is not None
@@ -268,13 +267,25 @@ class OffloadedLM:
         found = None if self.engine.kv_policy.needs_prompt_queries else cache.get(key)
         return found, (Prefilled() if found is None else None), key
 
-    def _pad_batches(self, chunk: list[list[int]]):
-        """Left-pad a block's prompts to one length and cut it into GPU batches."""
+    def _block_shape(self, real: int) -> tuple[int, int]:
+        """(rows a GPU batch, GPU batches) for a block of ``real`` prompts: the policy's when
+        the block is full; a short block (the last, or a run of fewer prompts than a block)
+        takes as few GPU batches as hold its prompts, shrunk to equal sizes, so it computes at
+        most ``count - 1`` dummy rows instead of filling the policy's whole block."""
+        b, n = self.policy.gpu_batch_size, self.policy.num_gpu_batches
+        if real >= b * n:
+            return b, n
+        count = -(-real // b)
+        return -(-real // count), count
+
+    def _pad_batches(self, chunk: list[list[int]], size: int | None = None):
+        """Left-pad a block's prompts to one length and cut it into GPU batches of ``size``
+        rows (default: the policy's)."""
         length = max(map(len, chunk))
         pad = self.cfg.pad_token_id
         ids = torch.tensor([[pad] * (length - len(p)) + p for p in chunk])
         valid = torch.tensor([[False] * (length - len(p)) + [True] * len(p) for p in chunk])
-        b = self.policy.gpu_batch_size
+        b = size or self.policy.gpu_batch_size
         return [(ids[i:i + b], valid[i:i + b]) for i in range(0, len(chunk), b)]
 
     # ---- sizes for the report ---------------------------------------------------------------

@@ -112,3 +112,26 @@ def test_weight_split_follows_percent_finely(tiny_opt):
             shares.append(placed["device"] / sum(placed.values()))
     for pct, share in zip((20, 25, 30), shares):
         assert abs(share - pct / 100) < 0.01
+
+
+@pytest.mark.parametrize("batch,batches,prompts,rows", [(4, 1, 1, 1), (2, 2, 1, 1),
+                                                         (2, 2, 3, 4), (3, 2, 4, 4)])
+def test_a_short_block_runs_only_the_rows_it_needs(tiny_opt, batch, batches, prompts, rows):
+    """Fewer prompts than a block (a short run, or the last block) run in as few equal GPU
+    batches as hold them: the KV cache moved is that many rows' (``rows``: the prompts plus
+    at most one dummy a GPU batch), not the policy's whole block, and every prompt's tokens
+    are its own run's."""
+    model, store = tiny_opt
+    ids = [[2, 11 + i, 12, 13 + 2 * i, 14, 15, 16] for i in range(prompts)]
+    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=batch,
+                                 num_gpu_batches=batches, host_in_place=False)
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(ids, STEPS, stop_token_id=None)
+        moved = lm.tiers.bytes_moved
+    weights, kv_read, kv_written = _expected(model, len(PROMPT), STEPS, batch=rows)
+    assert moved["host->device"]["kv_cache"] == kv_read
+    assert moved["device->host"]["kv_cache"] == kv_written
+    alone = Policy.from_percent([0, 100, 0, 100, 100, 0], host_in_place=False)
+    with OffloadedLM.load(path=store, policy=alone, progress=False) as lm:
+        assert out.token_ids == [lm.generate([p], STEPS, stop_token_id=None).token_ids[0]
+                                 for p in ids]
