@@ -15,7 +15,8 @@ answers found, as whole numbers or words, in the generated tokens. transformers'
 Every (policy, prompt) result is appended to ``<out>.jsonl`` as it finishes, so an
 interrupted run resumes where it stopped; the summary, table and plot are rebuilt from it.
 A policy label is ``NAME`` or ``NAME@FRACTION``: ``infinigen@0.05`` reads at most 5% of the
-cached tokens per KV head in its selecting layers; ``infinigen-pages@0.1`` chooses whole
+cached tokens per KV head in its selecting layers, ``infinigen#1024`` at most 1,024 tokens
+whatever the length (``--max-num-kv``); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``); ``h2o@0.2`` keeps
 10% heavy hitters and 10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache
 in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs the policy with 4-bit weights.
@@ -45,10 +46,11 @@ def parse_policy(label: str):
     from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
 
     label = label.removesuffix("-w4")  # 4-bit weights: see weights_4bit
-    kind, _, budget = label.partition("@")
-    if kind not in KINDS:
+    kind, _, tokens = label.partition("#")  # a cap in tokens (--max-num-kv), no fraction
+    kind, _, budget = kind.partition("@")
+    if kind not in KINDS or (tokens and (budget or kind not in ("infinigen", "oracle"))):
         raise SystemExit(f"unknown policy {label!r}: use one of {', '.join(KINDS)}, "
-                         "optionally @FRACTION")
+                         "optionally @FRACTION, or infinigen#TOKENS / oracle#TOKENS")
     f = float(budget) if budget else None
     if kind.startswith("full"):
         return "full", {}, kind.endswith("4bit")
@@ -56,6 +58,8 @@ def parse_policy(label: str):
         f = f or 0.2
         return "h2o", {"hh_ratio": f / 2, "recent_ratio": f / 2}, False
     opts = {} if f is None else {"max_kv_fraction": f}
+    if tokens:
+        opts = {"max_kv_fraction": 1.0, "max_num_kv": int(tokens)}
     if kind == "oracle":
         return "oracle", {"options": SelectionOptions(**opts).validate()}, False
     if kind == "infinigen-pages":  # page summaries of 16 tokens, whole pages chosen

@@ -2,6 +2,7 @@
 
     python benchmarks/selection_recall.py              # SmolLM2, 2 wikitext windows, ~4 minutes
     python benchmarks/selection_recall.py --windows 4
+    python benchmarks/selection_recall.py --only pages     # those variants' rows updated
 
 One full-cache forward pass per window (teacher forcing with the full cache, so every
 variant is judged on the same hidden states) records each layer's attention input, query,
@@ -32,6 +33,7 @@ from flexgen_infinigen import OffloadedLM
 from flexgen_infinigen.infinigen.skew import DEFAULT_CALIBRATION, key_gram, projection, query_gram
 from flexgen_infinigen.kv.selection import Budget, select
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys, bytes_per_key
+from flexgen_infinigen.kv.spec_pages import PAGE_KINDS, SpeculationPages
 from flexgen_infinigen.runtime.attention import attend, mask_bias
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +67,9 @@ VARIANTS = [
     ("keys=partial 0.3, column-score=qk", dict(keys="partial", ratio=0.3, column_score="qk")),
     ("calibration=paragraph", dict(calibration="paragraph")),
     ("sink=4 recent=16", dict(sink=4, recent=16)),
+    ("keys=pages16 (page bounds, whole pages)", dict(keys="pages16")),
+    ("keys=pages16 ratio=0.3", dict(keys="pages16", ratio=0.3)),
+    ("keys=pages8", dict(keys="pages8")),
     ("fraction=0.085", dict(fraction=0.085)),
     ("oracle, fraction=0.085", dict(fraction=0.085, exact=True)),
 ]
@@ -108,10 +113,26 @@ def grams(records, cfg):
 
 class _Tiers:
     device = torch.device("cpu")
+    is_cuda = False
 
     @staticmethod
     def track(t, tier):
         return t
+
+
+def _select_pages(kind: str, rows: torch.Tensor, pq: torch.Tensor, cached: torch.Tensor,
+                  budget: Budget):
+    """The runtime's page selection (``SpeculationPages.select_mass``) for every decode
+    position at once: each position is a row of its own, over the same page summaries."""
+    n, kv, w = rows.shape
+    pages = SpeculationPages(kind, n, kv, w, torch.float32, _Tiers())
+    pages.write(rows, 0)
+    npos = pq.shape[0]
+    pages.lo, pages.hi = (x.repeat(npos, 1, 1).contiguous() for x in (pages.lo, pages.hi))
+    visible = cached.clone()
+    caps = torch.minimum(budget.caps(visible.sum(-1)), visible.sum(-1))
+    order, counts = pages.select_mass(pq, visible, caps, budget.most(n))
+    return order, counts
 
 
 @torch.no_grad()
@@ -140,15 +161,22 @@ def evaluate(rec_windows, cfg, fam, calib: dict, prefill: int, exact=False, **ov
                 step_rope = tuple(t[0, pos][:, None] for t in rope) if rope else None
                 qs = fam.query(cfg, r["w"], rec[layer - 1]["x"][pos][:, None], step_rope)[:, 0]
             pq = torch.einsum("nkgd,kdr->nkgr", qs.reshape(-1, kv, group, d), proj)
-            keys = SpeculationKeys("partial" if exact else o["keys"], n, kv, proj.shape[-1],
-                                   torch.float32, _Tiers())
-            keys.write(torch.einsum("skd,kdr->skr", k, proj), 0)
-            approx = torch.einsum("nkgr,skr->nkgs", pq, keys.keys(n)) / math.sqrt(d)
             t = torch.arange(n)
             cached = t[None, :] < pos[:, None]
-            order, counts = select(approx, cached, o["rule"], o["alpha"], budget)
-            pick = torch.zeros(len(pos), kv, n, dtype=torch.bool)
-            pick.scatter_(2, order, torch.arange(order.shape[-1]) < counts[..., None])
+            if o["keys"] in PAGE_KINDS and not exact:
+                order, counts = _select_pages(o["keys"], torch.einsum("skd,kdr->skr", k, proj),
+                                              pq / math.sqrt(d), cached, budget)
+            else:
+                keys = SpeculationKeys("partial" if exact else o["keys"], n, kv, proj.shape[-1],
+                                       torch.float32, _Tiers())
+                keys.write(torch.einsum("skd,kdr->skr", k, proj), 0)
+                approx = torch.einsum("nkgr,skr->nkgs", pq, keys.keys(n)) / math.sqrt(d)
+                order, counts = select(approx, cached, o["rule"], o["alpha"], budget)
+            # entries past a head's count may repeat chosen rows: they go to a spare column
+            live = torch.arange(order.shape[-1]) < counts[..., None]
+            pick = torch.zeros(len(pos), kv, n + 1, dtype=torch.bool)
+            pick.scatter_(2, order.masked_fill(~live, n), True)
+            pick = pick[..., :n]
             keep = (pick & cached[:, None]) | (t[None, :] == pos[:, None])[:, None]
             scores = torch.einsum("nkgd,skd->nkgs", q[pos].view(-1, kv, group, d), k) / math.sqrt(d)
             scores = scores.masked_fill(~(t[None, :] <= pos[:, None])[:, None, None], -math.inf)
@@ -164,8 +192,8 @@ def evaluate(rec_windows, cfg, fam, calib: dict, prefill: int, exact=False, **ov
     return {"recall": sum(recall) / len(recall), "output_error": sum(err) / len(err),
             "relative_kv_size_speculative": share,
             "relative_kv_size": (2 + (layers - 2) * share) / layers,
-            "speculation_key_bytes_fp16": None if exact else bytes_per_key(
-                o["keys"], max(1, round(o["ratio"] * d)), 2),
+            "speculation_key_bytes_fp16": None if exact or o["keys"] in PAGE_KINDS else
+            bytes_per_key(o["keys"], max(1, round(o["ratio"] * d)), 2),
             "settings": {**o, "exact": exact}}
 
 
@@ -177,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                   help="run the variants whose name contains one of these")
     a = p.parse_args(argv)
     if not Path(a.text).is_file():
         print(f"error: {a.text} is absent; pass --text (wikitext-2 test split)", file=sys.stderr)
@@ -193,6 +223,8 @@ def main(argv=None) -> int:
                  "corpus": grams(record(ids[-1024:])[0], lm.cfg)}
         rows = {}
         for name, over in VARIANTS:
+            if a.only and not any(x in name for x in a.only):
+                continue
             start = time.perf_counter()
             rows[name] = evaluate(windows, lm.cfg, record.fam, calib, a.prefill_len, **over)
             r = rows[name]
@@ -201,6 +233,13 @@ def main(argv=None) -> int:
                   flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.only and out.with_suffix(".json").is_file():  # update these rows, keep the others
+        kept = json.loads(out.with_suffix(".json").read_text())
+        same = {k: v for k, v in kept["settings"].items() if k != "only"} == \
+            {k: v for k, v in vars(a).items() if k != "only"}
+        if same:
+            merged = {**kept["variants"], **rows}
+            rows = {name: merged[name] for name, _ in VARIANTS if name in merged}
     out.with_suffix(".json").write_text(json.dumps({"settings": vars(a), "variants": rows},
                                                    indent=1))
     lines = [f"# Selection recall: SmolLM2-135M, {a.windows} wikitext-2 windows of {a.seq_len} "
