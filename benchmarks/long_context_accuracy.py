@@ -16,7 +16,8 @@ Every (policy, prompt) result is appended to ``<out>.jsonl`` as it finishes, so 
 interrupted run resumes where it stopped; the summary, table and plot are rebuilt from it.
 A policy label is ``NAME`` or ``NAME@FRACTION``: ``infinigen@0.05`` reads at most 5% of the
 cached tokens per KV head in its selecting layers, ``infinigen#1024`` at most 1,024 tokens
-whatever the length (``--max-num-kv``); ``infinigen-pages@0.1`` chooses whole
+whatever the length (``--max-num-kv``), ``infinigen@0.05:L1`` selects from layer 1 on
+(``--first-layer``; default 2); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``); ``h2o@0.2`` keeps
 10% heavy hitters and 10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache
 in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs the policy with 4-bit weights.
@@ -46,6 +47,7 @@ def parse_policy(label: str):
     from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
 
     label = label.removesuffix("-w4")  # 4-bit weights: see weights_4bit
+    label, _, first = label.partition(":L")  # the first layer that selects (default 2)
     kind, _, tokens = label.partition("#")  # a cap in tokens (--max-num-kv), no fraction
     kind, _, budget = kind.partition("@")
     if kind not in KINDS or (tokens and (budget or kind not in ("infinigen", "oracle"))):
@@ -60,6 +62,8 @@ def parse_policy(label: str):
     opts = {} if f is None else {"max_kv_fraction": f}
     if tokens:
         opts = {"max_kv_fraction": 1.0, "max_num_kv": int(tokens)}
+    if first:
+        opts["first_layer"] = int(first)
     if kind == "oracle":
         return "oracle", {"options": SelectionOptions(**opts).validate()}, False
     if kind == "infinigen-pages":  # page summaries of 16 tokens, whole pages chosen

@@ -11,7 +11,11 @@ FOUR_BIT = (0.5 + 2 * 2 / 64) / 2
 
 
 def _kind(label: str) -> str:
-    return label.removesuffix("-w4").partition("@")[0]
+    """The curve a label belongs to: ``infinigen@0.1`` -> infinigen; a cap in tokens
+    (``infinigen#512``) and another first selecting layer (``:L1``) are curves of their own."""
+    base, _, first = label.removesuffix("-w4").partition(":L")
+    kind, _, tokens = base.partition("@")[0].partition("#")
+    return kind + (" (token cap)" if tokens else "") + (f" from layer {first}" if first else "")
 
 
 def summarize(rows: list[dict]) -> dict:
