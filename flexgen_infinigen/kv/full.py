@@ -138,16 +138,18 @@ class FullCache(KVCache):
         return self._attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
                                   v_new)
 
-    def _attend_codes(self, q, k, v, bias, k_new, v_new):
+    def _attend_codes(self, q, k, v, bias, k_new, v_new, index=None):
         """``attend_rows_q4`` of the decode query ``q [b, 1, H, d]`` over 4-bit rows ``k``/``v``
-        (:class:`Packed` ``[t, b*KV, ...]``) with ``bias [b*KV, t]``, plus the new token;
-        ``[b, 1, H*d]``, or None without the kernel."""
+        (:class:`Packed` ``[t, b*KV, ...]``; with ``index [b*KV, n]`` only those rows of each
+        column) with ``bias [b*KV, t or n]``, plus the new token; ``[b, 1, H*d]``, or None
+        without the kernel."""
         from ..runtime import cpu_kernels
 
         b, _, heads, d = q.shape
         cols = b * self.spec.kv_heads
         qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
-        out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0])
+        out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0],
+                                         index)
         return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
 
     def _store(self, k_new, v_new, position: int) -> None:

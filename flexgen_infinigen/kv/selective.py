@@ -90,23 +90,17 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
 def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts,
                        length: int) -> torch.Tensor | None:
     """Attention over the chosen rows ``order[b, KV, :counts]`` of a 4-bit cache in CPU memory
-    (``packed_here``) plus the new token: the rows' codes (an eighth of their float bytes) are
-    gathered, then attended by ``attend_rows_q4`` with the rows past each column's count
-    masked. None without the kernel."""
-    from ..runtime.compression import Packed
-
+    (``packed_here``) plus the new token: ``attend_rows_q4`` reads each chosen row's codes
+    where they are (by index, nothing gathered), the rows past each column's count masked.
+    None without the kernel."""
     cols = q.shape[0] * cache.spec.kv_heads
     top = int(counts.max())
-    # [top, cols]; past a column's count ``order`` holds anything: a written row stands in
-    rows = order.reshape(cols, -1)[:, :top].t().clamp(0, length - 1)
-    col = torch.arange(cols)[None, :]
-    # contiguous: the kernel takes a row-major gather only (the transposed index may not give one)
-    k, v = (Packed(*(p[rows, col].contiguous() for p in t.packed().parts),
-                   (top,) + tuple(t.shape[1:]))
-            for t in (cache.k, cache.v))
+    # [cols, top]; past a column's count ``order`` holds anything: a written row stands in
+    rows = order.reshape(cols, -1)[:, :top].clamp(0, length - 1)
     bias = torch.zeros(cols, top)
     bias.masked_fill_(torch.arange(top)[None, :] >= counts.reshape(cols, 1), float("-inf"))
-    return cache._attend_codes(q, k, v, bias, k_new, v_new)
+    return cache._attend_codes(q, cache.k.packed(), cache.v.packed(), bias, k_new, v_new,
+                               index=rows)
 
 
 def gather_on_device(cache: FullCache, order: torch.Tensor):

@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6
         lib.attend_indexed.restype = None
-        lib.attend_rows_q4.argtypes = [ptr] * 11 + [i64] * 9
+        lib.attend_rows_q4.argtypes = [ptr] * 12 + [i64] * 9
         lib.attend_rows_q4.restype = None
         lib.select_mass.argtypes = [ptr] * 4 + [i64] * 6
         lib.select_mass.restype = None
@@ -292,14 +292,16 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
 
 
 def attend_rows_q4(q: torch.Tensor, k, v, bias: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor) -> torch.Tensor | None:
+                   v_new: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention ``[C, G, D]`` of pre-scaled ``q [C, G, D]`` over every row of a 4-bit
     cache (``k``/``v``: :class:`~.compression.Packed` parts ``[T, C, D / 64, ...]``, read
     where they are, token-major or head-major) with ``bias [C, T]``, then each column's new
-    token ``k_new``/``v_new [C, D]`` (exact). None when the kernel cannot take the inputs."""
+    token ``k_new``/``v_new [C, D]`` (exact). With ``index [C, n]`` the rows are
+    ``index[c]`` of column ``c`` (read in place; ``bias [C, n]``). None when the kernel
+    cannot take the inputs."""
     c, g, d = q.shape
     codes, scale = k.codes, k.scale
-    t = codes.shape[0]
+    t = codes.shape[0] if index is None else index.shape[1]
     ok = (not q.is_cuda and q.dtype == torch.float32 and scale.dtype == torch.float32
           and d % 64 == 0 and d <= 256 and g <= MAX_GROUP and codes.shape[-1] == 32
           and all(a.stride() == b.stride() for a, b in zip(k.parts, v.parts))
@@ -311,9 +313,12 @@ def attend_rows_q4(q: torch.Tensor, k, v, bias: torch.Tensor, k_new: torch.Tenso
     q, bias = q.contiguous(), bias.float().contiguous()
     k_new, v_new = k_new.float().contiguous(), v_new.float().contiguous()
     out = torch.empty(c, g, d, dtype=torch.float32)
+    if index is not None:
+        index = index.to(torch.int64).contiguous()
     lib.attend_rows_q4(q.data_ptr(), codes.data_ptr(), scale.data_ptr(), k.minimum.data_ptr(),
                        v.codes.data_ptr(), v.scale.data_ptr(), v.minimum.data_ptr(),
-                       bias.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(), t,
+                       bias.data_ptr(), None if index is None else index.data_ptr(),
+                       k_new.data_ptr(), v_new.data_ptr(), out.data_ptr(), t,
                        c, g, d, codes.stride(0), codes.stride(1), scale.stride(0),
                        scale.stride(1), torch.get_num_threads())
     return out

@@ -309,12 +309,14 @@ static inline void expand_q4(const uint8_t *codes, const float *scale, const flo
    token (exact floats). Row t of column c has its D / 2 code bytes at kc + t * cs0 + c * cs1
    and its D / 64 scales and minima at ks, km + t * ss0 + c * ss1 (V alike); a block's rows
    are expanded into a small buffer that the float path then reads. q, out: [C, G, D];
-   bias: [C, T] for the cached rows; k_new, v_new: [C, D]. D a multiple of 64. */
+   bias: [C, T] for the cached rows; k_new, v_new: [C, D]. D a multiple of 64. With an
+   index ([C, T], not NULL) the t-th row of column c is the cache's row index[c * T + t]
+   (chosen rows read where they are, never gathered). */
 void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const float *km,
                     const uint8_t *vc, const float *vs, const float *vm, const float *bias,
-                    const float *k_new, const float *v_new, float *out, int64_t T, int64_t C,
-                    int64_t G, int64_t D, int64_t cs0, int64_t cs1, int64_t ss0, int64_t ss1,
-                    int64_t nthreads) {
+                    const int64_t *index, const float *k_new, const float *v_new, float *out,
+                    int64_t T, int64_t C, int64_t G, int64_t D, int64_t cs0, int64_t cs1,
+                    int64_t ss0, int64_t ss1, int64_t nthreads) {
     const int64_t R = ranges_per_column(C, T + 1, nthreads), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
     #pragma omp parallel num_threads(nthreads)
@@ -336,10 +338,11 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
                     const int64_t t = t0 + i;
                     if (t < T) {
                         float *kx = rows + i * D, *vx = rows + (TB + i) * D;
-                        expand_q4(kc + t * cs0 + c * cs1, ks + t * ss0 + c * ss1,
-                                  km + t * ss0 + c * ss1, D, kx);
-                        expand_q4(vc + t * cs0 + c * cs1, vs + t * ss0 + c * ss1,
-                                  vm + t * ss0 + c * ss1, D, vx);
+                        const int64_t u = index ? index[c * T + t] : t;
+                        expand_q4(kc + u * cs0 + c * cs1, ks + u * ss0 + c * ss1,
+                                  km + u * ss0 + c * ss1, D, kx);
+                        expand_q4(vc + u * cs0 + c * cs1, vs + u * ss0 + c * ss1,
+                                  vm + u * ss0 + c * ss1, D, vx);
                         kr[i] = kx;
                         vr[i] = vx;
                         b[i] = bias[c * T + t];
