@@ -19,9 +19,10 @@ cached tokens per KV head in its selecting layers, ``infinigen#1024`` at most 1,
 whatever the length (``--max-num-kv``), ``infinigen@0.05:L1`` selects from layer 1 on
 (``--first-layer``; default 2); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``);
-``infinigen-fp`` speculates with float keys of every column (only the query is guessed); ``h2o@0.2`` keeps
-10% heavy hitters and 10% recent tokens; ``full-4bit`` and ``infinigen-4bit`` store the cache
-in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs the policy with 4-bit weights.
+``infinigen-fp`` speculates with float keys of every column (only the query is guessed);
+``h2o@0.2`` keeps 10% heavy hitters and 10% recent tokens; ``full-4bit`` and
+``infinigen-4bit`` store the cache in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs
+the policy with 4-bit weights.
 """
 from __future__ import annotations
 

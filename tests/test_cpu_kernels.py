@@ -319,7 +319,8 @@ def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, m
             calls.clear()
             runs.append(lm.generate(prompts, 4, stop_token_id=None, keep_logits=True))
             report = lm.engine.kv_policy.report()
-        assert len(calls) == 3 * 30 and all(calls), f"{kv}: {sum(calls)}/{len(calls)} kernel calls taken"  # 3 steps x 30 layers
+        # 3 steps x 30 layers, every call taken
+        assert len(calls) == 3 * 30 and all(calls), f"{kv}: {sum(calls)}/{len(calls)} taken"
     assert report["kv_fetch_fraction"] == 1.0 and report["speculation_time_s"] == 0
     a, b = runs
     assert a.token_ids == b.token_ids

@@ -123,7 +123,7 @@ def test_compressed_cache_fetches_compressed_rows(tiny_opt):
                                       ({"keep_sink": -1}, "--keep-sink"),
                                       ({"keep_recent": -2}, "--keep-recent"),
                                       ({"column_score": "k"}, "--column-score"),
-                                      ({"first_layer": 0}, "first_layer"),
+                                      ({"first_layer": 0}, "--first-layer"),
                                       ({"kv_pool_capacity": 0.0}, "--kv-pool-capacity"),
                                       ({"kv_pool_capacity": 1.2}, "--kv-pool-capacity"),
                                       ({"eviction": "random"}, "--eviction"),
@@ -208,6 +208,25 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
     assert report["kv_fetch_fraction"] < 0.3
 
 
+@pytest.mark.parametrize("policy", ["infinigen"])
+def test_first_layer_flag_sets_which_layers_select(tiny_llama, policy):
+    """``--first-layer 1``: layer 0 reads every row, layer 1 on select (the default, 2,
+    leaves layer 1 whole too)."""
+    from flexgen_infinigen.kv import kv_policy_from_args
+    from flexgen_infinigen.run import build_parser
+
+    prompts = [[1] + list(range(7, 120))]
+    for first in (1, 2):
+        a = build_parser().parse_args(["--kv-policy", policy, "--first-layer", str(first),
+                                       "--max-kv-fraction", "0.25", "--alpha", "inf"])
+        with OffloadedLM.load(path=tiny_llama[1], kv_policy=kv_policy_from_args(a),
+                              progress=False) as lm:
+            lm.generate(prompts, 4, stop_token_id=None)
+            per_layer = lm.engine.kv_policy.report()["kv_fetch_fraction_per_layer"]
+        assert per_layer[:first] == [1.0] * first
+        assert all(f < 0.5 for f in per_layer[first:]), per_layer
+
+
 @pytest.mark.parametrize("args, flag", [(["--alpha", "-1"], "--alpha"),
                                         (["--selection", "best"], "--selection"),
                                         (["--speculation-keys", "int3"], "--speculation-keys"),
@@ -217,6 +236,7 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
                                         (["--keep-recent", "-1"], "--keep-recent"),
                                         (["--column-score", "k"], "--column-score"),
                                         (["--max-kv-fraction", "1.5"], "--max-kv-fraction"),
+                                        (["--first-layer", "0"], "--first-layer"),
                                         (["--eviction", "random"], "--eviction"),
                                         (["--kv-pool-capacity", "0"], "--kv-pool-capacity")])
 @pytest.mark.parametrize("policy", ["infinigen", "oracle"])

@@ -43,8 +43,8 @@ class SelectionOptions:
             if v < 0:
                 raise ConfigError(f"{flag} must be 0 or more (got {v})")
         if self.first_layer < 1:
-            raise ConfigError(f"first_layer must be at least 1 (got {self.first_layer}): layer 0 "
-                              "has no previous layer to speculate from")
+            raise ConfigError(f"--first-layer must be at least 1 (got {self.first_layer}): layer "
+                              "0 has no previous layer to speculate from")
         return self
 
     @property
@@ -119,10 +119,14 @@ def add_selection_args(parser) -> None:
                    help="always read the first N tokens of each sequence (inside the cap)")
     g.add_argument("--keep-recent", type=int, default=0,
                    help="always read the newest N cached tokens (inside the cap)")
+    g.add_argument("--first-layer", type=int, default=SelectionOptions.first_layer,
+                   help="the first layer that selects; the ones below read the whole cache "
+                        "(at least 1: layer 0 has no layer before it to speculate from)")
 
 
 def selection_from_args(a, options_class=SelectionOptions, **more):
     """``options_class`` from the selection flags plus ``more``, checked."""
     return options_class(selection=a.selection, alpha=a.alpha,
                          max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
-                         keep_sink=a.keep_sink, keep_recent=a.keep_recent, **more).validate()
+                         keep_sink=a.keep_sink, keep_recent=a.keep_recent,
+                         first_layer=a.first_layer, **more).validate()
