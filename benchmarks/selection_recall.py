@@ -129,10 +129,8 @@ def _select_pages(kind: str, rows: torch.Tensor, pq: torch.Tensor, cached: torch
     pages.write(rows, 0)
     npos = pq.shape[0]
     pages.lo, pages.hi = (x.repeat(npos, 1, 1).contiguous() for x in (pages.lo, pages.hi))
-    visible = cached.clone()
-    caps = torch.minimum(budget.caps(visible.sum(-1)), visible.sum(-1))
-    order, counts = pages.select_mass(pq, visible, caps, budget.most(n))
-    return order, counts
+    seen = cached.sum(-1)
+    return pages.select_mass(pq, cached, torch.minimum(budget.caps(seen), seen), budget.most(n))
 
 
 @torch.no_grad()

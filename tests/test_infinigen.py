@@ -208,8 +208,7 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
     assert report["kv_fetch_fraction"] < 0.3
 
 
-@pytest.mark.parametrize("policy", ["infinigen"])
-def test_first_layer_flag_sets_which_layers_select(tiny_llama, policy):
+def test_first_layer_flag_sets_which_layers_select(tiny_llama):
     """``--first-layer 1``: layer 0 reads every row, layer 1 on select (the default, 2,
     leaves layer 1 whole too)."""
     from flexgen_infinigen.kv import kv_policy_from_args
@@ -217,7 +216,7 @@ def test_first_layer_flag_sets_which_layers_select(tiny_llama, policy):
 
     prompts = [[1] + list(range(7, 120))]
     for first in (1, 2):
-        a = build_parser().parse_args(["--kv-policy", policy, "--first-layer", str(first),
+        a = build_parser().parse_args(["--kv-policy", "infinigen", "--first-layer", str(first),
                                        "--max-kv-fraction", "0.25", "--alpha", "inf"])
         with OffloadedLM.load(path=tiny_llama[1], kv_policy=kv_policy_from_args(a),
                               progress=False) as lm:
