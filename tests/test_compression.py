@@ -96,11 +96,13 @@ def test_chunked_decompression_equals_the_plain_formula(dtype, monkeypatch):
 def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikitext_ids,
                                                             monkeypatch):
     """4-bit weights in CPU memory are multiplied as stored by a kernel that rounds each row
-    of the decode step's input to 8 bits per group of 64: the same tokens and nearly the
-    same perplexity as expanding the weights to floats first (measured on SmolLM2: the
-    teacher-forced perplexity 45.50 against 45.85, the first tokens the same, a decode step's
-    logits moved by 0.24 of their spread, where the 4-bit weights themselves move them by
-    0.46 from the float model's: the rounding is noise of about half that size)."""
+    of the step's input to 16 bits per group of 64: the same tokens and the same perplexity
+    as expanding the weights to floats first (measured on SmolLM2: teacher-forced
+    perplexity 45.860 against 45.853, a decode step's logits moved by 0.0003 of their
+    spread). Rounding the input to 8 bits instead (the kernel before) moved them by 0.24
+    and the perplexity to 45.50, and turned " Paris" into " the" in
+    test_compressed_model_stays_close: a group holding an outlier (SmolLM2's inputs reach
+    60x their mean) left its small entries a few levels; these bounds fail on that."""
     from flexgen_infinigen.runtime import cpu_kernels
     from flexgen_infinigen.runtime.compression import PackedWeight
 
@@ -121,7 +123,7 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
         pytest.skip("no AVX2 here: 4-bit weights are expanded (the path compared against)")
     monkeypatch.setattr(cpu_kernels, "linear_q4", lambda *a: None)
     slow = _score(smollm2_store, policy, wikitext_ids)
-    assert abs(fast[0] / slow[0] - 1) < 0.02
-    assert fast[1][:4] == slow[1][:4]
+    assert abs(fast[0] / slow[0] - 1) < 0.002
+    assert fast[1] == slow[1]
     rel = (fast[2] - slow[2]).abs().mean() / slow[2].std()
-    assert rel < 0.35, rel
+    assert rel < 0.01, rel

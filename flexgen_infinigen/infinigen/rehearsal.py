@@ -13,7 +13,7 @@ import torch
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
 from ..runtime.cpu_kernels import linear
-from .skew import Skew, calibrate, projection, query_gram
+from .skew import Skew, calibrate, project_per_head, projection, query_gram
 
 PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics
 
@@ -92,8 +92,8 @@ class Rehearsal:
             return linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
                                                                                group, -1)
         q = self.family.query(cfg, w, x, pos_enc)  # [b, 1, H, d]
-        return torch.einsum("bkgd,bkdr->bkgr", q.view(b, kv_heads, group, cfg.head_dim),
-                            projection)
+        q = q.view(b, kv_heads, group, cfg.head_dim).transpose(1, 2)  # [b, G, KV, d]
+        return project_per_head(q, projection).transpose(1, 2)
 
     def meta(self) -> dict:
         return {"source": self.skew.meta.get("source"), "tokens": self.skew.meta.get("tokens"),

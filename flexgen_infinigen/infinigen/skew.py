@@ -143,3 +143,16 @@ def calibrate(lm, text: str | None = None, max_tokens: int = 4096) -> Skew:
     skew = compute_skew(records, cfg.num_layers, cfg.num_kv_heads)
     skew.meta.update({"source": source, "tokens": len(ids), "model": cfg.name})
     return skew
+
+
+def project_per_head(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """``[b, n, KV, r]``: rows ``x`` ``[b, n, KV, d]`` times their KV head's projection
+    ``[b, KV, d, r]``. The calibrated projection is one ``[KV, d, r]`` expanded over the batch
+    (stride 0): then one product per KV head, nothing expanded (an einsum would copy it b
+    times at every call)."""
+    b, n, kv, d = x.shape
+    if projection.stride(0) != 0 or b == 1:
+        return torch.einsum("bnkd,bkdr->bnkr", x, projection)
+    rows = x.permute(2, 0, 1, 3).reshape(kv, b * n, d)
+    out = torch.bmm(rows, projection[0])  # [KV, b * n, r]
+    return out.view(kv, b, n, -1).permute(1, 2, 0, 3)

@@ -21,9 +21,12 @@ import math
 import os
 import threading
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 
+from ..infinigen.skew import project_per_head
 from ..runtime import cpu_kernels
 from ..runtime.attention import attend_rows
 from .base import CacheSpec, DecodeWork
@@ -75,7 +78,7 @@ class InfiniGenCache(SelectiveCache):
         (page summaries also take ``valid`` ``[b, s]``: padding widens no page)."""
         if self.keys is None:
             return
-        rows = torch.einsum("bskd,bkdr->sbkr", k, self.projection)
+        rows = project_per_head(k, self.projection).transpose(0, 1)  # [s, b, KV, r]
         rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
         if isinstance(self.keys, PageSummaries):
             seen = None if valid is None else valid.t().repeat_interleave(self.spec.kv_heads, 1)
@@ -131,14 +134,13 @@ class InfiniGenCache(SelectiveCache):
         seen = visible[:, :length]
         if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
                                                                   or opts.keep_recent):
-            n_valid = seen.sum(-1)
-            caps = torch.minimum(opts.budget.caps(n_valid), n_valid)
+            caps = self.policy.step_caps(visible, length, kv)
             width = min(opts.budget.most(length), length)
-            order = self.keys.select_mass(pq, seen, caps, width)  # one compiled pass
-            if isinstance(order, tuple):  # page summaries: whole pages, their own counts
-                return order
+            if isinstance(self.keys, PageSummaries):  # whole pages, their own counts
+                return self.keys.select_mass(pq, seen, caps.rows, width)
+            order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
             if order is not None:
-                return order, caps[:, None].expand(-1, kv).contiguous()
+                return order, caps.counts
         scores = self.keys.scores(pq, length)  # [b, KV, G, t]
         allowed = None
         if self.pool is not None:  # evicted tokens are never selected again
@@ -252,6 +254,20 @@ class InfiniGenCache(SelectiveCache):
         self.policy.stats.evicted += self.pool.evicted - before
 
 
+@dataclass(frozen=True)
+class StepCaps:
+    """A step's caps for the mass rule, shared by its layers (see ``step_caps``)."""
+
+    source: weakref.ref  # the visible mask they came from
+    version: int  # its version counter then
+    length: int
+    kv: int
+    seen: torch.Tensor  # [b, length] uint8: the tokens that may be chosen
+    rows: torch.Tensor  # [b] int64: each row's cap
+    per_column: torch.Tensor  # [b * KV] int64: each KV head's cap
+    counts: torch.Tensor  # [b, KV] int64: the same, as the selection's counts
+
+
 class InfiniGenPolicy(SelectivePolicy):
     name = "infinigen"
     summary = ("rehearse the next layer's attention during this one and fetch only the K/V "
@@ -263,6 +279,7 @@ class InfiniGenPolicy(SelectivePolicy):
         super().__init__()
         self.options = (options or InfiniGenOptions(**kw)).validate()
         self.rehearsal = None
+        self._step_caps: StepCaps | None = None
 
     # ---- command line -----------------------------------------------------------------------
     @classmethod
@@ -385,6 +402,23 @@ class InfiniGenPolicy(SelectivePolicy):
         if o.kv_pool_capacity < 1:
             terms["kv_pool"] = caches * cols * max_len * (1 + 8 + 8)  # bool, 2 x int64
         return terms
+
+    def step_caps(self, visible: torch.Tensor, length: int, kv: int) -> "StepCaps":
+        """What the mass rule needs of a step's ``visible`` mask ``[b, > length]``, the same
+        for every layer of the step: computed for its first layer, then reused while the
+        same mask (the same tensor, unchanged) comes back."""
+        memo = self._step_caps
+        if (memo is not None and memo.source() is visible and memo.version == visible._version
+                and memo.length == length and memo.kv == kv):
+            return memo
+        seen = visible[:, :length]
+        n_valid = seen.sum(-1)
+        caps = torch.minimum(self.options.budget.caps(n_valid), n_valid)
+        counts = caps[:, None].expand(-1, kv).contiguous()
+        self._step_caps = StepCaps(weakref.ref(visible), visible._version, length, kv,
+                                   seen.to(torch.uint8).contiguous(), caps, counts.view(-1),
+                                   counts)
+        return self._step_caps
 
     # ---- running ----------------------------------------------------------------------------
     def prepare(self, lm) -> None:

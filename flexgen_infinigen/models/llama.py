@@ -93,19 +93,21 @@ def inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
-    """cos and sin [b, s, 1, d] of the rotary angles at ``positions`` [b, s]."""
+    """cos [b, s, 1, d] of the rotary angles at ``positions`` [b, s], and their sin with the
+    first half negated (what :func:`rotary` multiplies the halves, swapped, with)."""
     inv = inverse_frequencies(cfg, positions.device)
     angles = positions.float()[..., None] * inv  # [b, s, d/2]
-    angles = torch.cat([angles, angles], -1)[:, :, None, :]
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    return (torch.cat([angles, angles], -1)[:, :, None, :].cos(),
+            torch.cat([-sin, sin], -1)[:, :, None, :])
 
 
 def rotary(x: torch.Tensor, rope) -> torch.Tensor:
-    """Rotate ``x`` [b, s, heads, d] (half-split layout, as Hugging Face Llama)."""
-    cos, sin = rope
-    d = x.shape[-1]
-    rotated = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    """Rotate ``x`` [b, s, heads, d] (half-split layout, as Hugging Face Llama):
+    x cos + (-x2, x1) sin, the swapped halves from one roll and the sign in the sin."""
+    cos, signed_sin = rope
+    swapped = torch.roll(x, x.shape[-1] // 2, -1)  # (x2, x1)
+    return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -184,8 +184,8 @@ def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                    width: int) -> torch.Tensor | None:
     """Scoring and the ``mass`` rule in one pass per column (see :func:`score_packed` and
     :func:`select_mass`): ``order [C, width]`` for queries ``q [C, G, W]`` over the first
-    ``T = visible.shape[1]`` rows, ``caps [b]`` tokens per KV head. None when the kernel is
-    unavailable or cannot take the inputs."""
+    ``T = visible.shape[1]`` rows, ``caps [b]`` tokens per KV head (or ``[C]``, one a
+    column). None when the kernel is unavailable or cannot take the inputs."""
     if not _takes_packed(codes, scale, q, bits) or width < 1:
         return None
     lib = library()
@@ -196,7 +196,10 @@ def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
     g = q.shape[1]
     q, qsum = _packed_query(q, bits)
     vis = visible.to(torch.uint8).contiguous()
-    cap = caps.to(torch.int64).repeat_interleave(c // b).contiguous()
+    cap = caps.to(torch.int64)
+    if cap.numel() != c:  # one cap a row: the same for each of its columns
+        cap = cap.repeat_interleave(c // b)
+    cap = cap.contiguous()
     order = torch.empty(c, width, dtype=torch.int64)
     lib.speculate_mass(codes.data_ptr(), scale.data_ptr(), lo.data_ptr(), q.data_ptr(),
                        qsum.data_ptr(), vis.data_ptr(), cap.data_ptr(), order.data_ptr(), t,
@@ -236,7 +239,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
 
 def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """``x @ W.T (+ bias)`` for a packed 4-bit weight read as stored (``kernels/linear.c``:
-    x rounded to 8 bits per group of 64 for the byte products), or None when the kernel
+    x rounded to 16 bits per group of 64 for the integer products), or None when the kernel
     cannot take the inputs (no AVX2, not float32, a GPU)."""
     if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.float32):

@@ -14,6 +14,9 @@
    and odd rows in separate registers). A (column, head) state is m, l and D sums; the states
    of a column's ranges are merged at the end. */
 #define TB 64
+#ifndef NEXT
+#define NEXT (2 * TB)  /* attention over every row asks for the rows this many rows on */
+#endif
 #ifndef AHEAD
 #define AHEAD 128  /* selected rows are asked for this many rows before they are read */
 #endif
@@ -102,41 +105,45 @@ static void score_block(const float *q, const float *const *rows, int64_t n, int
     }
 }
 
-/* acc[g] += sum_i p[g * TB + i] * rows[i] for heads g0 .. g0 + NG (NG <= 3), W vectors of 8
-   floats of the row at a time (NG * W <= 6), even and odd rows into separate sums so that
-   the multiply-adds of a row do not wait for the previous row's. */
-static inline __attribute__((always_inline)) void add_values(
-        const float *p, const float *const *rows, int64_t n, int64_t g0, const int64_t NG,
-        const int64_t W, int64_t D, float *const *acc) {
+/* acc[g0 + g] += sum_i p[(g0 + g) * TB + i] * rows[i] for NG <= 3 heads, W vectors of 8
+   floats of the row at a time (D a multiple of 8 * W, NG * W <= 12): the NG * W sums stay
+   in registers for the whole block (every size a constant once inlined), a row's values
+   loaded once for the NG heads. */
+static inline __attribute__((always_inline)) void add_values_w(
+        const float *p, const float *const *rows, int64_t n, int64_t g0, const int NG,
+        const int W, int64_t D, float *const *acc) {
     for (int64_t d = 0; d < D; d += 8 * W) {
-        const int64_t w = (D - d) / 8 < W ? (D - d) / 8 : W;
-        v8 a[3][4], b[3][4];
-        for (int64_t g = 0; g < NG; g++)
-            for (int64_t j = 0; j < w; j++) {
+        v8 a[3][8];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < W; j++)
                 a[g][j] = load8(acc[g0 + g] + d + 8 * j);
-                b[g][j] = (v8){0};
-            }
-        int64_t i = 0;
-        for (; i + 2 <= n; i += 2) {
-            const float *r0 = rows[i] + d, *r1 = rows[i + 1] + d;
-            for (int64_t j = 0; j < w; j++) {
-                const v8 x0 = load8(r0 + 8 * j), x1 = load8(r1 + 8 * j);
-                for (int64_t g = 0; g < NG; g++) {
-                    a[g][j] += splat8(p[(g0 + g) * TB + i]) * x0;
-                    b[g][j] += splat8(p[(g0 + g) * TB + i + 1]) * x1;
-                }
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = rows[i] + d;
+            v8 pg[3];
+            for (int g = 0; g < NG; g++)
+                pg[g] = splat8(p[(g0 + g) * TB + i]);
+            for (int j = 0; j < W; j++) {
+                const v8 x = load8(r + 8 * j);
+                for (int g = 0; g < NG; g++)
+                    a[g][j] += pg[g] * x;
             }
         }
-        for (; i < n; i++)
-            for (int64_t j = 0; j < w; j++) {
-                const v8 x0 = load8(rows[i] + d + 8 * j);
-                for (int64_t g = 0; g < NG; g++)
-                    a[g][j] += splat8(p[(g0 + g) * TB + i]) * x0;
-            }
-        for (int64_t g = 0; g < NG; g++)
-            for (int64_t j = 0; j < w; j++)
-                store8(acc[g0 + g] + d + 8 * j, a[g][j] + b[g][j]);
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < W; j++)
+                store8(acc[g0 + g] + d + 8 * j, a[g][j]);
     }
+}
+
+/* The values of a block added for heads g0 .. g0 + NG (NG <= 3): as many vectors of the row
+   at a time as keep at least eight independent sums where D allows. */
+static void add_values(const float *p, const float *const *rows, int64_t n, int64_t g0,
+                       int64_t NG, int64_t D, float *const *acc) {
+    if (NG == 3 && D % 32 == 0) add_values_w(p, rows, n, g0, 3, 4, D, acc);
+    else if (NG == 2 && D % 32 == 0) add_values_w(p, rows, n, g0, 2, 4, D, acc);
+    else if (NG == 1 && D % 64 == 0) add_values_w(p, rows, n, g0, 1, 8, D, acc);
+    else if (NG == 3) add_values_w(p, rows, n, g0, 3, 1, D, acc);
+    else if (NG == 2) add_values_w(p, rows, n, g0, 2, 1, D, acc);
+    else add_values_w(p, rows, n, g0, 1, 1, D, acc);
 }
 
 /* One block of n <= TB rows for one column: scores (plus bias[i] when given), the running
@@ -168,12 +175,8 @@ static void attend_block(const float *q, const float *const *krows, const float 
             for (int64_t d = 0; d < D; d++)
                 acc[g][d] *= rescale;
     }
-    for (g = 0; g + 3 <= G; g += 3)
-        add_values(s, vrows, n, g, 3, 2, D, acc);
-    if (G - g == 2)
-        add_values(s, vrows, n, g, 2, 3, D, acc);
-    else if (G - g == 1)
-        add_values(s, vrows, n, g, 1, 4, D, acc);
+    for (g = 0; g < G; g += 3)
+        add_values(s, vrows, n, g, G - g < 3 ? G - g : 3, D, acc);
 }
 
 static void init_states(float *state, int64_t n, int64_t D) {
@@ -236,7 +239,7 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
         const int64_t lo = T * r / R, hi = T * (r + 1) / R;
         float *state = part + (r * C + c) * S;
         float s[16 * TB];
-        const float *kr[TB], *vr[TB];
+        const float *kr[TB], *vr[TB], *ahead[2 * TB];
         init_states(state, G, D);
         for (int64_t t0 = lo; t0 < hi; t0 += TB) {
             const int64_t n = t0 + TB < hi ? TB : hi - t0;
@@ -244,7 +247,12 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
                 kr[i] = k + (t0 + i) * st + c * sc;
                 vr[i] = v + (t0 + i) * st + c * sc;
             }
-            attend_block(q + c * G * D, kr, vr, bias + c * T + t0, n, G, D, state, s, NULL, 0);
+            int64_t na = 0;  /* the next block's K and V rows, asked for while this one computes */
+            for (int64_t j = t0 + NEXT; j < t0 + NEXT + n && j < hi; j++) {
+                ahead[na++] = k + j * st + c * sc;
+                ahead[na++] = v + j * st + c * sc;
+            }
+            attend_block(q + c * G * D, kr, vr, bias + c * T + t0, n, G, D, state, s, ahead, na);
         }
     }
     merge_states(out, part, C * G, D, R);

@@ -1,4 +1,4 @@
-#include "common.h"
+#include "selection.h"
 
 /* InfiniGen's speculation on a CPU: approximate attention scores of the next layer's query
    heads against its packed speculation keys, and the default selection rule ("mass") on
@@ -15,14 +15,59 @@
    product of bytes (vpmaddubsw), eight rows reduced at once; otherwise codes are expanded
    to floats row by row. */
 
+#ifdef __AVX2__
+/* dots[g] (g < NG, NG <= 4): the integer products of eight rows of codes (row stride P bytes,
+   P a multiple of 32) with the 8-bit queries qi[g0 + g] (low nibbles against the first P
+   bytes, high ones against the next P). Each row's codes are loaded and split into nibbles
+   once for all NG heads; a head's byte products of a row are summed in 16 bits (at most
+   2 * 15 * 127 per pair of bytes, four pairs: no overflow) and then in 32. */
+static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, int64_t P,
+                                                        const int8_t (*qi)[256], int64_t g0,
+                                                        const int NG, __m256i *dots) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i acc[4][8];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *row = codes + r * P;
+        __m256i sum[4];
+        for (int g = 0; g < NG; g++)
+            sum[g] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < P; j += 32) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(row + j));
+            const __m256i lo4 = _mm256_and_si256(c, nibble);
+            const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            for (int g = 0; g < NG; g++) {
+                sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(
+                    lo4, _mm256_load_si256((const __m256i *)(qi[g0 + g] + j))));
+                sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(
+                    hi4, _mm256_load_si256((const __m256i *)(qi[g0 + g] + P + j))));
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            acc[g][r] = _mm256_madd_epi16(sum[g], ones);
+    }
+    for (int g = 0; g < NG; g++) {
+        const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][0], acc[g][1]),
+                                             _mm256_hadd_epi32(acc[g][2], acc[g][3]));
+        const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][4], acc[g][5]),
+                                             _mm256_hadd_epi32(acc[g][6], acc[g][7]));
+        dots[g] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                   _mm256_permute2x128_si256(u0, u1, 0x31));
+    }
+}
+#endif
+
 /* s[g * ld + t] for t < T: the scores of one column's rows against its G queries q [G, W]
-   (slot-plane order), qsum [G] their sums. */
+   (slot-plane order), qsum [G] their sums. With vis (not NULL), a token whose vis[t] is 0
+   gets HIDDEN_SCORE and top[g] is the largest score of head g (HIDDEN_SCORE if none). */
 static void score_column(const uint8_t *codes, const float *scale, const float *lo,
                          const float *q, const float *qsum, float *s, int64_t ld, int64_t T,
-                         int64_t P, int64_t G, int64_t bits) {
+                         int64_t P, int64_t G, int64_t bits, const uint8_t *vis, float *top) {
     const int64_t per = 8 / bits, W = P * per, mask = (1 << bits) - 1;
     int64_t t = 0;
     float rounded[16 * 256];  /* the queries as the byte products see them, for the tail */
+    float best[16];
+    for (int64_t g = 0; g < G; g++)
+        best[g] = HIDDEN_SCORE;
 #ifdef __AVX2__
     if (bits == 4 && P % 32 == 0 && P <= 128) {
         int8_t qi[16][256] __attribute__((aligned(32)));
@@ -38,35 +83,39 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
             }
         }
         q = rounded;
-        const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+        v8 vbest[16];
+        for (int64_t g = 0; g < G; g++)
+            vbest[g] = splat8(HIDDEN_SCORE);
+        const __m256 hidden = _mm256_set1_ps(HIDDEN_SCORE);
         for (; t + 8 <= T; t += 8) {
-            for (int64_t g = 0; g < G; g++) {
-                __m256i acc[8];
-                for (int r = 0; r < 8; r++) {
-                    const uint8_t *row = codes + (t + r) * P;
-                    __m256i sum = _mm256_setzero_si256();
-                    for (int64_t j = 0; j < P; j += 32) {
-                        const __m256i c = _mm256_loadu_si256((const __m256i *)(row + j));
-                        const __m256i lo4 = _mm256_and_si256(c, nibble);
-                        const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
-                        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(
-                            lo4, _mm256_load_si256((const __m256i *)(qi[g] + j))));
-                        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(
-                            hi4, _mm256_load_si256((const __m256i *)(qi[g] + P + j))));
+            __m256 shown = _mm256_setzero_ps();
+            if (vis) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vis + t)));
+                shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_setzero_si256()));
+            }
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t ng = G - g0 < 4 ? G - g0 : 4;
+                __m256i d[4];
+                const uint8_t *rows = codes + t * P;
+                if (ng == 4) dots8(rows, P, qi, g0, 4, d);
+                else if (ng == 3) dots8(rows, P, qi, g0, 3, d);
+                else if (ng == 2) dots8(rows, P, qi, g0, 2, d);
+                else dots8(rows, P, qi, g0, 1, d);
+                for (int64_t g = g0; g < g0 + ng; g++) {
+                    const v8 x = (v8)_mm256_cvtepi32_ps(d[g - g0]);
+                    v8 y = x * load8(scale + t) * splat8(qscale[g])
+                           + load8(lo + t) * splat8(qsum[g]);
+                    if (vis) {
+                        y = (v8)_mm256_blendv_ps(hidden, (__m256)y, shown);
+                        vbest[g] = (v8)_mm256_max_ps((__m256)vbest[g], (__m256)y);
                     }
-                    acc[r] = _mm256_madd_epi16(sum, ones);
+                    store8(s + g * ld + t, y);
                 }
-                const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]),
-                                                     _mm256_hadd_epi32(acc[2], acc[3]));
-                const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]),
-                                                     _mm256_hadd_epi32(acc[6], acc[7]));
-                const __m256i dots = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                                      _mm256_permute2x128_si256(u0, u1, 0x31));
-                const v8 x = (v8)_mm256_cvtepi32_ps(dots);
-                store8(s + g * ld + t, x * load8(scale + t) * splat8(qscale[g])
-                                       + load8(lo + t) * splat8(qsum[g]));
             }
         }
+        for (int64_t g = 0; g < G && vis; g++)
+            for (int i = 0; i < 8; i++)
+                best[g] = vbest[g][i] > best[g] ? vbest[g][i] : best[g];
     }
 #endif
     float x[256];
@@ -79,9 +128,16 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
             float acc = 0.0f;
             for (int64_t w = 0; w < W; w++)
                 acc += q[g * W + w] * x[w];
-            s[g * ld + t] = scale[t] * acc + lo[t] * qsum[g];
+            float y = scale[t] * acc + lo[t] * qsum[g];
+            if (vis) {
+                y = vis[t] ? y : HIDDEN_SCORE;
+                best[g] = y > best[g] ? y : best[g];
+            }
+            s[g * ld + t] = y;
         }
     }
+    for (int64_t g = 0; g < G && top; g++)
+        top[g] = best[g];
 }
 
 /* out[c, g, t] = scale[c, t] * (q[c, g] . codes[c, t]) + lo[c, t] * qsum[c, g] for t < T.
@@ -95,128 +151,14 @@ void score_packed(const uint8_t *codes, const float *scale, const float *lo, con
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t t0 = b * block, n = t0 + block < T ? block : T - t0;
             score_column(codes + (c * L + t0) * P, scale + c * L + t0, lo + c * L + t0,
-                         q + c * G * W, qsum + c * G, out + c * G * T + t0, T, n, P, G, bits);
+                         q + c * G * W, qsum + c * G, out + c * G * T + t0, T, n, P, G, bits,
+                         NULL, NULL);
         }
 }
 
-/* The k-th largest of x[0 .. n) (k >= 1), by quickselect (x is reordered). */
-static float kth_largest(float *x, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, want = k - 1;
-    while (lo < hi) {
-        const float pivot = x[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (x[i] > pivot) i++;
-            while (x[j] < pivot) j--;
-            if (i <= j) { const float t = x[i]; x[i] = x[j]; x[j] = t; i++; j--; }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else break;
-    }
-    return x[want];
-}
-
-/* The k-th largest of n >= k >= 1 non-negative floats x (reordered): their bit patterns
-   order as the values do, so one histogram of the top 12 bits (exponent and 3 bits of
-   mantissa) finds the bin the answer lies in; the few values of that bin are moved to the
-   front and quickselect finishes among them (quickselect alone costs a mispredicted branch
-   per value per pass). */
-static float kth_largest_mass(float *x, int64_t n, int64_t k) {
-    uint32_t hist[4096] = {0};
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        __builtin_memcpy(&u, x + i, 4);
-        hist[u >> 20]++;
-    }
-    int64_t above = 0, bin = 4095;
-    for (; bin > 0 && above + hist[bin] < (uint64_t)k; bin--)
-        above += hist[bin];
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        __builtin_memcpy(&u, x + i, 4);
-        const float v = x[i];
-        x[m] = v;
-        m += (int64_t)(u >> 20) == bin;
-    }
-    return kth_largest(x, m, k - above);
-}
-
-/* The "mass" rule for one column from its scores s [G, T] (row stride ld): the softmax of
-   each query head over the tokens it may see, summed over the group; the cap tokens with
-   the most mass (ties: the earlier token), in token order, into row[0 .. cap); the rest of
-   the row repeats them (never read). mass, tmp: T floats of scratch. */
-/* mass[t]: the softmax of each of the G query heads' scores s [G, T] (row stride ld) over
-   the tokens it may see (vis), summed over the group; 0 where hidden. tmp: T floats. */
-static void column_mass(const float *s, int64_t ld, const uint8_t *vis, int64_t G, int64_t T,
-                        float *mass, float *tmp) {
-    for (int64_t t = 0; t < T; t++)
-        mass[t] = 0.0f;
-    for (int64_t g = 0; g < G; g++) {  /* branch-free: hidden tokens get exp(-big) = 0 */
-        const float *sg = s + g * ld;
-        float m = -3.0e38f, l = 0.0f;
-        for (int64_t t = 0; t < T; t++) {
-            const float x = vis[t] ? sg[t] : -3.0e38f;
-            m = x > m ? x : m;
-        }
-        for (int64_t t = 0; t < T; t++) {
-            tmp[t] = expf((vis[t] ? sg[t] : -3.0e38f) - m);
-            l += tmp[t];
-        }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t t = 0; t < T; t++)
-            mass[t] += tmp[t] * inv;
-    }
-}
-
-/* The "mass" rule for one column from its scores s [G, T] (row stride ld): the cap tokens
-   with the most mass (column_mass; ties: the earlier token), in token order, into
-   row[0 .. cap); the rest of the row repeats them (never read). mass, tmp: T floats. */
-static void select_column(const float *s, int64_t ld, const uint8_t *vis, int64_t cap,
-                          int64_t *row, int64_t width, int64_t G, int64_t T, float *mass,
-                          float *tmp) {
-    column_mass(s, ld, vis, G, T, mass, tmp);
-    int64_t n = 0;
-    for (int64_t t = 0; t < T; t++)
-        if (vis[t]) tmp[n++] = mass[t];
-    const int64_t k = cap < n ? cap : n;
-    int64_t got = 0;
-    if (k > 0) {
-        const float thr = kth_largest_mass(tmp, n, k);
-        int64_t above = 0;
-        for (int64_t t = 0; t < T; t++)
-            if (vis[t] && mass[t] > thr) above++;
-        int64_t ties = k - above;
-        for (int64_t t = 0; t < T && got < k; t++) {
-            if (!vis[t]) continue;
-            if (mass[t] > thr) row[got++] = t;
-            else if (mass[t] == thr && ties > 0) { row[got++] = t; ties--; }
-        }
-    }
-    for (int64_t i = got; i < width; i++)
-        row[i] = got > 0 ? row[i % got] : 0;
-}
-
-/* The mass rule from precomputed scores [C, G, T] for every column c = b * KV + h:
-   visible: [b, T] bytes (1: may be chosen); cap: [C]; order: [C, width]. */
-void select_mass(const float *scores, const uint8_t *visible, const int64_t *cap,
-                 int64_t *order, int64_t C, int64_t KV, int64_t G, int64_t T, int64_t width,
-                 int64_t nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        static __thread void *buf;
-        static __thread size_t have;
-        float *work = (float *)thread_scratch(&buf, &have, sizeof(float) * 2 * T);
-        #pragma omp for schedule(static)
-        for (int64_t c = 0; c < C; c++)
-            select_column(scores + c * G * T, T, visible + (c / KV) * T, cap[c],
-                          order + c * width, width, G, T, work, work + T);
-    }
-}
-
-/* Speculation in one pass per column: its scores against the packed keys (as score_packed),
-   then the mass rule (as select_mass), the scores never leaving the thread's cache. */
+/* Speculation in one pass per column: its scores against the packed keys (as score_packed,
+   hidden tokens masked and each head's maximum found while scoring), then the mass rule (as
+   select_mass), the scores never leaving the thread's cache. */
 void speculate_mass(const uint8_t *codes, const float *scale, const float *lo, const float *q,
                     const float *qsum, const uint8_t *visible, const int64_t *cap,
                     int64_t *order, int64_t T, int64_t L, int64_t C, int64_t KV, int64_t P,
@@ -227,12 +169,15 @@ void speculate_mass(const uint8_t *codes, const float *scale, const float *lo, c
         static __thread void *buf;
         static __thread size_t have;
         float *work = (float *)thread_scratch(&buf, &have, sizeof(float) * (G + 2) * T);
+        float top[16];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < C; c++) {
+            const uint8_t *vis = visible + (c / KV) * T;
             score_column(codes + c * L * P, scale + c * L, lo + c * L, q + c * G * W,
-                         qsum + c * G, work, T, T, P, G, bits);
-            select_column(work, T, visible + (c / KV) * T, cap[c], order + c * width, width,
-                          G, T, work + G * T, work + (G + 1) * T);
+                         qsum + c * G, work, T, T, P, G, bits, vis, top);
+            mass_of_masked(work, T, top, G, T, work + G * T);
+            choose_by_mass(work + G * T, vis, T, G, cap[c], order + c * width, width,
+                           work + (G + 1) * T);
         }
     }
 }
