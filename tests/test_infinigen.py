@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.config import ConfigError
@@ -342,3 +343,49 @@ def test_the_read_whole_default_is_the_device_s(tiny_opt, monkeypatch):
     with OffloadedLM.load(path=tiny_opt[1], policy=Policy(), kv_policy="infinigen",
                           progress=False) as lm:
         assert lm.engine.kv_policy.options.select_from_mb == infinigen.SELECT_FROM_MB["cpu"]
+
+
+def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monkeypatch):
+    """A layer that reads itself whole (under ``select_from_mb``) does not write each decode
+    step's key into its speculation keys: the keys wait and are written together when the
+    layer first selects (or every ``PENDING_KEYS`` steps). The run crosses from reading whole
+    to selecting mid-generation; against writing each key at its step (``PENDING_KEYS = 1``)
+    the keys every selecting step scores hold the same codes (their minima and scales to
+    rounding) and the tokens and logits are the same."""
+    from flexgen_infinigen.kv import infinigen_cache
+
+    real_rank = infinigen_cache.InfiniGenCache._rank
+    scored = []
+
+    def record(self, x, pos_enc, valid, visible):
+        length = valid.shape[1] - 1
+        k = self.keys
+        scored[-1].append((k.codes[:, :length].clone(), k.lo[:, :length].clone(),
+                           k.scale[:, :length].clone()))
+        return real_rank(self, x, pos_enc, valid, visible)
+
+    monkeypatch.setattr(infinigen_cache.InfiniGenCache, "_rank", record)
+    # a cache (one sequence) holds 2 KV heads x 256 bytes a token: it reads whole below 70
+    # cached tokens and selects from there (the prompts hold 41 and 54, the generation 30)
+    options = InfiniGenOptions(max_kv_fraction=0.3, select_from_mb=70 * 512 / 1e6)
+    prompts = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
+    runs = []
+    for pending in (infinigen_cache.PENDING_KEYS, 1):
+        monkeypatch.setattr(infinigen_cache, "PENDING_KEYS", pending)
+        scored.append([])
+        with OffloadedLM.load(path=tiny_llama[1], policy=Policy(), kv_policy="infinigen",
+                              kv_options={"options": options}, progress=False) as lm:
+            out = lm.generate(prompts, 30, stop_token_id=None, keep_logits=True)
+            runs.append((out, lm.engine.kv_policy.report()))
+    (waited, report), (each, _) = runs
+    per_layer = report["kv_fetch_fraction_per_layer"][options.first_layer:]
+    assert all(0.3 < f < 1.0 for f in per_layer), per_layer  # read whole, then selected
+    assert len(scored[0]) == len(scored[1]) > 0
+    for (codes, lo, scale), (codes1, lo1, scale1) in zip(*scored):
+        # projected together, a row's minimum and scale round differently from projected
+        # alone (measured: by at most 1.2e-7); its codes are the same
+        assert torch.equal(codes, codes1)
+        assert torch.allclose(lo, lo1, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(scale, scale1, rtol=1e-5, atol=1e-6)
+    assert waited.token_ids == each.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(waited.logits, each.logits))

@@ -1,0 +1,271 @@
+"""InfiniGen's cache of one layer and GPU batch: speculation during the previous layer
+(scores over the speculation keys, a selection rule), the load of the chosen rows, and
+attention over them; see :mod:`.infinigen` for the flow and the policy."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..infinigen.skew import project_per_head
+from ..runtime import cpu_kernels
+from ..runtime.attention import attend_rows
+from .base import CacheSpec
+from .full import attend_selected, to_rows
+from .pool import KVPool
+from .selection import select
+from .selective import SelectiveCache, attend_packed_rows, fetch_selected, gather_on_device
+from .spec_keys import SpeculationKeys
+from .spec_pages import PAGE_KINDS
+from .spec_pages import SpeculationPages as PageSummaries
+
+SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fails
+# a layer that reads itself whole keeps at most this many decode steps' keys waiting to be
+# projected and packed into its speculation keys (written together, not one a step)
+PENDING_KEYS = 256
+READ_ALL = "read all"  # a step's selection when the layer is read whole
+PACKED = "packed"  # a step's chosen rows, to be read as 4-bit codes where they are
+
+
+class InfiniGenCache(SelectiveCache):
+    def __init__(self, spec: CacheSpec, policy):
+        super().__init__(spec, policy, spec.layer >= policy.options.first_layer)
+        opts = policy.options
+        self.projection = None  # [b, KV, d, r]: set from the prompt (or the calibration)
+        self.keys = None
+        if self.selecting:
+            kind = PageSummaries if opts.speculation_keys in PAGE_KINDS else SpeculationKeys
+            self.keys = kind(opts.speculation_keys, spec.max_len,
+                             spec.batch_size * spec.kv_heads, policy.rehearsal.columns,
+                             spec.dtype, spec.tiers)
+        self.pending_keys: list[torch.Tensor] = []  # decode keys not yet in self.keys
+        self.pending_start = 0
+        self.selection = None
+        self.ready = threading.Event()
+        self.aborted = False
+        # on a CPU with the kernels, attention reads the selected rows in the cache itself
+        self.attend_in_place = (self.selecting and self.k.addressable and not spec.tiers.is_cuda
+                                and spec.dtype == torch.float32 and spec.head_dim % 8 == 0
+                                and cpu_kernels.library() is not None)
+        self.pool = None
+        if self.selecting and opts.kv_pool_capacity < 1:
+            self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
+                               spec.batch_size * spec.kv_heads, spec.max_len, spec.tiers.device)
+
+    def _defer_keys(self, k_new: torch.Tensor, start: int) -> None:
+        """A decode step's key ``[b, 1, KV, d]`` at ``start`` in a step that read the layer
+        whole: its speculation keys are not scored yet, so it waits with the others and
+        they are written together (see :meth:`_flush_keys`)."""
+        if self.keys is None:
+            return
+        if not self.pending_keys:
+            self.pending_start = start
+        self.pending_keys.append(k_new)
+        if len(self.pending_keys) >= PENDING_KEYS:
+            self._flush_keys()
+
+    def _flush_keys(self) -> None:
+        """Write the waiting decode keys (each row projected and packed as alone)."""
+        if self.pending_keys:
+            self._write_keys(torch.cat(self.pending_keys, 1), self.pending_start)
+            self.pending_keys = []
+
+    def _write_keys(self, k: torch.Tensor, start: int, valid=None) -> None:
+        """Project keys ``[b, s, KV, d]`` on the kept columns into the speculation keys
+        (page summaries also take ``valid`` ``[b, s]``: padding widens no page)."""
+        if self.keys is None:
+            return
+        rows = project_per_head(k, self.projection).transpose(0, 1)  # [s, b, KV, r]
+        rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
+        if isinstance(self.keys, PageSummaries):
+            seen = None if valid is None else valid.t().repeat_interleave(self.spec.kv_heads, 1)
+            self.keys.write(rows, start, seen)
+        else:
+            self.keys.write(rows, start)
+
+    def store_prompt(self, q, k, v, valid) -> None:
+        if self.selecting:
+            # in the runtime dtype once, not converted again at every decode step
+            self.projection = self.policy.rehearsal.prompt_projection(
+                self.spec.layer, self.spec.kv_heads, q, valid).to(k.dtype)
+        self._write_keys(k, 0, valid)
+        super().store_prompt(q, k, v, valid)
+
+    # ---- speculation (compute stream, during the previous layer) ----------------------------
+    def reads_whole(self, length: int) -> bool:
+        """Whether this step reads the layer whole: its KV (the batch's) is too small for
+        choosing to pay (``--select-from-mb``)."""
+        mb = self.policy.options.select_from_mb  # None until prepare() sets the device's
+        if not mb:
+            return False
+        return length * self.spec.batch_size * self.spec.kv_heads * self.row_bytes < mb * 1e6
+
+    def speculate(self, x, pos_enc, valid, visible) -> None:
+        if not self.selecting:
+            return
+        if self.reads_whole(valid.shape[1] - 1):
+            self.selection = READ_ALL
+            self.ready.set()
+            return
+        self._flush_keys()  # the keys this step scores
+        stats = self.policy.stats
+        if x.is_cuda:  # kernels run later than they are launched: time them with events
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        order, counts = self._rank(x, pos_enc, valid, visible)
+        self._hand_over(order, counts)
+        if x.is_cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            stats.speculation_events.append((start, end))
+        else:
+            stats.speculation_s += time.perf_counter() - start
+
+    def _rank(self, x, pos_enc, valid, visible):
+        spec, opts = self.spec, self.policy.options
+        b, kv, d = spec.batch_size, spec.kv_heads, spec.head_dim
+        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv, self.projection)
+        pq = pq * (1.0 / math.sqrt(d))  # scaled first: the product stays in fp16's range
+        length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
+        seen = visible[:, :length]
+        if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
+                                                                  or opts.keep_recent):
+            caps = self.policy.step_caps(visible, length, kv)
+            width = min(opts.budget.most(length), length)
+            if isinstance(self.keys, PageSummaries):  # whole pages, their own counts
+                return self.keys.select_mass(pq, seen, caps.rows, width)
+            order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
+            if order is not None:
+                return order, caps.counts
+        scores = self.keys.scores(pq, length)  # [b, KV, G, t]
+        allowed = None
+        if self.pool is not None:  # evicted tokens are never selected again
+            allowed = self.pool.alive[:, :length].view(b, kv, length)
+        return select(scores, seen, opts.selection, opts.alpha, opts.budget, allowed)
+
+    def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
+        """Give the ranking to the load lane. Unless the cache is on the device, its copy to
+        the host starts here, without a wait."""
+        if self.k.addressable:
+            done = torch.cuda.current_stream().record_event() if order.is_cuda else None
+            self.selection = (order, counts, done)
+        else:
+            self.selection = (order, counts, self.spec.tiers.host_values_async(order, counts))
+        self.ready.set()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+    # ---- the decode step --------------------------------------------------------------------
+    def load(self, length: int):
+        if not self.selecting:  # reads every visible row (the sliding window's, if any)
+            self.count_full_read(length)
+            return super().load(length)
+        if not self.ready.wait(SELECTION_TIMEOUT_S):
+            raise RuntimeError(f"no speculation arrived for layer {self.spec.layer}")
+        if self.aborted:
+            raise RuntimeError("generation stopped by an error elsewhere")
+        self.ready.clear()
+        if self.selection is READ_ALL:
+            self.selection = None
+            self.count_full_read(length)
+            in_place = self.attend_in_place or self.packed_here
+            return READ_ALL, None if in_place else super().load(length)
+        order, counts, pending = self.selection
+        self.selection = None
+        if self.packed_here:  # 4-bit codes attended where they are (order is on the CPU)
+            used = int(counts.sum())
+            self.count(used, used, length)
+            return PACKED, None, counts, order
+        if self.k.addressable:  # gathered where it lives, no sync
+            if pending is not None:  # the load stream must see the finished speculation
+                torch.cuda.current_stream().wait_event(pending)
+            if self.attend_in_place:  # a CPU kernel reads the chosen rows where they are
+                used = int(counts.sum())  # on the CPU: no sync to avoid
+                self.count(used, used, length)
+                return None, None, counts, order
+            k_sel, v_sel = gather_on_device(self, order)
+            used = counts.sum()
+            self.count(used, used, length)
+            return k_sel, v_sel, counts, order
+        # the one host sync: the gather on the host needs the indices
+        order_host, counts_host = pending()
+        k_sel, v_sel, moved = fetch_selected(self, order_host, counts_host)
+        self.count(moved, moved, length)
+        return k_sel, v_sel, counts, order[:, :, :k_sel.shape[0] - 1]
+
+    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+        if not self.selecting:
+            return super().attend(loaded, q, k_new, v_new, valid, bias)
+        if loaded[0] is READ_ALL:
+            self._defer_keys(k_new, valid.shape[1] - 1)
+            return self._attend_whole(loaded[1], q, k_new, v_new, valid, bias)
+        self._write_keys(k_new, valid.shape[1] - 1)
+        k_sel, v_sel, counts, index = loaded
+        if self.pool is not None:
+            self._update_pool(index, counts, valid)
+        if k_sel is PACKED:
+            out = attend_packed_rows(self, q, k_new, v_new, index, counts,
+                                     valid.shape[1] - 1)
+            if out is not None:
+                return out
+            k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them
+        elif k_sel is None:
+            return self._attend_in_place(q, k_new, v_new, index, counts)
+        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
+
+    def _attend_whole(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+        """Attention over every visible row, as the full cache attends: read where the cache
+        lives (the new row written first; ``store_token`` writes it again), or over the rows
+        ``load`` brought."""
+        if loaded is not None:
+            return super().attend(loaded, q, k_new, v_new, valid, bias)
+        length = valid.shape[1] - 1
+        first = self.spec.first_visible(length)
+        if self.packed_here:  # 4-bit codes read where they are; store_token stores the row
+            out = self._attend_packed(q, k_new, v_new, bias[..., first:], first, length)
+            if out is not None:
+                return out
+            return super().attend(self._read_rows(length), q, k_new, v_new, valid, bias)
+        self._store(k_new, v_new, length)
+        rows = slice(first, length + 1)
+        return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:])
+
+    def _attend_in_place(self, q, k_new, v_new, index, counts) -> torch.Tensor:
+        """Attention over the selected rows read where the cache lives (cpu_kernels)."""
+        b, heads, d = q.shape[0], q.shape[2], q.shape[3]
+        cols = b * self.spec.kv_heads
+        qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
+        out = cpu_kernels.attend_indexed(qc, self.k.view(), self.v.view(), index, counts,
+                                         to_rows(k_new)[0], to_rows(v_new)[0])
+        return out.view(b, 1, heads * d).to(q.dtype)
+
+    def _update_pool(self, index, counts, valid) -> None:
+        """Record what this step used, then evict past the budget (the new token included)."""
+        b, kv = self.spec.batch_size, self.spec.kv_heads
+        self.pool.record_fetch(index.reshape(b * kv, -1), counts.reshape(b * kv))
+        per_col = valid[:, None, :].expand(b, kv, valid.shape[1]).reshape(b * kv, -1)
+        before = self.pool.evicted
+        self.pool.evict(per_col)
+        self.policy.stats.evicted += self.pool.evicted - before
+
+
+@dataclass(frozen=True)
+class StepCaps:
+    """A step's caps for the mass rule, shared by its layers (see ``step_caps``)."""
+
+    source: weakref.ref  # the visible mask they came from
+    version: int  # its version counter then
+    length: int
+    kv: int
+    seen: torch.Tensor  # [b, length] uint8: the tokens that may be chosen
+    rows: torch.Tensor  # [b] int64: each row's cap
+    per_column: torch.Tensor  # [b * KV] int64: each KV head's cap
+    counts: torch.Tensor  # [b, KV] int64: the same, as the selection's counts
