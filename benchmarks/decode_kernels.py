@@ -123,7 +123,6 @@ def main(argv=None) -> int:
                                      max(3, a.repeats // 2)),
                                sum(w.numel() for w in weights) * 4)
     packed = [PackedWeight(compress(w)) for w in weights]
-    del weights
     rows["linear_q4 (a step)"] = (_time([lambda: [ck.linear(xs[w.packed.shape[1]], w)
                                                   for w in packed]], max(3, a.repeats // 2)),
                                   sum(w.packed.nbytes for w in packed))
