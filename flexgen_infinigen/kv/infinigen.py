@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from .base import CacheSpec, DecodeWork
-from .infinigen_cache import InfiniGenCache, StepCaps
+from .infinigen_cache import PENDING_KEYS, InfiniGenCache, StepCaps
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .selective import SelectivePolicy
 from .spec_keys import KINDS, bytes_per_key
@@ -144,7 +144,8 @@ class InfiniGenPolicy(SelectivePolicy):
     def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
         """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
         W_Q per head where the projection folds into them, else the whole W_Q per layer),
-        the projections, the KV pool's state and the selected rows in flight."""
+        the projections, the KV pool's state, the selected rows in flight and the decode
+        keys that wait while a layer reads itself whole."""
         from ..models import family_of
         o = self.options.with_defaults(cfg.family, self.default_rule)
         d = cfg.head_dim
@@ -161,6 +162,8 @@ class InfiniGenPolicy(SelectivePolicy):
             "projections": cfg.num_layers * cfg.num_kv_heads * d * r * item
             + (caches * cols * d * r * item if o.prompt_skew else 0),
             "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,
+            # decode keys waiting while a layer reads itself whole (infinigen_cache)
+            "pending_keys": caches * min(PENDING_KEYS, max_len) * cols * d * item,
         }
         bits = KINDS.get(o.speculation_keys)
         if bits is not None:  # the codes of one cache unpacked for scoring (one at a time)
