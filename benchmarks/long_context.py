@@ -285,11 +285,18 @@ def _merged(path: Path, result: dict) -> dict:
     if not path.is_file():
         return result
     old = json.loads(path.read_text())
-    key = ("model", "policy", "context", "batch")
-    new = {tuple(r.get(k) for k in key): r for r in result["rows"]}
-    rows = [new.pop(tuple(r.get(k) for k in key), r) for r in old["rows"]]
+    new = {_row_key(r): r for r in result["rows"]}
+    rows = [new.pop(_row_key(r), r) for r in old["rows"]]
     return {**old, **{k: v for k, v in result.items() if k != "rows" and v is not None},
             "rows": rows + list(new.values())}
+
+
+def _row_key(r: dict) -> tuple:
+    """What a row measured: the model (a weights file by its name, wherever it lies), the
+    policy, the context and the batch."""
+    model = str(r.get("model"))
+    return (Path(model).name if model.endswith(".gguf") else model, r.get("policy"),
+            r.get("context"), r.get("batch"))
 
 
 def _line(r: dict) -> str:
