@@ -12,7 +12,9 @@ read where they are), and a step's linear layers in float32 and in 4 bits
 depends on its scores: random scores are flatter than a real model's, so this times its
 worst case). Each input set is several times the last-level cache and the calls cycle
 through the sets, so every call reads from memory, as in a decode step. Buffers of 32 MB or
-more ask for 2 MB pages, as the runtime's KV cache does.
+more ask for 2 MB pages, as the runtime's KV cache does. Beside the bandwidth it records
+torch's float32 matrix product (2048 x 2048, from cache): the arithmetic a linear layer's
+flops would need at that rate.
 
 The kernels are whatever ``flexgen_infinigen`` imports: point ``PYTHONPATH`` at another
 checkout to time its kernels with the same inputs (how the before/after table in
@@ -128,14 +130,21 @@ def main(argv=None) -> int:
                                   sum(w.packed.nbytes for w in packed))
 
     bandwidth = read_bandwidth(1 << 30)
+    square = torch.randn(2048, 2048, generator=g)  # the CPU's float32 arithmetic, from cache
+    peak = 2 * 2048 ** 3 / _time([lambda: torch.mm(square, square)], a.repeats)
+    flops = {"linear (a step)": 2 * a.batch * sum(o * i for o, i in shapes)}
+    flops["linear_q4 (a step)"] = flops["linear (a step)"]
     result = {"machine": machine_info(), "tag": a.tag, "code": flexgen_infinigen.__file__,
               "batch": a.batch, "context": t, "fraction": a.fraction,
-              "read_bandwidth_bytes_s": bandwidth,
+              "read_bandwidth_bytes_s": bandwidth, "matmul_peak_flops_s": peak,
               "kernels": {name: {"seconds": s, "bytes": b} for name, (s, b) in rows.items()}}
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; kernels from {result['code']}")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, float32 matrix product (2048^2) "
+          f"{peak / 1e9:.0f} GFLOP/s; kernels from {result['code']}")
     for name, (s, b) in rows.items():
+        work = f", {flops[name] / s / 1e9:.0f} GFLOP/s (arithmetic alone " \
+               f"{flops[name] / peak * 1e3:.1f} ms)" if name in flops else ""
         print(f"{name:20s} {1e3 * s:8.2f} ms  {b / 1e6:8.1f} MB  {b / s / 1e9:5.1f} GB/s  "
-              f"({s / (b / bandwidth):.1f}x its read bound)")
+              f"({s / (b / bandwidth):.1f}x its read bound{work})")
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"decode_kernels_{a.tag}.json"
     path.write_text(json.dumps(result, indent=1))

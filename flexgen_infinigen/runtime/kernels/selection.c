@@ -28,24 +28,58 @@ static inline uint32_t bin_of(float v) {  /* exponent and 3 bits of mantissa (v 
     return u >> 20;
 }
 
-/* The k-th largest of n >= k >= 1 non-negative floats x (reordered): their bit patterns
-   order as the values do, so one histogram of the top 12 bits finds the bin the answer lies
-   in; the few values of that bin are moved to the front and quickselect finishes among them
-   (quickselect alone costs a mispredicted branch per value per pass). */
-float kth_largest_mass(float *x, int64_t n, int64_t k) {
-    uint32_t hist[4096] = {0};
-    for (int64_t i = 0; i < n; i++)
-        hist[bin_of(x[i])]++;
-    int64_t above = 0, bin = 4095;
-    for (; bin > 0 && above + hist[bin] < (uint64_t)k; bin--)
-        above += hist[bin];
+/* The k-th largest of n >= k >= 1 masses x, each in [0, G] (reordered); *above (if not
+   NULL) gets how many are larger. Non-negative floats' bit patterns order as their values
+   do, so a histogram of the top 12 bits (exponent and 3 bits of mantissa) finds the bin the
+   answer lies in, and quickselect finishes among that bin's few values, moved to the front
+   (quickselect alone costs a mispredicted branch per value per pass). Only the bins up to
+   G's can hold a mass; four histograms, value i into the (i % 4)-th, so that runs of equal
+   bins do not wait on each other's increments; the bin's members are found eight at a
+   time (most groups hold none). */
+float kth_largest_mass(float *x, int64_t n, int64_t k, int64_t G, int64_t *above) {
+    const uint32_t top = bin_of((float)G) + 1;
+    uint32_t hist[4][4096];
+    for (int h = 0; h < 4; h++)
+        __builtin_memset(hist[h], 0, sizeof(uint32_t) * top);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int h = 0; h < 4; h++)
+            hist[h][bin_of(x[i + h])]++;
+    for (; i < n; i++)
+        hist[0][bin_of(x[i])]++;
+    int64_t larger = 0, bin = top - 1;
+    for (; bin > 0; bin--) {
+        const int64_t here = hist[0][bin] + hist[1][bin] + hist[2][bin] + hist[3][bin];
+        if (larger + here >= k)
+            break;
+        larger += here;
+    }
     int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
+    i = 0;
+#ifdef __AVX2__
+    const __m256i want = _mm256_set1_epi32((int)bin);
+    for (; i + 8 <= n; i += 8) {
+        float v[8];
+        const __m256 x8 = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(v, x8);  /* read before x[m..] (m <= i) is written */
+        uint32_t in = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(
+            _mm256_srli_epi32(_mm256_castps_si256(x8), 20), want)));
+        for (; in; in &= in - 1)
+            x[m++] = v[__builtin_ctz(in)];
+    }
+#endif
+    for (; i < n; i++) {
         const float v = x[i];
         x[m] = v;
         m += bin_of(v) == (uint32_t)bin;
     }
-    return kth_largest(x, m, k - above);
+    const float thr = kth_largest(x, m, k - larger);
+    if (above) {
+        for (int64_t j = 0; j < m; j++)
+            larger += x[j] > thr;
+        *above = larger;
+    }
+    return thr;
 }
 
 /* mass[t]: the softmax of each of the G query heads' scores s [G, T] (row stride ld) over
@@ -117,59 +151,18 @@ static inline int64_t append_lanes(int64_t *row, int64_t got, uint32_t bits, int
    have mass exactly 0; no mass exceeds G. tmp: T floats of scratch. */
 void choose_by_mass(const float *mass, const uint8_t *vis, int64_t T, int64_t G,
                     int64_t cap, int64_t *row, int64_t width, float *tmp) {
-    int64_t n = 0;
-    for (int64_t t = 0; t < T; t++)
+    int64_t n = 0;  /* the visible masses, into tmp */
+    for (int64_t t = 0; t < T; t++) {
+        tmp[n] = mass[t];
         n += vis[t] != 0;
+    }
     const int64_t k = cap < n ? cap : n;
     int64_t got = 0;
     if (k > 0) {
-        /* the threshold: the k-th largest visible mass, found as kth_largest_mass finds it
-           but from a histogram of every token (the hidden ones are all in bin 0). A mass is
-           at most G (a sum of G softmaxes): only the bins up to `top` can hold one. Four
-           histograms, token t into the (t % 4)-th, so that runs of equal bins do not wait
-           on each other's increments. */
-        const uint32_t top = bin_of((float)G) + 1;
-        uint32_t hist[4][4096];
-        for (int h = 0; h < 4; h++)
-            __builtin_memset(hist[h], 0, sizeof(uint32_t) * top);
-        int64_t t = 0;
-        for (; t + 4 <= T; t += 4)
-            for (int h = 0; h < 4; h++)
-                hist[h][bin_of(mass[t + h])]++;
-        for (; t < T; t++)
-            hist[0][bin_of(mass[t])]++;
-        hist[0][0] -= (uint32_t)(T - n);
-        int64_t above = 0, bin = top - 1;
-        for (; bin > 0; bin--) {
-            const int64_t here = hist[0][bin] + hist[1][bin] + hist[2][bin] + hist[3][bin];
-            if (above + here >= k)
-                break;
-            above += here;
-        }
-        int64_t m = 0;
-        t = 0;
-#ifdef __AVX2__
-        if (bin > 0) {  /* eight tokens at a time: most hold no mass of the bin */
-            const __m256i want = _mm256_set1_epi32((int)bin);
-            for (; t + 8 <= T; t += 8) {
-                const __m256i bins = _mm256_srli_epi32(
-                    _mm256_loadu_si256((const __m256i *)(mass + t)), 20);
-                uint32_t in = (uint32_t)_mm256_movemask_ps(
-                    _mm256_castsi256_ps(_mm256_cmpeq_epi32(bins, want)));
-                for (; in; in &= in - 1)
-                    tmp[m++] = mass[t + __builtin_ctz(in)];
-            }
-        }
-#endif
-        for (; t < T; t++) {
-            tmp[m] = mass[t];
-            m += bin_of(mass[t]) == (uint32_t)bin && (bin > 0 || vis[t]);
-        }
-        const float thr = kth_largest(tmp, m, k - above);
-        for (int64_t i = 0; i < m; i++)
-            above += tmp[i] > thr;
+        int64_t above;
+        const float thr = kth_largest_mass(tmp, n, k, G, &above);
         int64_t ties = k - above;  /* tokens at the threshold to take, the earliest first */
-        t = 0;
+        int64_t t = 0;
 #ifdef __AVX2__
         const __m256 vthr = _mm256_set1_ps(thr);
         for (; t + 8 <= T && got + 8 <= width && got < k; t += 8) {
