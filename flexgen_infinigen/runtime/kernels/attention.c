@@ -8,12 +8,15 @@
    D a multiple of 8, at most 256; G at most 16.
 
    Work items are (column, range of rows), so that every thread has work when columns are few;
-   an item walks its rows in blocks of TB: the block's G scores (pairs of heads against four
-   rows at a time, the partial sums in registers), each head's running softmax (max m, sum
+   an item walks its rows in blocks of TB: the block's G scores (three or two heads against
+   four rows at a time, the partial sums in registers), each head's running softmax (max m, sum
    l), then the block's values added into each head's weighted sum (up to three heads, even
    and odd rows in separate registers). A (column, head) state is m, l and D sums; the states
    of a column's ranges are merged at the end. */
 #define TB 64
+/* rows read ahead are asked for into L2 (locality 2): two blocks of K and V ahead are 64 KB,
+   twice L1, and asking for L1 evicted them before their turn (17-37% slower from memory) */
+#define AHEAD_LOCALITY 2
 #ifndef NEXT
 #define NEXT (2 * TB)  /* attention over every row asks for the rows this many rows on */
 #endif
@@ -52,19 +55,61 @@ static inline v8 reduce8(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5, v8 a6, v8 a7)
 #endif
 }
 
-/* s[g * TB + i] = q[g] . rows[i] for every head g < G and row i < n: heads in pairs against
-   four rows at a time (eight partial sums in registers), an odd head against eight rows.
-   The rows ``ahead`` (of a later block) are prefetched along the way, two per row scored. */
+/* The rows ahead[*asked .. upto) asked for (spread over the block, not a burst). */
+static inline void ask_ahead(const float *const *ahead, int64_t n_ahead, int64_t *asked,
+                             int64_t upto, int64_t D) {
+    for (; *asked < n_ahead && *asked < upto; (*asked)++)
+        for (int64_t d = 0; d < D; d += 16)
+            __builtin_prefetch(ahead[*asked] + d, 0, AHEAD_LOCALITY);
+}
+
+/* s[g * TB + i] = q[g] . rows[i] for every head g < G and row i < n: with an odd G of 3 or
+   more, the first three heads against four rows at a time (twelve sums in registers, each
+   row loaded once for the three), then heads in pairs against four rows (eight sums), an
+   odd last head (G = 1) against eight rows. The rows ``ahead`` (of a later block) are asked
+   for along the way, two per row scored. */
 static void score_block(const float *q, const float *const *rows, int64_t n, int64_t G,
                         int64_t D, float *s, const float *const *ahead, int64_t n_ahead) {
     int64_t g = 0, asked = 0;
+    if (G % 2 == 1 && G >= 3) {
+        const float *q0 = q, *q1 = q + D, *q2 = q + 2 * D;
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+            ask_ahead(ahead, n_ahead, &asked, 2 * (i + 4), D);
+            const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8 x = load8(q0 + d), y = load8(q1 + d), z = load8(q2 + d);
+                v8 k = load8(r0 + d);
+                a0 += k * x; b0 += k * y; c0 += k * z;
+                k = load8(r1 + d);
+                a1 += k * x; b1 += k * y; c1 += k * z;
+                k = load8(r2 + d);
+                a2 += k * x; b2 += k * y; c2 += k * z;
+                k = load8(r3 + d);
+                a3 += k * x; b3 += k * y; c3 += k * z;
+            }
+            const v8 r = reduce8(a0, a1, a2, a3, b0, b1, b2, b3);
+            const v8 zero = {0};
+            const v8 u = reduce8(c0, c1, c2, c3, zero, zero, zero, zero);
+            float *s0 = s + i, *s1 = s0 + TB, *s2 = s1 + TB;
+            s0[0] = r[0]; s0[1] = r[1]; s0[2] = r[2]; s0[3] = r[3];
+            s1[0] = r[4]; s1[1] = r[5]; s1[2] = r[6]; s1[3] = r[7];
+            s2[0] = u[0]; s2[1] = u[1]; s2[2] = u[2]; s2[3] = u[3];
+        }
+        for (; i < n; i++) {
+            s[i] = dot(q0, rows[i], D);
+            s[TB + i] = dot(q1, rows[i], D);
+            s[2 * TB + i] = dot(q2, rows[i], D);
+        }
+        g = 3;
+    }
     for (; g + 2 <= G; g += 2) {
         const float *q0 = q + g * D, *q1 = q0 + D;
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
-            for (; asked < n_ahead && asked < 2 * (i + 4); asked++)  /* spread out, not a burst */
-                for (int64_t d = 0; d < D; d += 16)
-                    __builtin_prefetch(ahead[asked] + d);
+            ask_ahead(ahead, n_ahead, &asked, 2 * (i + 4), D);
             const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int64_t d = 0; d < D; d += 8) {
@@ -84,9 +129,7 @@ static void score_block(const float *q, const float *const *rows, int64_t n, int
             s[(g + 1) * TB + i] = dot(q1, rows[i], D);
         }
     }
-    for (; asked < n_ahead; asked++)
-        for (int64_t d = 0; d < D; d += 16)
-            __builtin_prefetch(ahead[asked] + d);
+    ask_ahead(ahead, n_ahead, &asked, n_ahead, D);
     if (g < G) {
         const float *q0 = q + g * D;
         int64_t i = 0;
