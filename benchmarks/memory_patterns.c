@@ -11,6 +11,8 @@
      blocks      K and V in alternating blocks of 64 rows (how attention over every row reads)
      gather      20% of each column's rows, sorted (how InfiniGen's chosen rows are read),
                  K and V in their own arrays, blocks of 64 chosen rows
+     asked       the same, each chosen row asked for (prefetched into L2) 64 rows before it
+                 is read, as the attention kernel does
      adjacent    the same rows with a token's K and V next to each other (512 bytes) */
 #include <omp.h>
 #include <stdint.h>
@@ -62,6 +64,16 @@ static double run(int pattern, float **k, float **v, float **kv, const int64_t *
                         for (int64_t j = j0; j < j1; j++) a = add_row(a, kc + ix[j] * D, D);
                         for (int64_t j = j0; j < j1; j++) a = add_row(a, vc + ix[j] * D, D);
                     }
+                } else if (pattern == 3) {
+                    for (int64_t j = 0; j < CHOSEN; j++) {
+                        if (j + 64 < CHOSEN)
+                            for (int64_t d = 0; d < D; d += 16) {
+                                __builtin_prefetch(kc + ix[j + 64] * D + d, 0, 2);
+                                __builtin_prefetch(vc + ix[j + 64] * D + d, 0, 2);
+                            }
+                        a = add_row(a, kc + ix[j] * D, D);
+                        a = add_row(a, vc + ix[j] * D, D);
+                    }
                 } else {
                     const float *both = kv[l] + c * T * 2 * D;
                     for (int64_t j = 0; j < CHOSEN; j++)
@@ -94,8 +106,8 @@ int main(void) {
             if (rand() % 5 == 0 || T - t <= CHOSEN - m)
                 idx[c * CHOSEN + m++] = t;
     }
-    const char *names[] = {"stream", "blocks", "gather", "adjacent"};
-    for (int p = 0; p < 4; p++) {
+    const char *names[] = {"stream", "blocks", "gather", "asked", "adjacent"};
+    for (int p = 0; p < 5; p++) {
         const double rows = p < 2 ? (double)T : (double)CHOSEN;
         const double bytes = 2.0 * C * rows * D * sizeof(float);
         const double s = run(p, k, v, kv, idx);
