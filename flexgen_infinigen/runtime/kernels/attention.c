@@ -67,7 +67,7 @@ static inline void ask_ahead(const float *const *ahead, int64_t n_ahead, int64_t
    more, the first three heads against four rows at a time (twelve sums in registers, each
    row loaded once for the three), then heads in pairs against four rows (eight sums), an
    odd last head (G = 1) against eight rows. The rows ``ahead`` (of a later block) are asked
-   for along the way, two per row scored. */
+   for along the way, spread evenly over the rows scored. */
 static void score_block(const float *q, const float *const *rows, int64_t n, int64_t G,
                         int64_t D, float *s, const float *const *ahead, int64_t n_ahead) {
     int64_t g = 0, asked = 0;
