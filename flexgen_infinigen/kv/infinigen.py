@@ -188,8 +188,7 @@ class InfiniGenPolicy(SelectivePolicy):
         caps = torch.minimum(self.options.budget.caps(n_valid), n_valid)
         counts = caps[:, None].expand(-1, kv).contiguous()
         self._step_caps = StepCaps(weakref.ref(visible), visible._version, length, kv,
-                                   seen.to(torch.uint8).contiguous(), caps, counts.view(-1),
-                                   counts)
+                                   seen.to(torch.uint8).contiguous(), caps, counts)
         return self._step_caps
 
     # ---- running ----------------------------------------------------------------------------

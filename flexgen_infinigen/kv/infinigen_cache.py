@@ -267,5 +267,9 @@ class StepCaps:
     kv: int
     seen: torch.Tensor  # [b, length] uint8: the tokens that may be chosen
     rows: torch.Tensor  # [b] int64: each row's cap
-    per_column: torch.Tensor  # [b * KV] int64: each KV head's cap
-    counts: torch.Tensor  # [b, KV] int64: the same, as the selection's counts
+    counts: torch.Tensor  # [b, KV] int64: each KV head's cap, as the selection's counts
+
+    @property
+    def per_column(self) -> torch.Tensor:
+        """``[b * KV]``: each KV head's cap, one a column."""
+        return self.counts.view(-1)

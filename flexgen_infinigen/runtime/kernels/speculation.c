@@ -266,10 +266,8 @@ void speculate_pages(const float *lo, const float *hi, const float *q,
                 if (open[p]) tmp[m++] = mass[p];
             int64_t want = (cap[c] + P - 1) / P;
             want = want < 1 ? 1 : (want > m ? m : want);
-            const float thr = m > 0 ? kth_largest_mass(tmp, m, want, G, NULL) : 0.0f;
             int64_t above = 0, held = 0, got = 0;
-            for (int64_t p = 0; p < NP; p++)
-                above += open[p] && mass[p] > thr;
+            const float thr = m > 0 ? kth_largest_mass(tmp, m, want, G, &above) : 0.0f;
             int64_t ties = want - above;
             for (int64_t p = 0; p < NP; p++) {
                 chosen[p] = open[p] && (mass[p] > thr || (mass[p] == thr && ties-- > 0));
