@@ -2,7 +2,8 @@
 layers (``kernels/linear.c``), attention over every cached row or over chosen rows, read
 where the cache keeps them (``kernels/attention.c``), and InfiniGen's speculation: packed
 speculation keys scored without unpacking them into floats, and the default selection rule,
-fused with the scoring (``kernels/speculation.c``).
+fused with the scoring (``kernels/speculation.c``; the mass rule itself in
+``kernels/selection.c``, page-level speculation in ``kernels/pages.c``).
 
 They are plain C (no torch headers), built with the system's C compiler into
 ``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (a few seconds, once per machine and source),

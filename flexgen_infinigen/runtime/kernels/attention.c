@@ -213,11 +213,7 @@ static void attend_block(const float *q, const float *const *krows, const float 
         for (int64_t i = 0; i < n; i++)
             m = sg[i] > m ? sg[i] : m;
         const float rescale = expf(st[0] - m);
-        float l = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            sg[i] = expf(sg[i] - m);
-            l += sg[i];
-        }
+        const float l = exp_shifted(sg, n, m);
         st[0] = m;
         st[1] = st[1] * rescale + l;
         acc[g] = st + 2;

@@ -95,10 +95,9 @@ void column_mass(const float *s, int64_t ld, const uint8_t *vis, int64_t G, int6
             const float x = vis[t] ? sg[t] : HIDDEN_SCORE;
             m = x > m ? x : m;
         }
-        for (int64_t t = 0; t < T; t++) {
-            tmp[t] = expf((vis[t] ? sg[t] : HIDDEN_SCORE) - m);
-            l += tmp[t];
-        }
+        for (int64_t t = 0; t < T; t++)
+            tmp[t] = vis[t] ? sg[t] : HIDDEN_SCORE;
+        l = exp_shifted(tmp, T, m);
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int64_t t = 0; t < T; t++)
             mass[t] += tmp[t] * inv;
@@ -110,18 +109,23 @@ void column_mass(const float *s, int64_t ld, const uint8_t *vis, int64_t G, int6
    scratch (s is overwritten by the exponentials). */
 void mass_of_masked(float *s, int64_t ld, const float *top, int64_t G, int64_t T,
                     float *mass) {
-    for (int64_t t = 0; t < T; t++)
-        mass[t] = 0.0f;
+    float inv[16];
     for (int64_t g = 0; g < G; g++) {
-        float *sg = s + g * ld, l = 0.0f;
-        const float m = top[g];
-        for (int64_t t = 0; t < T; t++) {
-            sg[t] = expf(sg[t] - m);
-            l += sg[t];
-        }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t t = 0; t < T; t++)
-            mass[t] += sg[t] * inv;
+        const float l = exp_shifted(s + g * ld, T, top[g]);
+        inv[g] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) {  /* every head's share of a token in one pass */
+        v8 m = load8(s + t) * splat8(inv[0]);
+        for (int64_t g = 1; g < G; g++)
+            m += load8(s + g * ld + t) * splat8(inv[g]);
+        store8(mass + t, m);
+    }
+    for (; t < T; t++) {
+        float m = 0.0f;
+        for (int64_t g = 0; g < G; g++)
+            m += s[g * ld + t] * inv[g];
+        mass[t] = m;
     }
 }
 

@@ -1,5 +1,6 @@
 /* Choosing the tokens with the most softmax mass (InfiniGen's "mass" rule), shared by the
-   speculation kernels (speculation.c) and the selection from given scores (selection.c). */
+   speculation kernels (speculation.c, pages.c) and the selection from given scores
+   (selection.c). */
 #ifndef FLEXGEN_INFINIGEN_SELECTION_H
 #define FLEXGEN_INFINIGEN_SELECTION_H
 #include "common.h"

@@ -1,5 +1,7 @@
 #include "selection.h"
 
+#define AHEAD_ROWS 64  /* speculation keys asked for this many rows ahead of the scoring */
+
 /* InfiniGen's speculation on a CPU: approximate attention scores of the next layer's query
    heads against its packed speculation keys, and the default selection rule ("mass") on
    them.
@@ -54,6 +56,75 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
                                    _mm256_permute2x128_si256(u0, u1, 0x31));
     }
 }
+
+/* dots8 for rows of exactly 32 bytes (64 columns: head dim 64), its sums across rows made
+   with unpacks and adds (vphaddw/vphaddd cost about four unpacks each here). A row's byte
+   products for a head (16 lanes of 16 bits, each at most 2 * 2 * 15 * 127 = 7620) are
+   folded twice in 16 bits, the lanes of one row kept side by side (32-bit then 64-bit
+   unpacks of two rows, added: at most 4 * 7620 = 30480, no overflow), then widened by
+   vpmaddwd, which adds each row's two neighbouring lanes. */
+static inline __attribute__((always_inline)) __m256i fold_rows2(__m256i a, __m256i b) {
+    /* [a01 b01 a23 b23 | ...] + [a45 b45 a67 b67 | ...]: int16 pairs of one row stay adjacent */
+    return _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+static inline __attribute__((always_inline)) __m256i fold_rows4(__m256i ab, __m256i cd) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
+static inline __attribute__((always_inline)) void dots8_p32(const uint8_t *codes,
+                                                            const int8_t (*qi)[256], int64_t g0,
+                                                            const int NG, __m256i *dots) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i quad[2][4];
+    for (int h = 0; h < 2; h++) {
+        __m256i pair[2][4];
+        for (int p = 0; p < 2; p++) {
+            __m256i row[2][4];
+            for (int r = 0; r < 2; r++) {
+                const __m256i c = _mm256_loadu_si256(
+                    (const __m256i *)(codes + (4 * h + 2 * p + r) * 32));
+                const __m256i lo4 = _mm256_and_si256(c, nibble);
+                const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+                for (int g = 0; g < NG; g++)
+                    row[r][g] = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo4, _mm256_load_si256((const __m256i *)qi[g0 + g])),
+                        _mm256_maddubs_epi16(hi4, _mm256_load_si256(
+                            (const __m256i *)(qi[g0 + g] + 32))));
+            }
+            for (int g = 0; g < NG; g++)
+                pair[p][g] = fold_rows2(row[0][g], row[1][g]);
+        }
+        for (int g = 0; g < NG; g++)  /* per 128-bit half: rows 4h .. 4h + 3, one lane each */
+            quad[h][g] = _mm256_madd_epi16(fold_rows4(pair[0][g], pair[1][g]), ones);
+    }
+    for (int g = 0; g < NG; g++)  /* [rows 0-3 | 0-3] and [4-7 | 4-7], 128-bit halves */
+        dots[g] = _mm256_add_epi32(_mm256_permute2x128_si256(quad[0][g], quad[1][g], 0x20),
+                                   _mm256_permute2x128_si256(quad[0][g], quad[1][g], 0x31));
+}
+
+/* Eight rows' scores for the NG heads g0 .. g0 + NG: scale * (q . codes) + lo * sum(q), into
+   s[g * ld .. + 8]; with `masked`, hidden rows (lanes of `shown` clear) get HIDDEN_SCORE and
+   vbest[g] keeps each head's largest. */
+static inline __attribute__((always_inline)) void block8(
+        const uint8_t *rows, int64_t P, const int8_t (*qi)[256], int64_t g0, const int NG,
+        v8 sc, v8 lo8, const float *qscale, const float *qsum, int masked, __m256 shown,
+        v8 *vbest, float *s, int64_t ld) {
+    __m256i d[4];
+    if (P == 32)
+        dots8_p32(rows, qi, g0, NG, d);
+    else
+        dots8(rows, P, qi, g0, NG, d);
+    for (int g = 0; g < NG; g++) {
+        v8 y = (v8)_mm256_cvtepi32_ps(d[g]) * (sc * splat8(qscale[g0 + g]))
+               + lo8 * splat8(qsum[g0 + g]);
+        if (masked) {
+            y = (v8)_mm256_blendv_ps(_mm256_set1_ps(HIDDEN_SCORE), (__m256)y, shown);
+            vbest[g0 + g] = (v8)_mm256_max_ps((__m256)vbest[g0 + g], (__m256)y);
+        }
+        store8(s + (g0 + g) * ld, y);
+    }
+}
 #endif
 
 /* s[g * ld + t] for t < T: the scores of one column's rows against its G queries q [G, W]
@@ -86,31 +157,28 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
         v8 vbest[16];
         for (int64_t g = 0; g < G; g++)
             vbest[g] = splat8(HIDDEN_SCORE);
-        const __m256 hidden = _mm256_set1_ps(HIDDEN_SCORE);
         for (; t + 8 <= T; t += 8) {
             __m256 shown = _mm256_setzero_ps();
             if (vis) {
                 const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vis + t)));
                 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_setzero_si256()));
             }
+            const v8 sc = load8(scale + t), lo8 = load8(lo + t);
+            const uint8_t *rows = codes + t * P;
+            /* the codes, scales and minimums 64 rows on, asked for: 15% less time with the
+               keys in memory (a layer's are 8 MB at batch 8 x 8K), none from cache */
+            for (int64_t k = 0; k < 8 * P; k += 64)
+                _mm_prefetch((const char *)(rows + AHEAD_ROWS * P + k), _MM_HINT_T0);
+            if ((t & 15) == 0) {
+                _mm_prefetch((const char *)(scale + t + AHEAD_ROWS), _MM_HINT_T0);
+                _mm_prefetch((const char *)(lo + t + AHEAD_ROWS), _MM_HINT_T0);
+            }
             for (int64_t g0 = 0; g0 < G; g0 += 4) {
                 const int64_t ng = G - g0 < 4 ? G - g0 : 4;
-                __m256i d[4];
-                const uint8_t *rows = codes + t * P;
-                if (ng == 4) dots8(rows, P, qi, g0, 4, d);
-                else if (ng == 3) dots8(rows, P, qi, g0, 3, d);
-                else if (ng == 2) dots8(rows, P, qi, g0, 2, d);
-                else dots8(rows, P, qi, g0, 1, d);
-                for (int64_t g = g0; g < g0 + ng; g++) {
-                    const v8 x = (v8)_mm256_cvtepi32_ps(d[g - g0]);
-                    v8 y = x * load8(scale + t) * splat8(qscale[g])
-                           + load8(lo + t) * splat8(qsum[g]);
-                    if (vis) {
-                        y = (v8)_mm256_blendv_ps(hidden, (__m256)y, shown);
-                        vbest[g] = (v8)_mm256_max_ps((__m256)vbest[g], (__m256)y);
-                    }
-                    store8(s + g * ld + t, y);
-                }
+                if (ng == 4) block8(rows, P, qi, g0, 4, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
+                else if (ng == 3) block8(rows, P, qi, g0, 3, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
+                else if (ng == 2) block8(rows, P, qi, g0, 2, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
+                else block8(rows, P, qi, g0, 1, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
             }
         }
         for (int64_t g = 0; g < G && vis; g++)
@@ -215,86 +283,4 @@ void spec_write(const float *x, uint8_t *codes, float *lo, float *scale, int64_t
             lo[c * L + start + i] = mn;
             scale[c * L + start + i] = step;
         }
-}
-
-/* Page-level speculation (Quest's idea on InfiniGen's skewed keys): a page of P consecutive
-   tokens keeps the element-wise minimum and maximum of its projected keys, lo and hi
-   [C, NP, W] (head-major, row stride W, column stride NPmax * W); q . k of any key of the
-   page is at most sum_w max(q_w lo_w, q_w hi_w). For each column c: those bounds of its G
-   query heads over the pages its tokens may be in, the softmax of each head over the pages
-   with a visible token, summed over the group; then, best first, the pages that hold
-   cap[c] visible tokens (at most a page's worth more; at least one page), their visible tokens in token order into
-   order[c, 0 .. counts[c]); the rest of the row repeats them. visible: [b, T] bytes. */
-void speculate_pages(const float *lo, const float *hi, const float *q,
-                     const uint8_t *visible, const int64_t *cap, int64_t *order,
-                     int64_t *counts, int64_t T, int64_t NPmax, int64_t C, int64_t KV,
-                     int64_t W, int64_t G, int64_t P, int64_t width, int64_t nthreads) {
-    const int64_t NP = (T + P - 1) / P;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        static __thread void *buf;
-        static __thread size_t have;
-        char *work = (char *)thread_scratch(&buf, &have, (sizeof(float) * (G + 2) + 2) * NP);
-        float *s = (float *)work, *mass = s + G * NP, *tmp = mass + NP;
-        uint8_t *open = (uint8_t *)(tmp + NP);  /* pages with a visible token */
-        uint8_t *chosen = open + NP;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < C; c++) {
-            const uint8_t *vis = visible + (c / KV) * T;
-            for (int64_t p = 0; p < NP; p++) {
-                uint8_t any = 0;
-                for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
-                    any |= vis[t];
-                open[p] = any;
-                const float *l = lo + (c * NPmax + p) * W, *h = hi + (c * NPmax + p) * W;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = q + (c * G + g) * W;
-                    float acc = 0.0f;
-                    for (int64_t w = 0; w < W; w++) {
-                        const float a = qg[w] * l[w], b = qg[w] * h[w];
-                        acc += a > b ? a : b;
-                    }
-                    s[g * NP + p] = acc;
-                }
-            }
-            /* pages by mass, best first, until they hold cap[c] visible tokens (whole
-               pages: at most a page's worth more): the best `want` by a threshold (fewer
-               cannot hold cap[c]), then the next best one at a time while short */
-            column_mass(s, NP, open, G, NP, mass, tmp);
-            int64_t m = 0;
-            for (int64_t p = 0; p < NP; p++)
-                if (open[p]) tmp[m++] = mass[p];
-            int64_t want = (cap[c] + P - 1) / P;
-            want = want < 1 ? 1 : (want > m ? m : want);
-            int64_t above = 0, held = 0, got = 0;
-            const float thr = m > 0 ? kth_largest_mass(tmp, m, want, G, &above) : 0.0f;
-            int64_t ties = want - above;
-            for (int64_t p = 0; p < NP; p++) {
-                chosen[p] = open[p] && (mass[p] > thr || (mass[p] == thr && ties-- > 0));
-                if (chosen[p]) {
-                    got++;
-                    for (int64_t t = p * P; t < (p + 1) * P && t < T; t++)
-                        held += vis[t];
-                }
-            }
-            while (held < cap[c] && got < m) {
-                int64_t best = -1;
-                for (int64_t p = 0; p < NP; p++)
-                    if (open[p] && !chosen[p] && (best < 0 || mass[p] > mass[best]))
-                        best = p;
-                chosen[best] = 1;
-                got++;
-                for (int64_t t = best * P; t < (best + 1) * P && t < T; t++)
-                    held += vis[t];
-            }
-            int64_t n = 0, *row = order + c * width;
-            for (int64_t p = 0; p < NP; p++)
-                if (chosen[p])
-                    for (int64_t t = p * P; t < (p + 1) * P && t < T && n < width; t++)
-                        if (vis[t]) row[n++] = t;
-            counts[c] = n;
-            for (int64_t i = n; i < width; i++)
-                row[i] = n > 0 ? row[i % n] : 0;
-        }
-    }
 }
