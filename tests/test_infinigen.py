@@ -389,3 +389,33 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
         assert torch.allclose(scale, scale1, rtol=1e-5, atol=1e-6)
     assert waited.token_ids == each.token_ids
     assert all(torch.equal(a, b) for a, b in zip(waited.logits, each.logits))
+
+
+def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
+    """With 4-bit weights that a CPU computes on, the rehearsal multiplies W_Q's codes as the
+    store keeps them (the object the layer itself multiplies: no float copy, a quarter of
+    the bytes read each step); its projected query equals the one from W_Q expanded to
+    floats (the kernel rounds the input to 16 bits per group of 64: far below the 4-bit
+    weights' own error)."""
+    from flexgen_infinigen.runtime.compression import PackedWeight
+
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
+    with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
+                          kv_options={"max_kv_fraction": 0.3}, progress=False) as lm:
+        out = lm.generate([[1] + list(range(7, 90))], 4, stop_token_id=None)
+        rehearsal = lm.engine.kv_policy.rehearsal
+        layer = rehearsal.options.first_layer
+        stored = lm.engine.weights[f"layers.{layer}.q_proj.weight"]
+        kept = rehearsal.weights[layer]["q_proj.weight"]
+        assert isinstance(kept, PackedWeight) and kept is stored.read_for_compute()
+        kv = lm.cfg.num_kv_heads
+        x = torch.randn(2, 1, lm.cfg.hidden_size)
+        pos = lm.engine.family.encode_positions(lm.cfg, torch.tensor([[5], [9]]))
+        proj = rehearsal.projections[layer].expand(2, *rehearsal.projections[layer].shape)
+        fast = rehearsal.projected_query(layer, x, pos, kv, proj)
+        rehearsal.weights[layer] = dict(rehearsal.weights[layer], **{"q_proj.weight":
+                                                                   stored.read().clone()})
+        slow = rehearsal.projected_query(layer, x, pos, kv, proj)
+    assert len(out.token_ids[0]) == 4
+    assert (fast - slow).abs().max() <= 1e-3 * slow.abs().max(), (fast - slow).abs().max()
+

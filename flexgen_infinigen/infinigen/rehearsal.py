@@ -12,6 +12,7 @@ import torch
 
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
+from ..runtime.compression import PackedWeight
 from ..runtime.cpu_kernels import linear
 from .skew import Skew, calibrate, project_per_head, projection, query_gram
 
@@ -53,10 +54,10 @@ class Rehearsal:
         if layer < self.options.first_layer or layer not in engine.part.layers:
             return {}  # no speculation, or the layer is on another pipeline rank
         cfg = self.cfg
-        w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone()
-             for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights}
-        if not self.folded:
-            return w  # the whole W_Q: rotary models need the full rotated query
+        names = [n for n in engine.family.QUERY_WEIGHTS if f"layers.{layer}.{n}" in engine.weights]
+        if not self.folded:  # the whole W_Q: rotary models need the full rotated query
+            return {n: self._whole(engine.weights[f"layers.{layer}.{n}"]) for n in names}
+        w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone() for n in names}
         p = self.projections[layer].to(w["q_proj.weight"].dtype)  # [H, d, r] (OPT: KV == H)
         heads = w["q_proj.weight"].view(cfg.num_heads, cfg.head_dim, -1)
         out = {"q_proj.weight": torch.einsum("kdr,kdi->kri", p, heads).reshape(-1, heads.shape[-1])}
@@ -64,6 +65,14 @@ class Rehearsal:
             out["q_proj.bias"] = torch.einsum("kdr,kd->kr", p, w["q_proj.bias"].view(
                 cfg.num_heads, cfg.head_dim)).reshape(-1)
         return out
+
+    @staticmethod
+    def _whole(tensor):
+        """A query weight as the rehearsal keeps it: 4-bit codes that a CPU multiplies where
+        they are stored (what the layer itself reads: no copy, a quarter of the float bytes
+        read each step), else a float copy on the compute device."""
+        weight = tensor.read_for_compute()
+        return weight if isinstance(weight, PackedWeight) else tensor.read().clone()
 
     def prompt_projection(self, layer: int, kv_heads: int, q: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:
