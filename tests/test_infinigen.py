@@ -419,3 +419,17 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
     assert len(out.token_ids[0]) == 4
     assert (fast - slow).abs().max() <= 1e-3 * slow.abs().max(), (fast - slow).abs().max()
 
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("shared", [True, False])
+def test_projection_per_head_equals_the_einsum(b, shared):
+    """Rows times their KV head's projection, by one product per head where the projection
+    is shared over the batch or there is one sequence, by an einsum otherwise."""
+    from flexgen_infinigen.infinigen.skew import project_per_head
+
+    torch.manual_seed(b)
+    x = torch.randn(b, 5, 2, 64)
+    p = torch.randn(2, 64, 32).expand(b, 2, 64, 32) if shared else torch.randn(b, 2, 64, 32)
+    ref = torch.einsum("bnkd,bkdr->bnkr", x, p)
+    assert torch.allclose(project_per_head(x, p), ref, atol=1e-5)

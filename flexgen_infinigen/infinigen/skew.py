@@ -148,10 +148,10 @@ def calibrate(lm, text: str | None = None, max_tokens: int = 4096) -> Skew:
 def project_per_head(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """``[b, n, KV, r]``: rows ``x`` ``[b, n, KV, d]`` times their KV head's projection
     ``[b, KV, d, r]``. The calibrated projection is one ``[KV, d, r]`` expanded over the batch
-    (stride 0): then one product per KV head, nothing expanded (an einsum would copy it b
-    times at every call)."""
+    (stride 0), or there is one sequence: then one product per KV head, nothing expanded
+    (an einsum would copy it b times at every call, and costs twice a product's time)."""
     b, n, kv, d = x.shape
-    if projection.stride(0) != 0 or b == 1:
+    if projection.stride(0) != 0 and b > 1:
         return torch.einsum("bnkd,bkdr->bnkr", x, projection)
     rows = x.permute(2, 0, 1, 3).reshape(kv, b * n, d)
     out = torch.bmm(rows, projection[0])  # [KV, b * n, r]
