@@ -433,3 +433,30 @@ def test_projection_per_head_equals_the_einsum(b, shared):
     p = torch.randn(2, 64, 32).expand(b, 2, 64, 32) if shared else torch.randn(b, 2, 64, 32)
     ref = torch.einsum("bnkd,bkdr->bnkr", x, p)
     assert torch.allclose(project_per_head(x, p), ref, atol=1e-5)
+
+
+def test_a_step_that_reads_a_layer_whole_stores_its_new_row_once(tiny_llama, monkeypatch):
+    """Attention over a whole layer in place writes the step's new K and V row before it
+    reads the cache; storing the token afterwards does not write it again (it did: twice
+    the small copies of the full cache's step, 2-5% of a step at SmolLM2 4K x 1), and the
+    tokens are the full cache's."""
+    from flexgen_infinigen.kv import full
+
+    writes = []
+    real = full.FullCache._store
+
+    def counted(self, k_new, v_new, position):
+        writes.append((self.spec.layer, position))
+        return real(self, k_new, v_new, position)
+
+    monkeypatch.setattr(full.FullCache, "_store", counted)
+    prompts = [[1] + list(range(7, 60))]
+    outs = {}
+    for name, kw in (("full", {}), ("infinigen", {"select_from_mb": 1e6})):
+        writes.clear()
+        with OffloadedLM.load(path=tiny_llama[1], kv_policy=name, kv_options=kw,
+                              progress=False) as lm:
+            outs[name] = lm.generate(prompts, 6, stop_token_id=None).token_ids
+            layers = lm.cfg.num_layers
+        assert len(writes) == len(set(writes)) == layers * 5, (name, len(writes))
+    assert outs["infinigen"] == outs["full"]

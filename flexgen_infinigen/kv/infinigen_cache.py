@@ -44,6 +44,7 @@ class InfiniGenCache(SelectiveCache):
                              spec.dtype, spec.tiers)
         self.pending_keys: list[torch.Tensor] = []  # decode keys not yet in self.keys
         self.pending_start = 0
+        self.stored_at = None  # a position whose new row attention already wrote in place
         self.selection = None
         self.ready = threading.Event()
         self.aborted = False
@@ -221,10 +222,16 @@ class InfiniGenCache(SelectiveCache):
             return self._attend_in_place(q, k_new, v_new, index, counts)
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
 
+    def store_token(self, k_new, v_new, position: int) -> None:
+        if self.stored_at == position:  # written in place before attention read it
+            self.stored_at = None
+            return
+        super().store_token(k_new, v_new, position)
+
     def _attend_whole(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         """Attention over every visible row, as the full cache attends: read where the cache
-        lives (the new row written first; ``store_token`` writes it again), or over the rows
-        ``load`` brought."""
+        lives (the new row written first, and not again by ``store_token``), or over the
+        rows ``load`` brought."""
         if loaded is not None:
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         length = valid.shape[1] - 1
@@ -235,6 +242,7 @@ class InfiniGenCache(SelectiveCache):
                 return out
             return super().attend(self._read_rows(length), q, k_new, v_new, valid, bias)
         self._store(k_new, v_new, length)
+        self.stored_at = length
         rows = slice(first, length + 1)
         return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:])
 
