@@ -6,8 +6,9 @@
    page is at most sum_w max(q_w lo_w, q_w hi_w). For each column c: those bounds of its G
    query heads over the pages its tokens may be in, the softmax of each head over the pages
    with a visible token, summed over the group; then, best first, the pages that hold
-   cap[c] visible tokens (at most a page's worth more; at least one page), their visible tokens in token order into
-   order[c, 0 .. counts[c]); the rest of the row repeats them. visible: [b, T] bytes. */
+   cap[c] visible tokens (at most a page's worth more; at least one page), their visible
+   tokens in token order into order[c, 0 .. counts[c]); the rest of the row repeats them.
+   visible: [b, T] bytes. */
 void speculate_pages(const float *lo, const float *hi, const float *q,
                      const uint8_t *visible, const int64_t *cap, int64_t *order,
                      int64_t *counts, int64_t T, int64_t NPmax, int64_t C, int64_t KV,

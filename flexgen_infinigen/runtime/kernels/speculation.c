@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
 }
 
 /* dots8 for rows of exactly 32 bytes (64 columns: head dim 64), its sums across rows made
-   with unpacks and adds (vphaddw/vphaddd cost about four unpacks each here). A row's byte
+   with unpacks and adds (vphaddw/vphaddd run at a fifth of an unpack's rate here). A row's byte
    products for a head (16 lanes of 16 bits, each at most 2 * 2 * 15 * 127 = 7620) are
    folded twice in 16 bits, the lanes of one row kept side by side (32-bit then 64-bit
    unpacks of two rows, added: at most 4 * 7620 = 30480, no overflow), then widened by
@@ -166,19 +166,24 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
             const v8 sc = load8(scale + t), lo8 = load8(lo + t);
             const uint8_t *rows = codes + t * P;
             /* the codes, scales and minimums 64 rows on, asked for: 15% less time with the
-               keys in memory (a layer's are 8 MB at batch 8 x 8K), none from cache */
+               keys in memory (a layer's are 8 MB at batch 8 x 8K), none from cache (asks
+               past the end of the keys do not fault) */
             for (int64_t k = 0; k < 8 * P; k += 64)
                 _mm_prefetch((const char *)(rows + AHEAD_ROWS * P + k), _MM_HINT_T0);
             if ((t & 15) == 0) {
                 _mm_prefetch((const char *)(scale + t + AHEAD_ROWS), _MM_HINT_T0);
                 _mm_prefetch((const char *)(lo + t + AHEAD_ROWS), _MM_HINT_T0);
             }
-            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int masked = vis != NULL;
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {  /* head counts as constants: in registers */
+#define BLOCK8(NG) block8(rows, P, qi, g0, NG, sc, lo8, qscale, qsum, masked, shown, vbest, \
+                          s + t, ld)
                 const int64_t ng = G - g0 < 4 ? G - g0 : 4;
-                if (ng == 4) block8(rows, P, qi, g0, 4, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
-                else if (ng == 3) block8(rows, P, qi, g0, 3, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
-                else if (ng == 2) block8(rows, P, qi, g0, 2, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
-                else block8(rows, P, qi, g0, 1, sc, lo8, qscale, qsum, vis != NULL, shown, vbest, s + t, ld);
+                if (ng == 4) BLOCK8(4);
+                else if (ng == 3) BLOCK8(3);
+                else if (ng == 2) BLOCK8(2);
+                else BLOCK8(1);
+#undef BLOCK8
             }
         }
         for (int64_t g = 0; g < G && vis; g++)
