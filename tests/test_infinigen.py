@@ -420,7 +420,6 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
     assert (fast - slow).abs().max() <= 1e-3 * slow.abs().max(), (fast - slow).abs().max()
 
 
-
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("shared", [True, False])
 def test_projection_per_head_equals_the_einsum(b, shared):
@@ -438,7 +437,7 @@ def test_projection_per_head_equals_the_einsum(b, shared):
 def test_a_step_that_reads_a_layer_whole_stores_its_new_row_once(tiny_llama, monkeypatch):
     """Attention over a whole layer in place writes the step's new K and V row before it
     reads the cache; storing the token afterwards does not write it again (it did: twice
-    the small copies of the full cache's step, 2-5% of a step at SmolLM2 4K x 1), and the
+    the small copies of the full cache's step, about 5% of a step at SmolLM2 4K x 1), and the
     tokens are the full cache's."""
     from flexgen_infinigen.kv import full
 

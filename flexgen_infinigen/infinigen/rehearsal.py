@@ -71,8 +71,8 @@ class Rehearsal:
         """A query weight as the rehearsal keeps it: 4-bit codes that a CPU multiplies where
         they are stored (what the layer itself reads: no copy, a quarter of the float bytes
         read each step), else a float copy on the compute device."""
-        weight = tensor.read_for_compute()
-        return weight if isinstance(weight, PackedWeight) else tensor.read().clone()
+        weight = tensor.read_for_compute()  # else the tensor read(), brought to the device
+        return weight if isinstance(weight, PackedWeight) else weight.clone()
 
     def prompt_projection(self, layer: int, kv_heads: int, q: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:

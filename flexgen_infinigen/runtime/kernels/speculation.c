@@ -58,8 +58,8 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
 }
 
 /* dots8 for rows of exactly 32 bytes (64 columns: head dim 64), its sums across rows made
-   with unpacks and adds (vphaddw/vphaddd run at a fifth of an unpack's rate here). A row's byte
-   products for a head (16 lanes of 16 bits, each at most 2 * 2 * 15 * 127 = 7620) are
+   with unpacks and adds (vphaddw/vphaddd run at a fifth of an unpack's rate here). A row's
+   byte products for a head (16 lanes of 16 bits, each at most 2 * 2 * 15 * 127 = 7620) are
    folded twice in 16 bits, the lanes of one row kept side by side (32-bit then 64-bit
    unpacks of two rows, added: at most 4 * 7620 = 30480, no overflow), then widened by
    vpmaddwd, which adds each row's two neighbouring lanes. */
