@@ -153,6 +153,33 @@ def test_linear_kernel_equals_f_linear(rows, out_f, in_f, with_bias):
     assert (ours - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("out_f,in_f", [(7, 64), (130, 576), (33, 896)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_4bit_linear_kernel_equals_expanding_the_weights(rows, out_f, in_f, with_bias):
+    """``linear_q4`` (x rounded to 16 bits per group of 64, integer products with the codes)
+    against ``F.linear`` on the expanded weights, x holding an outlier 60x its spread (as
+    SmolLM2's inputs do): within 1e-3 of the outputs' largest value (rounding x to 8 bits
+    was off by several percent here). And each row of x gives, bit for bit, what it gives
+    alone: one row goes through byte products, several through 16-bit ones, with the same
+    integer sums in the same lanes."""
+    from flexgen_infinigen.runtime.compression import PackedWeight, compress, decompress
+
+    gen = torch.Generator().manual_seed(rows * out_f + in_f)
+    w = PackedWeight(compress(torch.randn(out_f, in_f, generator=gen) * 0.05))
+    x = torch.randn(rows, in_f, generator=gen)
+    x[:, 5] = 60.0
+    b = torch.randn(out_f, generator=gen) if with_bias else None
+    ours = kernels.linear_q4(x, w, b)
+    if ours is None:
+        pytest.skip("no AVX2 here: 4-bit weights are expanded")
+    ref = torch.nn.functional.linear(x.double(), decompress(w.packed).double(),
+                                     None if b is None else b.double())
+    assert (ours.double() - ref).abs().max() <= 1e-3 * ref.abs().max()
+    for i in range(rows):
+        assert torch.equal(kernels.linear_q4(x[i:i + 1], w, b)[0], ours[i])
+
+
 def test_linear_hands_other_cases_to_torch():
     w = torch.randn(8, 4)
     many = torch.randn(kernels.MAX_LINEAR_ROWS + 1, 4)  # a prefill: BLAS's job

@@ -69,48 +69,98 @@ void linear_rows(const float *x, const float *w, const float *bias, float *out, 
 
 
 #ifdef __AVX2__
-/* Output rows o .. o + P (P <= 2) of linear_q4 for M <= 8 rows of x (see below). */
+/* Codes are asked for this many bytes ahead, into L1: a thread's rows are one stream, yet
+   with one row of x (little arithmetic a byte) the hardware's own read-ahead kept it at
+   20-23 GB/s for two threads; asked 4 KB ahead, 27-29 (Qwen2.5's MLP and head shapes, cold,
+   C harness; 1, 8 and 16 KB ahead and asking into L2 did less). Past the weight's end an
+   ask does not fault. */
+#define Q4_AHEAD 4096
+
+/* The end of output row o for one row of x: the float sums acc, plus the minimum's share
+   (minimum[o, :] . xsum, xsum padded with zeros to GP; the row's last groups read with a
+   mask), summed across lanes, plus the bias. */
+static inline float q4_finish(v8 acc, const float *mo, const float *xsum, int64_t G,
+                              __m256i tail, float bias) {
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+        acc += load8(mo + g) * load8(xsum + g);
+    if (g < G)
+        acc += (v8)_mm256_maskload_ps(mo + g, tail) * load8(xsum + g);
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+           + bias;
+}
+
+/* Output rows o .. o + P (P <= 2) of linear_q4 for 2 <= M <= 8 rows of x, whose 16-bit
+   values are laid out in planes (see below). Seen as 16 16-bit lanes, a group's 32 bytes of
+   codes hold elements 4l .. 4l + 3 in lane l, a nibble each: four shifts and masks widen
+   them (nothing crosses a lane), and plane t holds x[4l + t] in lane l. */
 static inline __attribute__((always_inline)) void q4_rows(
         const int64_t M, const uint8_t *codes, const float *scale, const float *minimum,
         const float *bias, float *out, const int16_t *xq, const float *xs, const float *xsum,
-        int64_t o, int64_t P, int64_t N, int64_t K) {
-    const int64_t G = K / 64;
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
+        int64_t o, int64_t P, int64_t N, int64_t K, __m256i tail) {
+    const int64_t G = K / 64, GP = (G + 7) / 8 * 8;
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
     for (int64_t r = 0; r < P; r++) {
         const uint8_t *co = codes + (o + r) * G * 32;
-        const float *so = scale + (o + r) * G, *mo = minimum + (o + r) * G;
+        const float *so = scale + (o + r) * G;
         v8 acc[8] = {{0}};
         for (int64_t g = 0; g < G; g++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
-            const __m256i even = _mm256_and_si256(c, nibble);
-            const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
-            /* the group's 64 codes as 16-bit integers: evens 0-15, 16-31, odds 0-15, 16-31 */
-            const __m256i e0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(even));
-            const __m256i e1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(even, 1));
-            const __m256i o0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(odd));
-            const __m256i o1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(odd, 1));
+            __builtin_prefetch(co + g * 32 + Q4_AHEAD, 0, 3);
+            const __m256i c0 = _mm256_and_si256(c, nibble);
+            const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(c, 8), nibble);
+            const __m256i c3 = _mm256_srli_epi16(c, 12);
             for (int64_t m = 0; m < M; m++) {
                 const __m256i *q = (const __m256i *)(xq + m * K + g * 64);
                 const __m256i p = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256(q)),
-                                     _mm256_madd_epi16(e1, _mm256_loadu_si256(q + 1))),
-                    _mm256_add_epi32(_mm256_madd_epi16(o0, _mm256_loadu_si256(q + 2)),
-                                     _mm256_madd_epi16(o1, _mm256_loadu_si256(q + 3))));
+                    _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256(q)),
+                                     _mm256_madd_epi16(c1, _mm256_loadu_si256(q + 1))),
+                    _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(q + 2)),
+                                     _mm256_madd_epi16(c3, _mm256_loadu_si256(q + 3))));
                 acc[m] += (v8)_mm256_cvtepi32_ps(p) * splat8(so[g] * xs[m * G + g]);
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            v8 lo = {0};  /* the minimum's share: minimum . (sums of x per group) */
-            int64_t g = 0;
-            for (; g + 8 <= G; g += 8)
-                lo += load8(mo + g) * load8(xsum + m * G + g);
-            float rest = 0.0f;
-            for (; g < G; g++)
-                rest += mo[g] * xsum[m * G + g];
-            const v8 a = acc[m] + lo;
-            const float s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-            out[m * N + o + r] = s + rest + (bias ? bias[o + r] : 0.0f);
+        for (int64_t m = 0; m < M; m++)
+            out[m * N + o + r] = q4_finish(acc[m], minimum + (o + r) * G, xsum + m * GP, G,
+                                           tail, bias ? bias[o + r] : 0.0f);
+    }
+}
+
+/* Output rows o .. o + P of linear_q4 for one row of x, by byte products: x's 16-bit values
+   split as 256 hi + lo (signed bytes: hi within +-127, lo -128 .. 127), and the codes,
+   unsigned bytes after one mask or shift, multiply each (vpmaddubsw: pairs of products, at
+   most 3840 in size, sums of two pairs at most 7680, exact in 16 bits). Each 32-bit lane sums elements 8i .. 8i + 7,
+   as the 16-bit planes do: the same integers, the same float steps, so one row gives what
+   it gives in any batch. Fewer operations a group than widening the codes, which matters
+   when one row of x shares them. */
+static inline __attribute__((always_inline)) void q4_row1(
+        const uint8_t *codes, const float *scale, const float *minimum, const float *bias,
+        float *out, const int8_t *xb, const float *xs, const float *xsum, int64_t o,
+        int64_t P, int64_t K, __m256i tail) {
+    const int64_t G = K / 64;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(256),
+                  one = _mm256_set1_epi16(1);
+    for (int64_t r = 0; r < P; r++) {
+        const uint8_t *co = codes + (o + r) * G * 32;
+        const float *so = scale + (o + r) * G;
+        v8 acc = {0};
+        for (int64_t g = 0; g < G; g++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
+            __builtin_prefetch(co + g * 32 + Q4_AHEAD, 0, 3);
+            const __m256i even = _mm256_and_si256(c, nibble);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            const __m256i *q = (const __m256i *)(xb + g * 128);
+            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256(q)),
+                                                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 1)));
+            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256(q + 2)),
+                                                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
+                                               _mm256_madd_epi16(lo, one));
+            acc += (v8)_mm256_cvtepi32_ps(p) * splat8(so[g] * xs[g]);
         }
+        out[o + r] = q4_finish(acc, minimum + (o + r) * G, xsum, G, tail,
+                               bias ? bias[o + r] : 0.0f);
     }
 }
 #endif
@@ -121,50 +171,67 @@ static inline __attribute__((always_inline)) void q4_rows(
    2j + 1 in the high one. The weights are read as they are stored (a quarter of their float
    bytes), never expanded in memory.
 
-   With AVX2: each row of x is rounded to 16-bit integers per group of 64 (max |x| to 32767)
-   and laid out even elements then odd ones; a group's codes, widened to 16 bits once for all
-   rows of x, multiply it with 16-bit products (vpmaddwd: every sum exact in 32 bits); the
-   sums are scaled per group and accumulated in floats; the minimum's share is minimum .
-   (sum of x over the group), exact. (Rounding x to 8 bits, for byte products, was cheaper
-   but lost the small entries of a group that holds an outlier: up to 12% error in SmolLM2's
-   key projections.) Returns 0 when it cannot run (no AVX2). */
+   With AVX2: each row of x is rounded to 16-bit integers per group of 64 (max |x| to
+   32639, so that q4_row1 can split them into two signed bytes), multiplied with the codes exactly in integers (q4_rows, q4_row1), the sums scaled
+   per group and accumulated in floats; the minimum's share is minimum . (sum of x over the
+   group), exact. (Rounding x to 8 bits, for byte products alone, was cheaper but lost the
+   small entries of a group that holds an outlier: up to 12% error in SmolLM2's key
+   projections.) Returns 0 when it cannot run (no AVX2). */
 int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
               const float *bias, float *out, int64_t M, int64_t N, int64_t K,
               int64_t nthreads) {
 #ifdef __AVX2__
-    const int64_t G = K / 64;
+    const int64_t G = K / 64, GP = (G + 7) / 8 * 8;
     static __thread void *buf;
     static __thread size_t have;
-    int16_t *xq = (int16_t *)thread_scratch(&buf, &have, 2 * M * K + 2 * sizeof(float) * M * G
+    int16_t *xq = (int16_t *)thread_scratch(&buf, &have, 2 * M * K + sizeof(float) * M * (G + GP)
                                                          + 64);
     if (!xq)
         return 0;
+    int8_t *xb = (int8_t *)xq;  /* one row: its bytes where the planes would be */
     float *xs = (float *)(xq + ((M * K + 31) / 32) * 32), *xsum = xs + M * G;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *xg = x + m * K + g * 64;
-            float most = 0.0f, sum = 0.0f;
-            for (int64_t i = 0; i < 64; i++) {
+            float most = 0.0f;
+            for (int64_t i = 0; i < 64; i++)
                 most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
-                sum += xg[i];
-            }
-            const float step = most > 0.0f ? most / 32767.0f : 1.0f;
-            int16_t *q = xq + m * K + g * 64;
-            for (int64_t j = 0; j < 32; j++) {
-                q[j] = (int16_t)lrintf(xg[2 * j] / step);
-                q[32 + j] = (int16_t)lrintf(xg[2 * j + 1] / step);
+            const float step = most > 0.0f ? most / 32639.0f : 1.0f;
+            for (int64_t i = 0; i < 64; i++) {
+                const int v = (int)lrintf(xg[i] / step);
+                if (M == 1) {  /* hi: 32 even elements, 32 odd; lo the same */
+                    const int64_t at = g * 128 + (i & 1) * 32 + i / 2;
+                    const int hi = (v + 128) >> 8;  /* -127 .. 127 */
+                    xb[at] = (int8_t)hi;
+                    xb[at + 64] = (int8_t)(v - 256 * hi);  /* -128 .. 127 */
+                } else {  /* plane i % 4, lane i / 4 */
+                    xq[m * K + g * 64 + (i % 4) * 16 + i / 4] = (int16_t)v;
+                }
             }
             xs[m * G + g] = step;
-            xsum[m * G + g] = sum;
         }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < GP; g++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; g < G && i < 64; i++)
+                sum += x[m * K + g * 64 + i];
+            xsum[m * GP + g] = sum;
+        }
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G % 8)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < N; o += 2) {
         const int64_t pair = o + 1 < N ? 2 : 1;
+        if (M == 1) {
+            q4_row1(codes, scale, minimum, bias, out, xb, xs, xsum, o, pair, K, tail);
+            continue;
+        }
         for (int64_t m = 0; m < M; m += 8) {  /* constant row counts: sums in registers */
             float *om = out + m * N;
             const int16_t *xm = xq + m * K;
-            const float *sm = xs + m * G, *tm = xsum + m * G;
-#define Q4(R) q4_rows(R, codes, scale, minimum, bias, om, xm, sm, tm, o, pair, N, K); break
+            const float *sm = xs + m * G, *tm = xsum + m * GP;
+#define Q4(R) q4_rows(R, codes, scale, minimum, bias, om, xm, sm, tm, o, pair, N, K, tail); \
+              break
             switch (M - m < 8 ? M - m : 8) {
                 case 1: Q4(1); case 2: Q4(2); case 3: Q4(3); case 4: Q4(4);
                 case 5: Q4(5); case 6: Q4(6); case 7: Q4(7); default: Q4(8);
