@@ -78,6 +78,10 @@ def main(argv=None) -> int:
 
     from flexgen_infinigen.runtime import cpu_kernels as ck
     from flexgen_infinigen.runtime.compression import PackedWeight, compress
+    try:  # the layers' own math (linear) moved to cpu_layers; older checkouts keep it here
+        from flexgen_infinigen.runtime import cpu_layers as layers
+    except ImportError:
+        layers = ck
 
     if ck.library() is None:
         print("error: the CPU kernels did not build here (no C compiler?)", file=sys.stderr)
@@ -121,11 +125,11 @@ def main(argv=None) -> int:
               (576, 1536)] * 30 + [(49152, 576)]
     weights = [torch.randn(o, i, generator=g) * 0.05 for o, i in shapes]
     xs = {i: torch.randn(a.batch, i, generator=g) for i in (576, 1536)}
-    rows["linear (a step)"] = (_time([lambda: [ck.linear(xs[w.shape[1]], w) for w in weights]],
+    rows["linear (a step)"] = (_time([lambda: [layers.linear(xs[w.shape[1]], w) for w in weights]],
                                      max(3, a.repeats // 2)),
                                sum(w.numel() for w in weights) * 4)
     packed = [PackedWeight(compress(w)) for w in weights]
-    rows["linear_q4 (a step)"] = (_time([lambda: [ck.linear(xs[w.packed.shape[1]], w)
+    rows["linear_q4 (a step)"] = (_time([lambda: [layers.linear(xs[w.packed.shape[1]], w)
                                                   for w in packed]], max(3, a.repeats // 2)),
                                   sum(w.packed.nbytes for w in packed))
 

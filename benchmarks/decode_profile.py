@@ -24,8 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
-KERNELS = ("linear", "attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
+KERNELS = ("attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
            "speculate_pages", "score_packed", "select_mass", "spec_write")
+LAYER_KERNELS = ("linear", "rms_norm", "rotary")  # in cpu_layers (cpu_kernels before)
 
 
 def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> None:
@@ -34,9 +35,13 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
     import importlib
 
     from flexgen_infinigen.runtime import cpu_kernels
+    try:
+        from flexgen_infinigen.runtime import cpu_layers
+    except ImportError:  # an older checkout: the layers' kernels lived in cpu_kernels
+        cpu_layers = cpu_kernels
 
-    def wrap(name):
-        real = getattr(cpu_kernels, name)
+    def wrap(module, name):
+        real = getattr(module, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -47,7 +52,12 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
             return out
         return timed
 
-    timed = {name: wrap(name) for name in KERNELS}
+    timed = {name: wrap(cpu_kernels, name) for name in KERNELS}
+    # rms_norm and rotary are called as cpu_layers.<name>; linear is imported by name
+    layer = {name: wrap(cpu_layers, name) for name in LAYER_KERNELS
+             if hasattr(cpu_layers, name)}
+    for name, fn in layer.items():
+        setattr(cpu_layers, name, fn)
     for module in ("flexgen_infinigen.runtime.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
                    "flexgen_infinigen.kv.spec_pages",
                    "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
@@ -56,6 +66,8 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
         for name, fn in timed.items():
             if module.endswith("cpu_kernels") or getattr(mod, name, None) is not None:
                 setattr(mod, name, fn)
+        if "linear" in layer and getattr(mod, "linear", None) is not None:
+            mod.linear = layer["linear"]
 
 
 def main(argv=None) -> int:
@@ -136,7 +148,8 @@ def _value(text: str):
 
 
 def markdown(result: dict) -> str:
-    names = [k for k in KERNELS if any(k in r["kernels_s"] for r in result["rows"])]
+    names = [k for k in (*LAYER_KERNELS, *KERNELS)
+             if any(k in r["kernels_s"] for r in result["rows"])]
     lines = [f"# Decode step profile: {result['model']}, batch {result['batch']} x "
              f"{result['context']} tokens" + (", 4-bit weights" if result["compress_weight"]
                                               else ""), "",

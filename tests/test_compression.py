@@ -103,17 +103,17 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
     and the perplexity to 45.50, and turned " Paris" into " the" in
     test_compressed_model_stays_close: a group holding an outlier (SmolLM2's inputs reach
     60x their mean) left its small entries a few levels; these bounds fail on that."""
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.runtime import cpu_layers
     from flexgen_infinigen.runtime.compression import PackedWeight
 
     calls = []
-    real = cpu_kernels.linear_q4
+    real = cpu_layers.linear_q4
 
     def counted(*a):
         calls.append(1)
         return real(*a)
 
-    monkeypatch.setattr(cpu_kernels, "linear_q4", counted)
+    monkeypatch.setattr(cpu_layers, "linear_q4", counted)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
     with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
         assert isinstance(lm.engine.weights["layers.0.q_proj.weight"].read_for_compute(),
@@ -121,7 +121,7 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
     fast = _score(smollm2_store, policy, wikitext_ids)
     if not calls or real(torch.ones(1, 64), PackedWeight(compress(torch.ones(2, 64)))) is None:
         pytest.skip("no AVX2 here: 4-bit weights are expanded (the path compared against)")
-    monkeypatch.setattr(cpu_kernels, "linear_q4", lambda *a: None)
+    monkeypatch.setattr(cpu_layers, "linear_q4", lambda *a: None)
     slow = _score(smollm2_store, policy, wikitext_ids)
     assert abs(fast[0] / slow[0] - 1) < 0.002
     assert fast[1] == slow[1]

@@ -10,6 +10,7 @@ from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.kv import spec_keys
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys
 from flexgen_infinigen.runtime import cpu_kernels as kernels
+from flexgen_infinigen.runtime import cpu_layers as layers
 from flexgen_infinigen.runtime.tiers import Tiers
 
 if kernels.library() is None:
@@ -147,7 +148,7 @@ def test_linear_kernel_equals_f_linear(rows, out_f, in_f, with_bias):
     x = torch.randn(1, rows, in_f)
     w = torch.randn(out_f, in_f)
     b = torch.randn(out_f) if with_bias else None
-    ours = kernels.linear(x, w, b)
+    ours = layers.linear(x, w, b)
     ref = torch.nn.functional.linear(x, w, b)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1)
@@ -170,22 +171,56 @@ def test_4bit_linear_kernel_equals_expanding_the_weights(rows, out_f, in_f, with
     x = torch.randn(rows, in_f, generator=gen)
     x[:, 5] = 60.0
     b = torch.randn(out_f, generator=gen) if with_bias else None
-    ours = kernels.linear_q4(x, w, b)
+    ours = layers.linear_q4(x, w, b)
     if ours is None:
         pytest.skip("no AVX2 here: 4-bit weights are expanded")
     ref = torch.nn.functional.linear(x.double(), decompress(w.packed).double(),
                                      None if b is None else b.double())
     assert (ours.double() - ref).abs().max() <= 1e-3 * ref.abs().max()
     for i in range(rows):
-        assert torch.equal(kernels.linear_q4(x[i:i + 1], w, b)[0], ours[i])
+        assert torch.equal(layers.linear_q4(x[i:i + 1], w, b)[0], ours[i])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 1, 896), (1, 300, 13), (3, 700, 64)])
+def test_rms_norm_kernel_equals_torch(shape):
+    """RMSNorm in one kernel call: torch's expression to float rounding, for one token and
+    for prefill-sized inputs (threaded), widths with and without a vector tail."""
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=gen) * 3
+    w = torch.randn(shape[-1], generator=gen)
+    ours = layers.rms_norm(x, w, 1e-6)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert layers.rms_norm(x.half(), w.half(), 1e-6) is None  # other dtypes: torch's job
+
+
+@pytest.mark.parametrize("b,s,heads,d", [(1, 1, 14, 64), (8, 1, 3, 64), (2, 5, 3, 20),
+                                         (1, 600, 4, 128)])
+def test_rotary_kernel_equals_torch(b, s, heads, d):
+    """The rotary embedding in one kernel call: x cos + (x2, x1) signed sin, as
+    ``models/llama.py`` writes it in torch, to float rounding."""
+    from flexgen_infinigen.config import get_config
+    from flexgen_infinigen.models import llama
+
+    gen = torch.Generator().manual_seed(b * s + d)
+    x = torch.randn(b, s, heads, d, generator=gen)
+    positions = torch.randint(0, 30000, (b, s), generator=gen)
+    cfg = get_config("smollm2-135m")
+    cos, sin = llama.encode_positions(cfg, positions) if d == cfg.head_dim else (
+        torch.randn(b, s, 1, d, generator=gen), torch.randn(b, s, 1, d, generator=gen))
+    ours = layers.rotary(x, cos, sin)
+    ref = x * cos + torch.roll(x, d // 2, -1) * sin
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    strided = torch.randn(b, s, d, heads).transpose(2, 3)  # same shape, not contiguous
+    assert layers.rotary(strided, cos, sin) is None  # not its layout: torch's job
 
 
 def test_linear_hands_other_cases_to_torch():
     w = torch.randn(8, 4)
-    many = torch.randn(kernels.MAX_LINEAR_ROWS + 1, 4)  # a prefill: BLAS's job
-    assert torch.equal(kernels.linear(many, w), torch.nn.functional.linear(many, w))
+    many = torch.randn(layers.MAX_LINEAR_ROWS + 1, 4)  # a prefill: BLAS's job
+    assert torch.equal(layers.linear(many, w), torch.nn.functional.linear(many, w))
     half = torch.randn(2, 4, dtype=torch.bfloat16)
-    assert kernels.linear(half, w.bfloat16()).dtype == torch.bfloat16
+    assert layers.linear(half, w.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("b,kv,group,length,d", [(1, 3, 3, 4096, 64), (2, 2, 7, 2500, 64),
@@ -359,7 +394,10 @@ def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, m
 def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monkeypatch):
     """InfiniGen over a 4-bit cache in CPU memory attends over the chosen rows' codes
     (gathered, then ``attend_rows_q4``) instead of expanding them into floats first: the same
-    tokens, logits to rounding and rows read, with left padding."""
+    tokens, logits to rounding and rows read, with left padding. Rounding can swap one
+    near-tied token of a column's ~250 at a later step (seen at step 3: one token in one
+    column of layer 9, the logits then 0.0065 apart), so later steps get a looser bound;
+    a wrong kernel moves them by far more."""
     from flexgen_infinigen.kv.infinigen import InfiniGenOptions
     from flexgen_infinigen.runtime import cpu_kernels as ck
 
@@ -387,6 +425,7 @@ def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monk
                 f"the kernel took {sum(calls)} of {len(calls)} layers' calls (90 expected)"
     (a, ra), (b, rb) = runs
     assert a.token_ids == b.token_ids
-    for x, y in zip(a.logits, b.logits):
-        assert (x - y).abs().max().item() < 1e-3
+    for x, y in zip(a.logits, b.logits):  # each sequence's [steps, vocab]
+        assert (x[0] - y[0]).abs().max().item() < 1e-3
+        assert (x - y).abs().max().item() < 3e-2
     assert ra["kv_selected_fraction"] == rb["kv_selected_fraction"] < 0.5

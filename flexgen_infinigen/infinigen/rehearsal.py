@@ -13,7 +13,7 @@ import torch
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
 from ..runtime.compression import PackedWeight
-from ..runtime.cpu_kernels import linear
+from ..runtime.cpu_layers import linear
 from .skew import Skew, calibrate, project_per_head, projection, query_gram
 
 PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics

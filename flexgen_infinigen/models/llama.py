@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..runtime.compression import lookup
-from ..runtime.cpu_kernels import linear
+from ..runtime import cpu_layers
+from ..runtime.cpu_layers import linear
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -59,6 +60,9 @@ QUERY_WEIGHTS = ("q_proj.weight", "q_proj.bias", "q_norm.weight")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    fused = cpu_layers.rms_norm(x, weight, eps)  # float32 on a CPU: one kernel call
+    if fused is not None:
+        return fused
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -106,6 +110,9 @@ def rotary(x: torch.Tensor, rope) -> torch.Tensor:
     """Rotate ``x`` [b, s, heads, d] (half-split layout, as Hugging Face Llama):
     x cos + (-x2, x1) sin, the swapped halves from one roll and the sign in the sin."""
     cos, signed_sin = rope
+    fused = cpu_layers.rotary(x, cos, signed_sin)  # float32 on a CPU: one kernel call
+    if fused is not None:
+        return fused
     swapped = torch.roll(x, x.shape[-1] // 2, -1)  # (x2, x1)
     return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
 

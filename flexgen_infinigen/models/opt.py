@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..runtime.compression import lookup
-from ..runtime.cpu_kernels import linear
+from ..runtime.cpu_layers import linear
 
 POSITION_OFFSET = 2
 

@@ -84,14 +84,14 @@ def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
 @dataclass
 class PackedWeight:
     """A compressed weight handed to the model's math as stored (in CPU memory that a CPU
-    computes on): ``cpu_kernels.linear`` multiplies with its codes directly, anything else
+    computes on): ``cpu_layers.linear`` multiplies with its codes directly, anything else
     asks for :meth:`dense` rows or :meth:`rows`."""
 
     packed: Packed
 
     def __post_init__(self):
         p = self.packed
-        # what the CPU kernel takes (cpu_kernels.linear_q4): a float32 matrix, its codes as
+        # what the CPU kernel takes (cpu_layers.linear_q4): a float32 matrix, its codes as
         # this module packs them, every part contiguous
         self.kernel_ready = (len(p.shape) == 2 and p.shape[-1] % GROUP_SIZE == 0
                              and GROUP_SIZE == 64 and p.scale.dtype == torch.float32

@@ -1,9 +1,11 @@
-"""Small CPU kernels compiled on first use, for the decode step on a CPU: its few-row linear
-layers (``kernels/linear.c``), attention over every cached row or over chosen rows, read
-where the cache keeps them (``kernels/attention.c``), and InfiniGen's speculation: packed
-speculation keys scored without unpacking them into floats, and the default selection rule,
-fused with the scoring (``kernels/speculation.c``; the mass rule itself in
-``kernels/selection.c``, page-level speculation in ``kernels/pages.c``).
+"""Small CPU kernels compiled on first use, for the decode step on a CPU: attention over every
+cached row or over chosen rows, read where the cache keeps them (``kernels/attention.c``),
+and InfiniGen's speculation: packed speculation keys scored without unpacking them into
+floats, and the default selection rule, fused with the scoring (``kernels/speculation.c``;
+the mass rule itself in ``kernels/selection.c``, page-level speculation in
+``kernels/pages.c``). The layers' own math (few-row linear layers in ``kernels/linear.c``,
+RMSNorm and rotary embedding in ``kernels/pointwise.c``) is called through
+:mod:`.cpu_layers`.
 
 They are plain C (no torch headers), built with the system's C compiler into
 ``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (a few seconds, once per machine and source),
@@ -98,6 +100,10 @@ def library() -> ctypes.CDLL | None:
         lib.attend_rows_q4.restype = None
         lib.select_mass.argtypes = [ptr] * 4 + [i64] * 6
         lib.select_mass.restype = None
+        lib.rms_norm_rows.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_float, i64]
+        lib.rms_norm_rows.restype = None
+        lib.rotary_rows.argtypes = [ptr] * 4 + [i64] * 4
+        lib.rotary_rows.restype = None
         _lib = lib
         return lib
 
@@ -206,58 +212,6 @@ def speculate_mass(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                        qsum.data_ptr(), vis.data_ptr(), cap.data_ptr(), order.data_ptr(), t,
                        big_l, c, c // b, p, g, bits, width, torch.get_num_threads())
     return order
-
-
-MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
-
-
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
-    """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
-    read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
-    a packed 4-bit weight (:class:`~.compression.PackedWeight`) is multiplied as stored
-    (:func:`linear_q4`). Anything else, or without the kernels, goes to ``F.linear``."""
-    from .compression import PackedWeight
-
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if isinstance(weight, PackedWeight):
-        out = linear_q4(x, weight, bias) if 0 < rows <= MAX_LINEAR_ROWS else None
-        return out if out is not None else torch.nn.functional.linear(x, weight.dense(), bias)
-    if (x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not 0 < rows <= MAX_LINEAR_ROWS or not weight.is_contiguous()
-            or (bias is not None and bias.dtype != torch.float32)):
-        return torch.nn.functional.linear(x, weight, bias)
-    lib = library()
-    if lib is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    xs = x.reshape(rows, x.shape[-1]).contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-    b = bias.contiguous() if bias is not None else None
-    lib.linear_rows(xs.data_ptr(), weight.data_ptr(), b.data_ptr() if b is not None else None,
-                    out.data_ptr(), rows, weight.shape[0], weight.shape[1],
-                    torch.get_num_threads())
-    return out
-
-
-def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
-    """``x @ W.T (+ bias)`` for a packed 4-bit weight read as stored (``kernels/linear.c``:
-    x rounded to 16 bits per group of 64 for the integer products), or None when the kernel
-    cannot take the inputs (no AVX2, not float32, a GPU)."""
-    if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
-            bias is not None and bias.dtype != torch.float32):
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    p = weight.packed
-    n, k = p.shape
-    rows = x.numel() // k
-    xs = x.reshape(rows, k).contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    b = bias.contiguous() if bias is not None else None
-    done = lib.linear_q4(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
-                         p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
-                         out.data_ptr(), rows, n, k, torch.get_num_threads())
-    return out if done else None
 
 
 MIN_ATTEND_ROWS = 2048  # below this many cached tokens torch's two products are as fast

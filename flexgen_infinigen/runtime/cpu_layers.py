@@ -1,0 +1,100 @@
+"""The per-token layer math of a decode step on a CPU, through the compiled kernels (see
+:mod:`.cpu_kernels`): linear layers of a few rows in float32 or in packed 4 bits
+(``kernels/linear.c``), RMSNorm and the rotary embedding (``kernels/pointwise.c``). Each
+function gives what its torch expression gives, to float rounding (tested against it), or
+hands the inputs back to torch: ``linear`` itself falls back; ``linear_q4``, ``rms_norm``
+and ``rotary`` return None when the kernel cannot take them (a GPU tensor, another dtype, a
+layout they do not read, no compiler).
+"""
+from __future__ import annotations
+
+import torch
+
+from .compression import PackedWeight
+from .cpu_kernels import library
+
+
+MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
+    """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
+    read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
+    a packed 4-bit weight (:class:`~.compression.PackedWeight`) is multiplied as stored
+    (:func:`linear_q4`). Anything else, or without the kernels, goes to ``F.linear``."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if isinstance(weight, PackedWeight):
+        out = linear_q4(x, weight, bias) if 0 < rows <= MAX_LINEAR_ROWS else None
+        return out if out is not None else torch.nn.functional.linear(x, weight.dense(), bias)
+    if (x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or not 0 < rows <= MAX_LINEAR_ROWS or not weight.is_contiguous()
+            or (bias is not None and bias.dtype != torch.float32)):
+        return torch.nn.functional.linear(x, weight, bias)
+    lib = library()
+    if lib is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    xs = x.reshape(rows, x.shape[-1]).contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    b = bias.contiguous() if bias is not None else None
+    lib.linear_rows(xs.data_ptr(), weight.data_ptr(), b.data_ptr() if b is not None else None,
+                    out.data_ptr(), rows, weight.shape[0], weight.shape[1],
+                    torch.get_num_threads())
+    return out
+
+
+def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
+    """``x @ W.T (+ bias)`` for a packed 4-bit weight read as stored (``kernels/linear.c``:
+    x rounded to 16 bits per group of 64 for the integer products), or None when the kernel
+    cannot take the inputs (no AVX2, not float32, a GPU)."""
+    if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
+            bias is not None and bias.dtype != torch.float32):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    p = weight.packed
+    n, k = p.shape
+    rows = x.numel() // k
+    xs = x.reshape(rows, k).contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    b = bias.contiguous() if bias is not None else None
+    done = lib.linear_q4(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
+                         p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
+                         out.data_ptr(), rows, n, k, torch.get_num_threads())
+    return out if done else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, float32 on a CPU; one
+    call instead of torch's seven small operations (20-60 us each time in a decode step)."""
+    if (x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or weight.shape != x.shape[-1:] or not x.is_contiguous()
+            or not weight.is_contiguous() or x.numel() == 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                      torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
+    """``x cos + (x2, x1) signed_sin`` for ``x [b, s, heads, d]`` and ``cos``/``signed_sin``
+    ``[b, s, 1, d]`` (see ``models/llama.py``), float32 on a CPU, all contiguous."""
+    if x.dim() != 4 or x.is_cuda or x.dtype != torch.float32:
+        return None
+    b, s, heads, d = x.shape
+    if (d % 2 or cos.shape != (b, s, 1, d) or signed_sin.shape != cos.shape
+            or cos.dtype != torch.float32 or signed_sin.dtype != torch.float32
+            or not (x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous())):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    lib.rotary_rows(x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), b * s,
+                    heads, d, torch.get_num_threads())
+    return out
