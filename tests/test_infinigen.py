@@ -422,16 +422,24 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
 
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("shared", [True, False])
-def test_projection_per_head_equals_the_einsum(b, shared):
-    """Rows times their KV head's projection, by one product per head where the projection
-    is shared over the batch or there is one sequence, by an einsum otherwise."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_projection_per_head_equals_the_einsum(b, shared, kernel, monkeypatch):
+    """Rows times their KV head's projection: on a CPU in float32 by one kernel call (any
+    strides of the rows, as the rehearsal's transposed query has), else by one product per
+    head where the projection is shared over the batch or there is one sequence, by an
+    einsum otherwise."""
     from flexgen_infinigen.infinigen.skew import project_per_head
+    from flexgen_infinigen.runtime import cpu_kernels
 
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "project_heads", lambda *a: None)
+    elif cpu_kernels.library() is None:
+        pytest.skip("no C compiler here")
     torch.manual_seed(b)
-    x = torch.randn(b, 5, 2, 64)
-    p = torch.randn(2, 64, 32).expand(b, 2, 64, 32) if shared else torch.randn(b, 2, 64, 32)
-    ref = torch.einsum("bnkd,bkdr->bnkr", x, p)
-    assert torch.allclose(project_per_head(x, p), ref, atol=1e-5)
+    for x in (torch.randn(b, 5, 2, 64), torch.randn(b, 2, 5, 64).transpose(1, 2)):
+        p = torch.randn(2, 64, 32).expand(b, 2, 64, 32) if shared else torch.randn(b, 2, 64, 32)
+        ref = torch.einsum("bnkd,bkdr->bnkr", x, p)
+        assert torch.allclose(project_per_head(x, p), ref, atol=1e-5)
 
 
 def test_a_step_that_reads_a_layer_whole_stores_its_new_row_once(tiny_llama, monkeypatch):

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime import cpu_kernels
 from ..sampling import Sampler, SamplingConfig
 from .calibration_text import TEXT as DEFAULT_CALIBRATION
 
@@ -150,6 +151,9 @@ def project_per_head(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     ``[b, KV, d, r]``. The calibrated projection is one ``[KV, d, r]`` expanded over the batch
     (stride 0), or there is one sequence: then one product per KV head, nothing expanded
     (an einsum would copy it b times at every call, and costs twice a product's time)."""
+    fused = cpu_kernels.project_heads(x, projection)  # float32 on a CPU: one kernel call
+    if fused is not None:
+        return fused
     b, n, kv, d = x.shape
     if projection.stride(0) != 0 and b > 1:
         return torch.einsum("bnkd,bkdr->bnkr", x, projection)

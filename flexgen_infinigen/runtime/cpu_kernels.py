@@ -104,6 +104,8 @@ def library() -> ctypes.CDLL | None:
         lib.rms_norm_rows.restype = None
         lib.rotary_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.rotary_rows.restype = None
+        lib.project_heads.argtypes = [ptr] * 3 + [i64] * 13
+        lib.project_heads.restype = None
         _lib = lib
         return lib
 
@@ -166,6 +168,27 @@ def speculate_pages(lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
                         cap.data_ptr(), order.data_ptr(), counts.data_ptr(), t, max_pages, c,
                         c // b, w, g, page, width, torch.get_num_threads())
     return order, counts
+
+
+def project_heads(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor | None:
+    """``[b, n, KV, r]``: rows ``x [b, n, KV, d]`` (any strides, rows contiguous) times their
+    KV head's ``projection [b, KV, d, r]`` (one shared by the batch: stride 0), float32 on a
+    CPU, r a multiple of 8 up to 128; None when the kernel cannot take them. The result is
+    stored KV-major (``[b, KV, n, r]`` transposed), as the rehearsal's query is wanted."""
+    b, n, kv, d = x.shape
+    r = projection.shape[-1]
+    if (x.is_cuda or x.dtype != torch.float32 or projection.dtype != torch.float32
+            or r % 8 or r > 128 or projection.shape != (b, kv, d, r) or x.stride(3) != 1
+            or projection.stride()[1:] != (d * r, r, 1) or x.numel() == 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(b, kv, n, r, dtype=torch.float32).transpose(1, 2)
+    lib.project_heads(x.data_ptr(), projection.data_ptr(), out.data_ptr(), b, n, kv, d, r,
+                      *x.stride()[:3], *out.stride()[:3], projection.stride(0),
+                      torch.get_num_threads())
+    return out
 
 
 def spec_write(rows: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
