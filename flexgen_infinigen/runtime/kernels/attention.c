@@ -24,13 +24,6 @@
 #define AHEAD 48  /* selected rows are asked for this many rows before they are read */
 #endif
 
-static inline float hsum8(v8 a) {
-    typedef float v4 __attribute__((vector_size(16)));
-    v4 lo = {a[0], a[1], a[2], a[3]}, hi = {a[4], a[5], a[6], a[7]};
-    lo += hi;
-    return (lo[0] + lo[2]) + (lo[1] + lo[3]);
-}
-
 static inline float dot(const float *a, const float *b, int64_t D) {
     v8 s0 = {0}, s1 = {0};
     int64_t d = 0;

@@ -17,6 +17,14 @@ static inline v8 load8(const float *p) { v8 r; __builtin_memcpy(&r, p, 32); retu
 static inline void store8(float *p, v8 x) { __builtin_memcpy(p, &x, 32); }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
+/* The sum of a vector's eight lanes (halves added, then pairs). */
+static inline float hsum8(v8 a) {
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 lo = {a[0], a[1], a[2], a[3]}, hi = {a[4], a[5], a[6], a[7]};
+    lo += hi;
+    return (lo[0] + lo[2]) + (lo[1] + lo[3]);
+}
+
 /* exp(x) for eight floats, inlined (a libm vector call costs several times more per value
    in the short softmax loops). x = n ln2 + r with n an integer and |r| <= ln2 / 2; e^r by
    its Taylor series to r^6 (relative error under 5e-7, measured over the normal range); 2^n put

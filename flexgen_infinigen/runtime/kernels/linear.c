@@ -6,7 +6,7 @@
    weight vector loaded once for the XR rows, each x vector once for the WR rows): four
    weight rows for one or two rows of x, two for three or more, in passes of up to four rows
    of x (measured from memory, two threads, 64-byte aligned as torch allocates: Qwen2.5's
-   MLP shapes at eight rows 0.90-0.97 -> 0.70-0.80 ms, SmolLM2's 0.20 -> 0.14-0.17 ms; at one
+   MLP shapes at eight rows 0.90-1.01 -> 0.70-0.80 ms, SmolLM2's 0.20 -> 0.14-0.17 ms; at one
    row 5-20% less; C harness). The first pass over a block asks for the weight rows two
    blocks on into L2, one ask a line, so that memory works while the block computes; rows
    past the weight are never read (a prefetch does not fault). */
@@ -33,8 +33,7 @@ static inline __attribute__((always_inline)) void rows_block(
     }
     for (int r = 0; r < XR; r++)
         for (int i = 0; i < WR; i++) {
-            const v8 v = a[i][r];
-            float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+            float t = hsum8(a[i][r]);
             for (int64_t j = k; j < K; j++)
                 t += w[i * K + j] * x[r * K + j];
             acc[r * WR + i] = t;
@@ -99,8 +98,7 @@ static inline float q4_finish(v8 acc, const float *mo, const float *xsum, int64_
         acc += load8(mo + g) * load8(xsum + g);
     if (g < G)
         acc += (v8)_mm256_maskload_ps(mo + g, tail) * load8(xsum + g);
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
-           + bias;
+    return hsum8(acc) + bias;
 }
 
 /* Output rows o .. o + P (P <= 2) of linear_q4 for 2 <= M <= 8 rows of x, whose 16-bit
@@ -143,10 +141,10 @@ static inline __attribute__((always_inline)) void q4_rows(
 /* Output rows o .. o + P of linear_q4 for one row of x, by byte products: x's 16-bit values
    split as 256 hi + lo (signed bytes: hi within +-127, lo -128 .. 127), and the codes,
    unsigned bytes after one mask or shift, multiply each (vpmaddubsw: pairs of products, at
-   most 3840 in size, sums of two pairs at most 7680, exact in 16 bits). Each 32-bit lane sums elements 8i .. 8i + 7,
-   as the 16-bit planes do: the same integers, the same float steps, so one row gives what
-   it gives in any batch. Fewer operations a group than widening the codes, which matters
-   when one row of x shares them. */
+   most 3840 in size, sums of two pairs at most 7680, exact in 16 bits). Each 32-bit lane
+   sums elements 8i .. 8i + 7, as the 16-bit planes do: the same integers, the same float
+   steps, so one row gives what it gives in any batch. Fewer operations a group than
+   widening the codes, which matters when one row of x shares them. */
 static inline __attribute__((always_inline)) void q4_row1(
         const uint8_t *codes, const float *scale, const float *minimum, const float *bias,
         float *out, const int8_t *xb, const float *xs, const float *xsum, int64_t o,
@@ -164,10 +162,12 @@ static inline __attribute__((always_inline)) void q4_row1(
             const __m256i even = _mm256_and_si256(c, nibble);
             const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
             const __m256i *q = (const __m256i *)(xb + g * 128);
-            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256(q)),
-                                                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 1)));
-            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256(q + 2)),
-                                                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
+            const __m256i hi = _mm256_add_epi16(
+                _mm256_maddubs_epi16(even, _mm256_loadu_si256(q)),
+                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 1)));
+            const __m256i lo = _mm256_add_epi16(
+                _mm256_maddubs_epi16(even, _mm256_loadu_si256(q + 2)),
+                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
             const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
                                                _mm256_madd_epi16(lo, one));
             acc += (v8)_mm256_cvtepi32_ps(p) * splat8(so[g] * xs[g]);
@@ -185,8 +185,9 @@ static inline __attribute__((always_inline)) void q4_row1(
    bytes), never expanded in memory.
 
    With AVX2: each row of x is rounded to 16-bit integers per group of 64 (max |x| to
-   32639, so that q4_row1 can split them into two signed bytes), multiplied with the codes exactly in integers (q4_rows, q4_row1), the sums scaled
-   per group and accumulated in floats; the minimum's share is minimum . (sum of x over the
+   32639, so that q4_row1 can split them into two signed bytes), multiplied with the codes
+   exactly in integers (q4_rows, q4_row1), the sums scaled per group and accumulated in
+   floats; the minimum's share is minimum . (sum of x over the
    group), exact. (Rounding x to 8 bits, for byte products alone, was cheaper but lost the
    small entries of a group that holds an outlier: up to 12% error in SmolLM2's key
    projections.) Returns 0 when it cannot run (no AVX2). */
@@ -206,9 +207,11 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *xg = x + m * K + g * 64;
-            float most = 0.0f;
-            for (int64_t i = 0; i < 64; i++)
+            float most = 0.0f, sum = 0.0f;
+            for (int64_t i = 0; i < 64; i++) {
                 most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
+                sum += xg[i];
+            }
             const float step = most > 0.0f ? most / 32639.0f : 1.0f;
             for (int64_t i = 0; i < 64; i++) {
                 const int v = (int)lrintf(xg[i] / step);
@@ -222,14 +225,11 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
                 }
             }
             xs[m * G + g] = step;
-        }
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < GP; g++) {
-            float sum = 0.0f;
-            for (int64_t i = 0; g < G && i < 64; i++)
-                sum += x[m * K + g * 64 + i];
             xsum[m * GP + g] = sum;
         }
+    for (int64_t m = 0; m < M; m++)  /* zeros past the last group, for q4_finish's mask */
+        for (int64_t g = G; g < GP; g++)
+            xsum[m * GP + g] = 0.0f;
     const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G % 8)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -5,10 +5,6 @@
    20-60 us in a step; threads only for prefill-sized inputs. */
 #define POINTWISE_THREADS_FROM 65536  /* values: below this, one thread does it all */
 
-static inline float sum8(v8 a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
 /* y = weight * (x / sqrt(mean(x^2) + eps)) for each row of n values (RMSNorm). */
 void rms_norm_rows(const float *x, const float *weight, float *y, int64_t rows, int64_t n,
                    float eps, int64_t nthreads) {
@@ -23,7 +19,7 @@ void rms_norm_rows(const float *x, const float *weight, float *y, int64_t rows, 
             const v8 v = load8(xr + i);
             acc += v * v;
         }
-        float squares = sum8(acc);
+        float squares = hsum8(acc);
         for (; i < n; i++)
             squares += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(squares / (float)n + eps);
