@@ -5,16 +5,16 @@ beside the bytes the call must read and this machine's read bandwidth.
     PYTHONPATH=path/to/other/checkout python benchmarks/decode_kernels.py --tag before
 
 Kernels, at SmolLM2-135M's shapes (30 layers, 3 KV heads of 64, 9 query heads):
-``speculate_mass`` (InfiniGen's scoring and selection of one layer, its default 20%),
-``attend_rows`` (every cached row of one layer), ``attend_indexed`` (20% of them, sorted,
-read where they are), and a step's linear layers in float32 and in 4 bits
-(``linear``/``linear_q4``: every weight once). Inputs are random (the selection's work
-depends on its scores: random scores are flatter than a real model's, so this times its
-worst case). Each input set is several times the last-level cache and the calls cycle
-through the sets, so every call reads from memory, as in a decode step. Buffers of 32 MB or
-more ask for 2 MB pages, as the runtime's KV cache does. Beside the bandwidth it records
-torch's float32 matrix product (2048 x 2048, from cache): the arithmetic a linear layer's
-flops would need at that rate.
+``speculate_mass`` (InfiniGen's scoring and selection of one layer, its default 20%; with
+keys of every column and of half of them), ``attend_rows`` (every cached row of one
+layer), ``attend_indexed`` (20% of them, sorted, read where they are), and a step's linear
+layers in float32 and in 4 bits (``linear``/``linear_q4``: every weight once). Inputs are
+random (the selection's work depends on its scores: random scores are flatter than a real
+model's, so this times its worst case). Each input set is several times the last-level
+cache and the calls cycle through the sets, so every call reads from memory, as in a
+decode step. Buffers of 32 MB or more ask for 2 MB pages, as the runtime's KV cache does.
+Beside the bandwidth it records torch's float32 matrix product (2048 x 2048, from cache):
+the arithmetic a linear layer's flops would need at that rate.
 
 The kernels are whatever ``flexgen_infinigen`` imports: point ``PYTHONPATH`` at another
 checkout to time its kernels with the same inputs (how the before/after table in
@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     rows["speculate_mass"] = (_time([
         lambda i=i: ck.speculate_mass(codes[i], scale[i], lo[i], q, 4, visible, caps, n)
         for i in range(SETS)], a.repeats), cols * t * (32 + 8))
+    half, qh = [c[..., :16].contiguous() for c in codes], q[..., :32].contiguous()
+    rows["speculate_mass, half keys"] = (_time([  # keys of half the columns
+        lambda i=i: ck.speculate_mass(half[i], scale[i], lo[i], qh, 4, visible, caps, n)
+        for i in range(SETS)], a.repeats), cols * t * (16 + 8))
 
     # attention over every row, and over 20% of them, head-major [C, T, D] caches
     ks = [_big(cols, t, d, generator=g) for _ in range(SETS)]

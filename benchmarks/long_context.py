@@ -52,6 +52,11 @@ POLICIES = {
     "infinigen-pages@0.1-w4": ("infinigen", {"speculation_keys": "pages16",
                                              "max_kv_fraction": 0.1}, False, True),
     "infinigen-4bit": ("infinigen", {}, True, False),
+    # 4-bit speculation keys of half the skewed columns: half the bytes and byte products
+    "infinigen-half": ("infinigen", {"partial_weight_ratio": 0.5}, False, False),
+    "infinigen-half-w4": ("infinigen", {"partial_weight_ratio": 0.5}, False, True),
+    "infinigen-half@0.1-w4": ("infinigen", {"partial_weight_ratio": 0.5,
+                                            "max_kv_fraction": 0.1}, False, True),
 }
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "h2o", "full-4bit"]
 # llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
@@ -130,8 +135,12 @@ def run_one(spec: dict) -> dict:
         report = lm.engine.kv_policy.report()
         steps = out.step_times[1:]
         step = statistics.median(steps[2:] if len(steps) > 4 else steps)
-        plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
-                                kv=lm.engine.kv_policy)
+        try:  # the compute device tells whether 4-bit weights are multiplied in place
+            plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
+                                    kv=lm.engine.kv_policy, device=lm.engine.tiers.device)
+        except TypeError:  # an older checkout on PYTHONPATH
+            plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
+                                    kv=lm.engine.kv_policy)
         weights = weight_read_bytes(lm)
         kv_bytes = kv_read_bytes(lm, report, b, ctx + gen / 2, compress)
         name = lm.cfg.name

@@ -20,6 +20,7 @@ whatever the length (``--max-num-kv``), ``infinigen@0.05:L1`` selects from layer
 (``--first-layer``; default 2); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``);
 ``infinigen-fp`` speculates with float keys of every column (only the query is guessed);
+``infinigen-half`` with 4-bit keys of half the skewed columns (``--partial-weight-ratio 0.5``);
 ``h2o@0.2`` keeps 10% heavy hitters and 10% recent tokens; ``full-4bit`` and
 ``infinigen-4bit`` store the cache in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs
 the policy with 4-bit weights.
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
 KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "infinigen-fp",
-         "oracle", "h2o")
+         "infinigen-half", "oracle", "h2o")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
                     "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
                     "full-4bit", "infinigen-4bit"]
@@ -70,6 +71,8 @@ def parse_policy(label: str):
         return "oracle", {"options": SelectionOptions(**opts).validate()}, False
     if kind == "infinigen-pages":  # page summaries of 16 tokens, whole pages chosen
         opts["speculation_keys"] = "pages16"
+    if kind == "infinigen-half":  # 4-bit speculation keys of half the (skewed) columns
+        opts["partial_weight_ratio"] = 0.5
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
     # select at every length (the speed default reads small layers whole: not what is measured)

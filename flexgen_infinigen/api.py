@@ -85,7 +85,7 @@ class OffloadedLM:
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
-                                part=part)
+                                part=part, device=dev)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
         tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io,
                       host_in_place=policy.host_in_place)

@@ -93,6 +93,28 @@ def test_chunked_decompression_equals_the_plain_formula(dtype, monkeypatch):
     assert torch.equal(compression.decompress(packed), plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_compression_equals_the_plain_formula(dtype, monkeypatch):
+    """Compression in row chunks (what keeps placing a large table in 4 bits from holding
+    full-size float temporaries) gives the codes, scales and minima of the formula applied
+    to the whole tensor at once, a constant group among them."""
+    from flexgen_infinigen.runtime import compression
+
+    x = (torch.randn(37, 3, 128, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    x[5, 1, :64] = 0.25
+    g = x.reshape(37, 3, 2, 64).float()
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    span = (hi - lo) / 15
+    q = torch.clamp(torch.round((g - lo) / torch.where(span > 0, span, 1.0)), 0, 15)
+    q = q.to(torch.uint8)
+    monkeypatch.setattr(compression, "CHUNK_VALUES", 5 * 3 * 128)  # 15 rows of groups a chunk
+    packed = compression.compress(x)
+    assert torch.equal(packed.codes, q[..., 0::2] | (q[..., 1::2] << 4))
+    assert torch.equal(packed.scale, span.to(dtype))
+    assert torch.equal(packed.minimum, lo.to(dtype))
+    assert packed.shape == tuple(x.shape)
+
+
 def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikitext_ids,
                                                             monkeypatch):
     """4-bit weights in CPU memory are multiplied as stored by a kernel that rounds each row

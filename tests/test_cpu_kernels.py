@@ -27,10 +27,11 @@ def _int8_query(pq: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["int4", "int2"])
 @pytest.mark.parametrize("length,cols,group,width", [(1, 2, 1, 64), (700, 6, 3, 64),
                                                     (1300, 4, 7, 50), (33, 3, 2, 128),
-                                                    (1029, 2, 7, 128)])
+                                                    (1029, 2, 7, 128), (901, 3, 3, 32),
+                                                    (19, 2, 7, 32)])
 def test_kernel_scores_equal_torch(kind, length, cols, group, width):
     """The kernel's scores equal the torch path's. Where it multiplies bytes (4-bit codes, a
-    width of 64 or 128) it rounds each query row to 8 bits for the product with the codes:
+    width of 32, 64 or 128) it rounds each query row to 8 bits for the product with the codes:
     its scores equal the torch path's computed that way, and the rounding moves them by far
     less than the 4-bit keys themselves are off (measured here: under a quarter of the keys'
     own error)."""
@@ -44,7 +45,7 @@ def test_kernel_scores_equal_torch(kind, length, cols, group, width):
     slow = keys.scores(pq, length)
     assert fast.shape == slow.shape == (1, cols, group, length)
     tol = 1e-5 * slow.abs().max().item() + 1e-5
-    if kind == "int2" or width not in (64, 128):  # codes expanded to floats: the same sums
+    if kind == "int2" or width not in (32, 64, 128):  # codes expanded to floats: the same sums
         assert (fast - slow).abs().max().item() <= tol
         return
     rounded = _int8_query(pq)  # q . codes on the rounded query, the minimum times sum(q)
@@ -57,16 +58,17 @@ def test_kernel_scores_equal_torch(kind, length, cols, group, width):
     assert query_error < 0.25 * key_error, (query_error, key_error)
 
 
+@pytest.mark.parametrize("width", [64, 32])
 @pytest.mark.parametrize("b,kv,group,length", [(1, 3, 3, 700), (2, 2, 7, 1100), (3, 1, 1, 40)])
-def test_fused_speculation_selects_what_scores_and_select_select(b, kv, group, length):
+def test_fused_speculation_selects_what_scores_and_select_select(b, kv, group, length, width):
     """Scoring and the mass rule in one pass (``speculate_mass``) choose the tokens that the
     kernel's scores followed by :func:`select` choose, padding never chosen."""
     from flexgen_infinigen.kv.selection import Budget, select
 
     torch.manual_seed(length)
-    keys = SpeculationKeys("int4", length + 3, b * kv, 64, torch.float32, Tiers("cpu"))
-    keys.write(torch.randn(length, b * kv, 64) * 2, 0)
-    pq = torch.randn(b, kv, group, 64) * 0.3
+    keys = SpeculationKeys("int4", length + 3, b * kv, width, torch.float32, Tiers("cpu"))
+    keys.write(torch.randn(length, b * kv, width) * 2, 0)
+    pq = torch.randn(b, kv, group, width) * 0.3
     visible = torch.ones(b, length, dtype=torch.bool)
     visible[0, :length // 4] = False
     budget = Budget(fraction=0.15, min_num=4)
@@ -83,13 +85,30 @@ def test_fused_speculation_selects_what_scores_and_select_select(b, kv, group, l
             assert all(visible[i, t] for t in order[i, h, :n].tolist())
 
 
+def _scores_rounded_as_the_kernel(real):
+    """``SpeculationKeys.scores`` whose torch path sees the query as the AVX2 kernel does
+    where it multiplies bytes (4-bit codes of 16 to 128 bytes a row): q rounded to 8 bits per
+    row for the product with the codes, its exact sum for the minimum's share."""
+    def scores(self, pq, length):
+        if self.bits != 4 or self.codes.shape[-1] not in (16, 32, 64, 96, 128):
+            return real(self, pq, length)
+        rounded = _int8_query(pq)
+        lo = self.lo[:, :length].reshape(pq.shape[0], pq.shape[1], 1, length)
+        return real(self, rounded, length) + lo * (pq.sum(-1) - rounded.sum(-1))[..., None]
+    return scores
+
+
 def test_generation_with_the_kernel_equals_without(tiny_llama, monkeypatch):
+    """The tiny model's head dim of 32 gives 16-byte rows of codes: the kernel's byte products
+    apply, so the torch path rounds the query as the kernel does (see test above)."""
     prompts = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
     runs = []
     for use in (True, False):
         if not use:
             monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)
             monkeypatch.setattr(spec_keys, "speculate_mass", lambda *a: None)
+            monkeypatch.setattr(SpeculationKeys, "scores",
+                                _scores_rounded_as_the_kernel(SpeculationKeys.scores))
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
         with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                               kv_options={"max_kv_fraction": 0.3}, progress=False) as lm:

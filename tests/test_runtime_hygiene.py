@@ -168,6 +168,35 @@ def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatc
     assert used == term["speculation_unpacked"] * (prompt + gen - 2) // (prompt + gen)
 
 
+def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama):
+    """On a CPU, 4-bit weights are multiplied where they are stored: the plan counts no stage
+    of expanded weights, only the largest matrix a prefill product expands, and InfiniGen's
+    rehearsal shares the layer's packed W_Q (no float copy); elsewhere (device unknown, as
+    for the optimizer) it still counts two stages and the copy."""
+    from flexgen_infinigen.runtime.compression import PackedWeight
+
+    _, store = tiny_llama
+    b, prompt, gen = 2, 40, 8
+    with _load(store, [100, 0, 0, 100, 100, 0], "infinigen", gpu_batch_size=b,
+               compress_weight=True) as lm:
+        cfg, kv = lm.cfg, lm.engine.kv_policy
+        cpu, unknown = (memory_plan.plan(cfg, lm.policy, torch.float32, prompt, gen, kv=kv,
+                                         device=d) for d in (torch.device("cpu"), None))
+        shared = [w["q_proj.weight"] for w in kv.rehearsal.weights if w]
+        layer_q = [lm.engine.weights[f"layers.{i}.q_proj.weight"].read_for_compute()
+                   for i in range(2, cfg.num_layers)]
+    assert len(shared) == cfg.num_layers - 2
+    assert all(isinstance(w, PackedWeight) for w in shared)
+    assert all(a.packed.codes.data_ptr() == q.packed.codes.data_ptr()
+               for a, q in zip(shared, layer_q))
+    assert cpu["kv_policy_device"]["speculation_weights"] == 0  # no q bias in Llama
+    assert unknown["kv_policy_device"]["speculation_weights"] == \
+        (cfg.num_layers - 2) * cfg.q_dim * cfg.hidden_size * 4
+    widest = max(cfg.intermediate_size * cfg.hidden_size, cfg.q_dim * cfg.hidden_size) * 4
+    assert cpu["working_set_device"] == (unknown["working_set_device"]
+                                         - unknown["stage_copies_if_offloaded"] + widest)
+
+
 def test_device_plan_counts_what_h2o_allocates(tiny_llama):
     _, store = tiny_llama
     b, prompt, gen = 2, 40, 8

@@ -35,7 +35,8 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     part = lm.engine.part if lm.engine.part != LayerSlice.whole(cfg) else None
     planned = memory_plan.plan(cfg, policy, lm.engine.dtype, gen.prompt_tokens,
-                               gen.generated_tokens, kv=lm.engine.kv_policy, part=part)["total"]
+                               gen.generated_tokens, kv=lm.engine.kv_policy, part=part,
+                               device=lm.engine.tiers.device)["total"]
     report = {
         "model": {"name": cfg.name, "architecture": cfg.architecture, "family": cfg.family,
                   "num_layers": cfg.num_layers,

@@ -173,9 +173,11 @@ class KVPolicy(ABC):
         besides reading its share of the cache (see :class:`DecodeWork`)."""
         return DecodeWork()
 
-    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+    def device_bytes(self, cfg, policy, item: int, max_len: int,
+                     weights_in_place: bool = False) -> dict[str, int]:
         """Compute-device bytes this policy allocates besides the KV cache, by term, for an
-        engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens."""
+        engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens;
+        ``weights_in_place``: 4-bit weights are multiplied where they are stored (a CPU)."""
         return {}
 
     # ---- running ----------------------------------------------------------------------------

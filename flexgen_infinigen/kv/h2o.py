@@ -158,7 +158,8 @@ class H2OPolicy(SelectivePolicy):
     def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:
         return DecodeWork(gathers_rows=True, layers=cfg.num_layers, overhead=self.overhead_name)
 
-    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+    def device_bytes(self, cfg, policy, item: int, max_len: int,
+                     weights_in_place: bool = False) -> dict[str, int]:
         caches = cfg.num_layers * policy.num_gpu_batches
         cols = policy.gpu_batch_size * cfg.num_kv_heads
         top = min(max_len, math.ceil(max_len * (self.hh_ratio + self.recent_ratio)) + 1)

@@ -141,11 +141,13 @@ class InfiniGenPolicy(SelectivePolicy):
                           matmul_params=params, scan_bytes=keys + 4 * scores,
                           overhead=self.overhead_name)
 
-    def device_bytes(self, cfg, policy, item: int, max_len: int) -> dict[str, int]:
+    def device_bytes(self, cfg, policy, item: int, max_len: int,
+                     weights_in_place: bool = False) -> dict[str, int]:
         """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
-        W_Q per head where the projection folds into them, else the whole W_Q per layer),
-        the projections, the KV pool's state, the selected rows in flight and the decode
-        keys that wait while a layer reads itself whole."""
+        W_Q per head where the projection folds into them, else the whole W_Q per layer: a
+        float copy, except 4-bit weights multiplied in place, which the rehearsal shares
+        with the layer), the projections, the KV pool's state, the selected rows in flight
+        and the decode keys that wait while a layer reads itself whole."""
         from ..models import family_of
         o = self.options.with_defaults(cfg.family, self.default_rule)
         d = cfg.head_dim
@@ -158,7 +160,8 @@ class InfiniGenPolicy(SelectivePolicy):
         terms = {
             "speculation_keys": round(caches * max_len * cols * bytes_per_key(
                 o.speculation_keys, r, item)),
-            "speculation_weights": layers * (rows * cfg.hidden_size + bias) * item,
+            "speculation_weights": layers * (rows * cfg.hidden_size * (
+                self._folds(cfg) or not weights_in_place) + bias) * item,
             "projections": cfg.num_layers * cfg.num_kv_heads * d * r * item
             + (caches * cols * d * r * item if o.prompt_skew else 0),
             "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,

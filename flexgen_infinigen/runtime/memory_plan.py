@@ -66,12 +66,38 @@ def prompt_activation_bytes(cfg: ModelConfig, batch: int, prompt_len: int, item:
     return batch * prompt_len * per_token * item
 
 
+def packed_in_place(policy: Policy, device: torch.device | None) -> bool:
+    """4-bit weights that a CPU multiplies where they are stored (``cpu_layers.linear_q4``):
+    all on the compute device, which is the CPU. No stage of them is ever expanded; a product
+    the kernel does not take expands one matrix, for that product only."""
+    return (device is not None and device.type == "cpu" and policy.compress_weight
+            and policy.weight_split[0] >= 1.0)
+
+
+def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
+                     head: bool) -> int:
+    """The largest weight matrix expanded from 4 bits at once where they are multiplied in
+    place: a layer's (a prefill's many rows go through torch), and the output table when
+    the head's rows are more than the kernel takes or the kernel cannot run here."""
+    from .cpu_layers import MAX_LINEAR_ROWS
+
+    layer = max(math.prod(s) for n, s in shapes.items()
+                if n.startswith("layers.0.") and len(s) == 2)
+    kernel = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    table = cfg.vocab_size * cfg.embed_dim if head and (
+        policy.gpu_batch_size > MAX_LINEAR_ROWS or not kernel) else 0
+    return max(layer, table) * item
+
+
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
-         gen_len: int, kv=None, part=None) -> dict[str, dict[str, int]]:
+         gen_len: int, kv=None, part=None, device: torch.device | None = None
+         ) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
     the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device; of the whole
-    model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`)."""
+    model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`). The compute
+    ``device``, when known, tells whether 4-bit weights are multiplied in place (a CPU)."""
     item = torch.tensor([], dtype=dtype).element_size()
+    in_place = packed_in_place(policy, device)
     shapes = family_of(cfg).weight_shapes(cfg)
     ends = head = True
     if part is not None:
@@ -110,15 +136,18 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     chunk = prefill_chunk(cfg, policy, item, prompt_len)
     rows = min(prompt_len, chunk, FUSED_ROWS)
     # a stage's weights are copied (brought to the device, or expanded from 4 bits) unless
-    # they all sit on the device as they are: then compute reads them in place
-    resident = policy.weight_split[0] >= 1.0 and not policy.compress_weight
+    # they all sit on the device as they are: then compute reads them in place (4-bit ones
+    # too on a CPU, but for one matrix at a time in a product the kernel does not take)
+    resident = policy.weight_split[0] >= 1.0 and (not policy.compress_weight or in_place)
     stage_copies = 2 * biggest_stage
-    working = (stage_copies * (not resident) + loads
+    expanded = _expanded_matrix(cfg, shapes, policy, item, head) if in_place else 0
+    working = (stage_copies * (not resident) + expanded + loads
                + b * rows * prompt_len  # one fused attention chunk's boolean mask
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)
                + b * cfg.vocab_size * 4 * head)
-    kv_terms = kv.device_bytes(cfg, policy, item, max_len) if kv is not None else {}
+    kv_terms = kv.device_bytes(cfg, policy, item, max_len, weights_in_place=in_place) \
+        if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the
     # one in use and the next), from the pinned caching allocator, which rounds to a power of 2
     disk_read = max(biggest_stage * policy.weight_split[2], 2 * per_cache[2])

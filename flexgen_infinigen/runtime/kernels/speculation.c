@@ -103,6 +103,37 @@ static inline __attribute__((always_inline)) void dots8_p32(const uint8_t *codes
                                    _mm256_permute2x128_si256(quad[0][g], quad[1][g], 0x31));
 }
 
+/* dots8 for rows of 16 bytes (32 columns: keys of half a head of 64), two rows to a
+   vector: each head's products of a vector (eight lanes of 16 bits per row) folded as
+   dots8_p32 folds them (at most 4 * 7620 = 30480), giving rows [0 2 4 6 | 1 3 5 7], put in
+   order by one permute. The query's 16 bytes of a slot plane are read into both halves. */
+static inline __attribute__((always_inline)) void dots8_p16(const uint8_t *codes,
+                                                            const int8_t (*qi)[256], int64_t g0,
+                                                            const int NG, __m256i *dots) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i pair[2][4];
+    for (int p = 0; p < 2; p++) {
+        __m256i two[2][4];
+        for (int r = 0; r < 2; r++) {  /* rows 4p + 2r and 4p + 2r + 1 */
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + (2 * p + r) * 32));
+            const __m256i lo4 = _mm256_and_si256(c, nibble);
+            const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            for (int g = 0; g < NG; g++)
+                two[r][g] = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo4, _mm256_broadcastsi128_si256(
+                        _mm_load_si128((const __m128i *)qi[g0 + g]))),
+                    _mm256_maddubs_epi16(hi4, _mm256_broadcastsi128_si256(
+                        _mm_load_si128((const __m128i *)(qi[g0 + g] + 16)))));
+        }
+        for (int g = 0; g < NG; g++)
+            pair[p][g] = fold_rows2(two[0][g], two[1][g]);
+    }
+    for (int g = 0; g < NG; g++)
+        dots[g] = _mm256_permutevar8x32_epi32(
+            _mm256_madd_epi16(fold_rows4(pair[0][g], pair[1][g]), ones), order);
+}
+
 /* Eight rows' scores for the NG heads g0 .. g0 + NG: scale * (q . codes) + lo * sum(q), into
    s[g * ld .. + 8]; with `masked`, hidden rows (lanes of `shown` clear) get HIDDEN_SCORE and
    vbest[g] keeps each head's largest. */
@@ -113,6 +144,8 @@ static inline __attribute__((always_inline)) void block8(
     __m256i d[4];
     if (P == 32)
         dots8_p32(rows, qi, g0, NG, d);
+    else if (P == 16)
+        dots8_p16(rows, qi, g0, NG, d);
     else
         dots8(rows, P, qi, g0, NG, d);
     for (int g = 0; g < NG; g++) {
@@ -140,7 +173,7 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
     for (int64_t g = 0; g < G; g++)
         best[g] = HIDDEN_SCORE;
 #ifdef __AVX2__
-    if (bits == 4 && P % 32 == 0 && P <= 128) {
+    if (bits == 4 && (P == 16 || (P % 32 == 0 && P <= 128))) {
         int8_t qi[16][256] __attribute__((aligned(32)));
         float qscale[16];
         for (int64_t g = 0; g < G; g++) {
