@@ -12,10 +12,10 @@
    queries come with their columns in that "slot-plane" order (x[s * P + j]), so that the
    score of a row is scale * (q . codes) + lo * sum(q).
 
-   With AVX2, 4-bit codes and P a multiple of 32, q is rounded to 8-bit integers per query
-   head (max |q| to 127; an error far below the 4-bit keys') and q . codes is an integer
-   product of bytes (vpmaddubsw), eight rows reduced at once; otherwise codes are expanded
-   to floats row by row. */
+   With AVX2, 4-bit codes and P of 16 or a multiple of 32 up to 128, q is rounded to 8-bit
+   integers per query head (max |q| to 127; an error far below the 4-bit keys') and
+   q . codes is an integer product of bytes (vpmaddubsw), eight rows reduced at once;
+   otherwise codes are expanded to floats row by row. */
 
 #ifdef __AVX2__
 /* dots[g] (g < NG, NG <= 4): the integer products of eight rows of codes (row stride P bytes,
