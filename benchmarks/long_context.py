@@ -21,6 +21,7 @@ Writes ``benchmarks/results/long_context_<tag>.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import resource
 import statistics
@@ -135,12 +136,12 @@ def run_one(spec: dict) -> dict:
         report = lm.engine.kv_policy.report()
         steps = out.step_times[1:]
         step = statistics.median(steps[2:] if len(steps) > 4 else steps)
-        try:  # the compute device tells whether 4-bit weights are multiplied in place
-            plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
-                                    kv=lm.engine.kv_policy, device=lm.engine.tiers.device)
-        except TypeError:  # an older checkout on PYTHONPATH
-            plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
-                                    kv=lm.engine.kv_policy)
+        # the compute device tells whether 4-bit weights are multiplied in place (an older
+        # checkout on PYTHONPATH does not take it)
+        where = {"device": lm.engine.tiers.device} \
+            if "device" in inspect.signature(memory_plan.plan).parameters else {}
+        plan = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, ctx, gen,
+                                kv=lm.engine.kv_policy, **where)
         weights = weight_read_bytes(lm)
         kv_bytes = kv_read_bytes(lm, report, b, ctx + gen / 2, compress)
         name = lm.cfg.name

@@ -66,7 +66,7 @@ def prompt_activation_bytes(cfg: ModelConfig, batch: int, prompt_len: int, item:
     return batch * prompt_len * per_token * item
 
 
-def packed_in_place(policy: Policy, device: torch.device | None) -> bool:
+def _packed_in_place(policy: Policy, device: torch.device | None) -> bool:
     """4-bit weights that a CPU multiplies where they are stored (``cpu_layers.linear_q4``):
     all on the compute device, which is the CPU. No stage of them is ever expanded; a product
     the kernel does not take expands one matrix, for that product only."""
@@ -79,11 +79,13 @@ def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
     """The largest weight matrix expanded from 4 bits at once where they are multiplied in
     place: a layer's (a prefill's many rows go through torch), and the output table when
     the head's rows are more than the kernel takes or the kernel cannot run here."""
+    from .cpu_kernels import library
     from .cpu_layers import MAX_LINEAR_ROWS
 
     layer = max(math.prod(s) for n, s in shapes.items()
                 if n.startswith("layers.0.") and len(s) == 2)
-    kernel = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    kernel = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+              and library() is not None)
     table = cfg.vocab_size * cfg.embed_dim if head and (
         policy.gpu_batch_size > MAX_LINEAR_ROWS or not kernel) else 0
     return max(layer, table) * item
@@ -97,7 +99,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`). The compute
     ``device``, when known, tells whether 4-bit weights are multiplied in place (a CPU)."""
     item = torch.tensor([], dtype=dtype).element_size()
-    in_place = packed_in_place(policy, device)
+    in_place = _packed_in_place(policy, device)
     shapes = family_of(cfg).weight_shapes(cfg)
     ends = head = True
     if part is not None:
