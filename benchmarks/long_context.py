@@ -13,8 +13,9 @@ cached K and V row once; for InfiniGen, in the layers that select, its speculati
 the rows it selected (the others read every row); for H2O the rows it keeps; a 4-bit cache
 its packed bytes. What the engine happens to copy is not counted. Each configuration runs
 in its own process, so that its peak RSS is its own; the memory plan's prediction is
-reported beside it. llama.cpp's figures (measured separately on this machine, 2 threads;
-see issue 27) are printed for comparison, labelled as such.
+reported beside it. With ``--llama-bench PATH`` llama.cpp is measured in the same run (its
+llama-bench, one stream, each context as its depth: ``llama_cpp.py``); ``--llama-cpp MODEL``
+prints the figures measured separately in an earlier session (issue 27), labelled as such.
 
 Writes ``benchmarks/results/long_context_<tag>.{json,md,png}``.
 """
@@ -231,6 +232,14 @@ def main(argv=None) -> int:
                    help="the model's GGUF: also time transformers at batch 1 (its own loader)")
     p.add_argument("--llama-cpp", default=None, choices=list(LLAMA_CPP),
                    help="print llama.cpp's separately measured figures for this model")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary: measure llama.cpp in this run too "
+                        "(one stream, each context as its depth; see llama_cpp.py)")
+    p.add_argument("--llama-gguf", default=None,
+                   help="the GGUF llama-bench runs (default: --model if it is one, else "
+                        "--reference-gguf)")
+    p.add_argument("--llama-prefill-tokens", type=int, default=512,
+                   help="prompt tokens llama-bench times at each depth (0: decode only)")
     p.add_argument("--tag", default="smollm2")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--quick", action="store_true", help="4K, batch 1, full and infinigen")
@@ -250,6 +259,13 @@ def main(argv=None) -> int:
         return 0
     if a.quick:
         a.contexts, a.batches, a.policies = [4096], [1], ["full", "infinigen"]
+    if a.llama_bench:
+        from llama_cpp import LlamaBenchError, check
+        gguf = a.llama_gguf or (a.model if a.model.endswith(".gguf") else a.reference_gguf)
+        try:
+            a.llama_bench, a.llama_gguf = check(a.llama_bench, gguf)
+        except LlamaBenchError as e:
+            p.error(str(e))
     from long_context_report import write_outputs
     from machine import machine_info
     from tqdm.auto import tqdm
@@ -280,6 +296,16 @@ def main(argv=None) -> int:
     finally:
         if a.prefill_dir is None:
             shutil.rmtree(folder, ignore_errors=True)
+    if a.llama_bench:
+        from llama_cpp import llama_bench_rows
+        print(f"llama.cpp: llama-bench on {Path(a.llama_gguf).name} at depths "
+              f"{', '.join(map(str, a.contexts))}", flush=True)
+        for row in llama_bench_rows(a.llama_bench, a.llama_gguf, a.contexts,
+                                    torch.get_num_threads(), timeout=a.timeout,
+                                    prefill_tokens=a.llama_prefill_tokens, model_label=a.model):
+            row["bandwidth"] = read_bandwidth()
+            rows.append(row)
+            print(_line(row), flush=True)
     result = {"machine": machine_info(), "read_bandwidth_bytes_s": bandwidth,
               "llama_cpp_separately_measured": LLAMA_CPP.get(a.llama_cpp),
               "rows": rows}
@@ -313,7 +339,8 @@ def _line(r: dict) -> str:
     head = f"{r['policy']:<12} ctx {r['context']:>6} b {r['batch']}"
     if "error" in r:
         return f"{head}: error: {r['error']}"
-    prefill = "shared" if r.get("prefill_shared") else f"{r['prefill_tokens_s']:.0f} tok/s"
+    prefill = "shared" if r.get("prefill_shared") else (
+        f"{r['prefill_tokens_s']:.0f} tok/s" if "prefill_tokens_s" in r else "not timed")
     text = (f"{head}: prefill {prefill}, decode "
             f"{r['decode_tokens_s']:.2f} tok/s ({1e3 * r['decode_step_s']:.0f} ms/step")
     if "bound_s" in r:

@@ -46,7 +46,8 @@ def markdown(result: dict) -> str:
             continue
         bound = r.get("bound_s")
         read = r.get("must_read_bytes")
-        prefill = "shared" if r.get("prefill_shared") else f"{r['prefill_tokens_s']:.0f}"
+        prefill = "shared" if r.get("prefill_shared") else (
+            f"{r['prefill_tokens_s']:.0f}" if "prefill_tokens_s" in r else "")
         cells = [name, r["policy"], r["context"], r["batch"], prefill,
                  f"{r['decode_tokens_s']:.2f}", f"{1e3 * r['decode_step_s']:.0f}",
                  f"{1e3 * bound:.0f}" if bound else "",
@@ -54,9 +55,16 @@ def markdown(result: dict) -> str:
                  f"{read['weights'] / 1e9:.2f} + {read['kv'] / 1e9:.2f}" if read else "",
                  f"{100 * r['speculation_share']:.0f}%" if bound else "",
                  f"{r['kv_fetch_fraction']:.2f}" if bound else "",
-                 f"{r['peak_rss_bytes'] / 1e9:.2f}",
+                 f"{r['peak_rss_bytes'] / 1e9:.2f}" if "peak_rss_bytes" in r else "",
                  _plan(r)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    ours = [r for r in result["rows"] if r.get("measured_in_run") and "error" not in r]
+    if ours:
+        r = ours[0]
+        lines += ["", f"llama.cpp rows: measured in the same run by its llama-bench ({r['threads']} "
+                  f"threads, one stream, weights {r['weights']}, KV cache {r['kv_cache']}; "
+                  f"prefill: {r.get('prefill_tokens', 0)} prompt tokens timed after the "
+                  "context's tokens; `" + r["command"] + "`)."]
     ref = result.get("llama_cpp_separately_measured")
     if ref:
         lines += ["", "llama.cpp on this machine (llama-bench, 2 threads, 4/5-bit weights, f16 KV; "
