@@ -1,5 +1,6 @@
 """Small CPU kernels compiled on first use, for the decode step on a CPU: attention over every
-cached row or over chosen rows, read where the cache keeps them (``kernels/attention.c``),
+cached row or over chosen rows, read where the cache keeps them (``kernels/attention.c``; over
+a 4-bit cache ``kernels/attention_q4.c``; their shared block in ``kernels/attention.h``),
 and InfiniGen's speculation: packed speculation keys scored without unpacking them into
 floats, and the default selection rule, fused with the scoring (``kernels/speculation.c``;
 the mass rule itself in ``kernels/selection.c``, page-level speculation in
