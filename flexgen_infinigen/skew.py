@@ -3,8 +3,10 @@
     python -m flexgen_infinigen.skew                       # the default model, built-in text
     python -m flexgen_infinigen.skew --path stores/opt-1.3b --calibration wiki.txt
 
-The matrices go to ``<store>/infinigen/``; ``--kv-policy infinigen`` uses them from then on
-(without them it calibrates on the built-in text at every load).
+The matrices go to ``<store>/infinigen/``; ``--kv-policy infinigen`` uses them from then on.
+Without them a run calibrates on the built-in text (or ``--calibration``) and keeps the result
+in ``<store>/infinigen-calibrations/``, where later runs with the same text, weights,
+placement, dtype and thread count find it instead of calibrating again.
 """
 from __future__ import annotations
 

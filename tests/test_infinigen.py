@@ -467,3 +467,40 @@ def test_a_step_that_reads_a_layer_whole_stores_its_new_row_once(tiny_llama, mon
             layers = lm.cfg.num_layers
         assert len(writes) == len(set(writes)) == layers * 5, (name, len(writes))
     assert outs["infinigen"] == outs["full"]
+
+
+def test_a_run_keeps_its_calibration_for_the_next_run_like_it(tiny_llama, monkeypatch,
+                                                               tmp_path):
+    import shutil
+
+    from flexgen_infinigen.infinigen import rehearsal
+    from flexgen_infinigen.infinigen.skew import KEPT_DIR
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_llama[1], store)  # a store of its own: nothing kept in it yet
+    real, calls = rehearsal.calibrate, []
+    monkeypatch.setattr(rehearsal, "calibrate",
+                        lambda lm, text=None: calls.append(1) or real(lm, text))
+    options = {"options": InfiniGenOptions(max_kv_fraction=0.4, select_from_mb=0.0)}
+
+    def run(policy):
+        with OffloadedLM.load(path=store, policy=policy, kv_policy="infinigen",
+                              kv_options=options, progress=False) as lm:
+            out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+            kv = lm.engine.kv_policy
+            return out, kv.rehearsal.skew, kv.report()
+
+    cpu = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    first, skew1, report1 = run(cpu)
+    assert len(calls) == 1 and len(list((store / KEPT_DIR).iterdir())) == 1
+    assert not report1["skew_calibration"]["kept_from_an_earlier_run"]
+    second, skew2, report2 = run(cpu)
+    assert len(calls) == 1  # loaded, not computed again
+    assert report2["skew_calibration"]["kept_from_an_earlier_run"]
+    assert torch.equal(skew1.gram_q, skew2.gram_q) and torch.equal(skew1.gram_k, skew2.gram_k)
+    assert second.token_ids == first.token_ids  # bit for bit: the same matrices
+    assert all(torch.equal(a, b) for a, b in zip(second.logits, first.logits))
+    assert report2["kv_fetch_fraction"] < 1.0  # the skew chose what was read
+    # 4-bit weights give other queries: that run calibrates (and keeps) its own
+    run(dataclasses.replace(cpu, compress_weight=True))
+    assert len(calls) == 2 and len(list((store / KEPT_DIR).iterdir())) == 2

@@ -14,7 +14,8 @@ from ..config import read_text
 from ..kv.options import InfiniGenOptions
 from ..runtime.compression import PackedWeight
 from ..runtime.cpu_layers import linear
-from .skew import Skew, calibrate, project_per_head, projection, query_gram
+from .skew import (Skew, calibrate, calibration_key, keep_calibration, kept_calibration,
+                   project_per_head, projection, query_gram)
 
 PRIOR_TOKENS = 64  # weight of the calibrated skew against a prompt's own statistics
 
@@ -23,16 +24,7 @@ class Rehearsal:
     def __init__(self, lm, options: InfiniGenOptions):
         cfg, engine = lm.cfg, lm.engine
         self.cfg, self.family, self.options = cfg, engine.family, options
-        store = getattr(lm, "store_path", None)
-        skew = None if options.calibration or store is None else Skew.load(store)
-        # pipeline ranks calibrate together or not at all
-        if engine.any_rank(skew is None, "agreeing on InfiniGen's calibration"):
-            skew = None
-        if skew is None:
-            text = read_text(options.calibration, "--calibration") if options.calibration \
-                else None
-            skew = calibrate(lm, text)
-        self.skew = skew
+        self.skew = skew = self._skew(lm, engine, options)
         dev = engine.tiers.device
         # [L, KV, d, r] in the runtime dtype: one copy, shared (as views) by every cache
         self.projections = skew.projections(options.ratio, options.column_score).to(
@@ -43,6 +35,30 @@ class Rehearsal:
         # its weights: only r rows per head stay on the device
         self.folded = engine.family.SKEW_FOLDS_INTO_WEIGHTS and not options.prompt_skew
         self.weights = [self._query_weights(engine, layer) for layer in range(cfg.num_layers)]
+
+    @staticmethod
+    def _skew(lm, engine, options: InfiniGenOptions) -> Skew:
+        """The skew stored with the weights (``python -m flexgen_infinigen.skew``), else the
+        calibration an earlier run with the same text, weights, placement, dtype and threads
+        kept in the store, else a calibration now (kept for the next such run)."""
+        store = getattr(lm, "store_path", None)
+        text = read_text(options.calibration, "--calibration") if options.calibration else None
+        skew = None if options.calibration or store is None else Skew.load(store)
+        key = None
+        if skew is None and store is not None:
+            key = calibration_key(lm, text)
+            skew = kept_calibration(store, key)
+            if skew is not None:
+                skew.meta["kept"] = True
+        # pipeline ranks calibrate together or not at all
+        if engine.any_rank(skew is None, "agreeing on InfiniGen's calibration"):
+            skew = None
+        if skew is None:
+            skew = calibrate(lm, text)
+            # a pipeline rank records only its own layers: nothing to keep for a whole run
+            if key is not None and len(engine.part.layers) == lm.cfg.num_layers:
+                keep_calibration(skew, store, key)
+        return skew
 
     @property
     def columns(self) -> int:
@@ -106,4 +122,5 @@ class Rehearsal:
 
     def meta(self) -> dict:
         return {"source": self.skew.meta.get("source"), "tokens": self.skew.meta.get("tokens"),
+                "kept_from_an_earlier_run": bool(self.skew.meta.get("kept")),
                 "per_prompt": self.options.prompt_skew}

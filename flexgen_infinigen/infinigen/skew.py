@@ -14,6 +14,8 @@ query ``q A[:, cols]``; the KV cache itself holds the model's own keys.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +30,10 @@ from ..runtime import cpu_kernels
 from ..sampling import Sampler, SamplingConfig
 from .calibration_text import TEXT as DEFAULT_CALIBRATION
 
-SKEW_DIR = "infinigen"
+SKEW_DIR = "infinigen"  # what `python -m flexgen_infinigen.skew` stores: every run uses it
+KEPT_DIR = "infinigen-calibrations"  # a run's own calibration, kept for runs like it
+CALIBRATION_FORMAT = 1  # raise when calibrate() changes what it computes (kept ones go stale)
+CALIBRATION_TOKENS = 4096
 
 
 def query_gram(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -79,31 +84,40 @@ class Skew:
         """``[L, KV, d, r]``: the kept skewed columns of each layer and KV head."""
         return projection(self.gram_q, self.gram_k, ratio, column_score)
 
-    def save(self, store_path: str | os.PathLike) -> Path:
-        """Write next to a weight store, atomically (temporary folder, then rename)."""
-        dest = Path(store_path) / SKEW_DIR
-        tmp = Path(store_path) / f".{SKEW_DIR}.partial-{uuid.uuid4().hex[:8]}"
+    def save(self, store_path: str | os.PathLike, name: str = SKEW_DIR,
+             replace: bool = True) -> Path:
+        """Write into a weight store's folder ``name``, atomically (a temporary folder, then
+        a rename): an interrupted write never leaves a skew that loads. ``replace=False``
+        leaves one already there as it is."""
+        dest = Path(store_path) / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             np.save(tmp / "gram_q.npy", self.gram_q.double().numpy(), allow_pickle=False)
             np.save(tmp / "gram_k.npy", self.gram_k.double().numpy(), allow_pickle=False)
             (tmp / "meta.json").write_text(json.dumps(self.meta, indent=1))
-            if dest.exists():
+            if dest.exists() and replace:
                 shutil.rmtree(dest)
-            os.replace(tmp, dest)
+            if not dest.exists():
+                os.replace(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return dest
 
     @classmethod
-    def load(cls, store_path: str | os.PathLike) -> "Skew | None":
-        """The stored skew, or None (none stored, or one written by an older version)."""
-        folder = Path(store_path) / SKEW_DIR
+    def load(cls, store_path: str | os.PathLike, name: str = SKEW_DIR) -> "Skew | None":
+        """The skew stored in the store's folder ``name``, or None (none stored, or one
+        written by an older version)."""
+        folder = Path(store_path) / name
         if not all((folder / n).is_file() for n in ("meta.json", "gram_q.npy", "gram_k.npy")):
             return None
         read = lambda n: torch.from_numpy(np.load(folder / n, allow_pickle=False))  # noqa: E731
-        return cls(read("gram_q.npy"), read("gram_k.npy"),
-                   json.loads((folder / "meta.json").read_text()))
+        try:
+            return cls(read("gram_q.npy"), read("gram_k.npy"),
+                       json.loads((folder / "meta.json").read_text()))
+        except (OSError, ValueError):  # being replaced by another process: as if absent
+            return None
 
 
 def compute_skew(records: dict[int, list], num_layers: int, kv_heads: int) -> Skew:
@@ -121,7 +135,34 @@ def compute_skew(records: dict[int, list], num_layers: int, kv_heads: int) -> Sk
     return Skew(torch.stack(gq), torch.stack(gk), {})
 
 
-def calibrate(lm, text: str | None = None, max_tokens: int = 4096) -> Skew:
+def calibration_key(lm, text: str | None, max_tokens: int = CALIBRATION_TOKENS) -> str:
+    """The name a run's calibration is kept under in its weight store: a hash of all it
+    depends on (the text, the model, the placement policy with its weight compression, the
+    dtype, the device and the thread count), so that a run loads only the matrices it would
+    have computed itself (the same numbers, so the same tokens)."""
+    what = {"format": CALIBRATION_FORMAT, "model": lm.cfg.name, "layers": lm.cfg.num_layers,
+            "text": hashlib.sha256((text or DEFAULT_CALIBRATION).encode()).hexdigest(),
+            "max_tokens": max_tokens, "policy": dataclasses.asdict(lm.policy),
+            "dtype": str(lm.engine.dtype), "device": lm.tiers.device.type,
+            "threads": torch.get_num_threads()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def kept_calibration(store_path, key: str) -> "Skew | None":
+    return Skew.load(store_path, f"{KEPT_DIR}/{key}")
+
+
+def keep_calibration(skew: Skew, store_path, key: str) -> bool:
+    """Keep a run's calibration in its store for later runs like it; False (nothing kept)
+    where the store cannot be written."""
+    try:
+        skew.save(store_path, f"{KEPT_DIR}/{key}", replace=False)
+    except OSError:
+        return False
+    return True
+
+
+def calibrate(lm, text: str | None = None, max_tokens: int = CALIBRATION_TOKENS) -> Skew:
     """Run the model's prefill on calibration text and compute the skew (weights unchanged)."""
     cfg = lm.cfg
     if lm.tokenizer is not None:
