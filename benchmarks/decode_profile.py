@@ -82,11 +82,14 @@ def main(argv=None) -> int:
                    help="NAME or NAME:key=value,... (kv options)")
     p.add_argument("--compress-weight", action="store_true")
     p.add_argument("--prefill-dir", default=None, help="keep the prefill there (reused)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with pg19_firstbook.txt / wikitext2_test.txt (default: "
+                        "../shared/data; without either, a built-in paragraph)")
     p.add_argument("--tag", default="smollm2_b8_8k")
     a = p.parse_args(argv)
 
     from long_context import read_bandwidth
-    from long_prompts import natural_prompts
+    from long_prompts import SHARED, natural_prompts
     from machine import machine_info
 
     from flexgen_infinigen import OffloadedLM, Policy
@@ -103,7 +106,9 @@ def main(argv=None) -> int:
     rows = []
     with OffloadedLM.load(model=a.model, policy=policy, progress=False,
                           max_len_hint=(a.context, a.steps + 1)) as lm:
-        prompts, source = natural_prompts(lm.tokenizer, a.context, a.batch)
+        prompts, source = natural_prompts(lm.tokenizer, a.context, a.batch,
+                                          Path(a.data_dir) if a.data_dir else SHARED)
+        print(f"prompts: {source}", flush=True)
         iteration = lm.engine._iteration
 
         def timed_iteration(decode, *args):

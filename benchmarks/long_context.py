@@ -131,7 +131,7 @@ def run_one(spec: dict) -> dict:
     with OffloadedLM.load(model=spec["model"], policy=policy, kv_policy=kv,
                           kv_options=options or None, max_len_hint=(ctx, gen),
                           progress=False) as lm:
-        prompts, source = natural_prompts(lm.tokenizer, ctx, b)
+        prompts, source = natural_prompts(lm.tokenizer, ctx, b, Path(spec["data_dir"]))
         kept = PrefillCache(spec["prefill_dir"]) if spec.get("prefill_dir") else None
         out = lm.generate(prompts, gen, stop_token_id=None, prefill_cache=kept)
         report = lm.engine.kv_policy.report()
@@ -188,7 +188,7 @@ def run_reference(spec: dict) -> dict:
     store = find_weights(spec["model"], None, False, progress=False)[2]
     tok = load_tokenizer(store.path, store.config)
     spec = {**spec, "context": min(spec["context"], store.config.max_positions - spec["gen_len"])}
-    prompts, _ = natural_prompts(tok, spec["context"], 1)
+    prompts, _ = natural_prompts(tok, spec["context"], 1, Path(spec["data_dir"]))
     ids = torch.tensor(prompts)
     with torch.no_grad():
         start = time.perf_counter()
@@ -240,6 +240,9 @@ def main(argv=None) -> int:
                         "--reference-gguf)")
     p.add_argument("--llama-prefill-tokens", type=int, default=512,
                    help="prompt tokens llama-bench times at each depth (0: decode only)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder with pg19_firstbook.txt / wikitext2_test.txt, the prompts' text "
+                        "(default: ../shared/data; without either, a built-in paragraph)")
     p.add_argument("--tag", default="smollm2")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--quick", action="store_true", help="4K, batch 1, full and infinigen")
@@ -259,6 +262,13 @@ def main(argv=None) -> int:
         return 0
     if a.quick:
         a.contexts, a.batches, a.policies = [4096], [1], ["full", "infinigen"]
+    from long_prompts import SHARED, source_text
+    data_dir = Path(a.data_dir).expanduser() if a.data_dir else SHARED
+    source = source_text(data_dir)[1]
+    if a.data_dir and source == "built-in paragraph":
+        p.error(f"--data-dir {a.data_dir}: no pg19_firstbook.txt or wikitext2_test.txt there")
+    print(f"prompts: {source}" + ("" if a.data_dir or source != "built-in paragraph" else
+                                  f" (no {SHARED}: pass --data-dir for natural text)"), flush=True)
     if a.llama_bench:
         from llama_cpp import LlamaBenchError, check
         gguf = a.llama_gguf or (a.model if a.model.endswith(".gguf") else a.reference_gguf)
@@ -278,11 +288,12 @@ def main(argv=None) -> int:
     from flexgen_infinigen.weights.embedded import default_cache_dir
     folder = a.prefill_dir or tempfile.mkdtemp(prefix="prefills-", dir=default_cache_dir())
     specs = [{"model": a.model, "context": c, "batch": b, "policy": pol, "gen_len": a.gen_len,
-              "bandwidth": bandwidth, "prefill_dir": folder}
+              "bandwidth": bandwidth, "prefill_dir": folder, "data_dir": str(data_dir)}
              for c in a.contexts for b in a.batches for pol in a.policies]
     if a.reference_gguf:
         specs += [{"model": a.model, "context": c, "batch": 1, "policy": "transformers",
-                   "gen_len": a.gen_len, "reference": True, "gguf": a.reference_gguf}
+                   "gen_len": a.gen_len, "reference": True, "gguf": a.reference_gguf,
+                   "data_dir": str(data_dir)}
                   for c in a.contexts]
     rows = []
     try:

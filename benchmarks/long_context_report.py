@@ -67,8 +67,10 @@ def markdown(result: dict) -> str:
                   "context's tokens; `" + r["command"] + "`)."]
     ref = result.get("llama_cpp_separately_measured")
     if ref:
+        when = ("in an earlier session, when this machine read memory faster: compare the rows "
+                "above instead" if ours else "separately, not in this run")
         lines += ["", "llama.cpp on this machine (llama-bench, 2 threads, 4/5-bit weights, f16 KV; "
-                  "measured separately, not in this run): decode tokens/s by depth "
+                  f"measured {when}): decode tokens/s by depth "
                   + ", ".join(f"{d}: {v}" for d, v in ref["decode"].items())
                   + "; prefill tokens/s by depth "
                   + ", ".join(f"{d}: {v}" for d, v in ref["prefill"].items()) + "."]
