@@ -61,8 +61,9 @@ def markdown(result: dict) -> str:
     ours = [r for r in result["rows"] if r.get("measured_in_run") and "error" not in r]
     if ours:
         r = ours[0]
-        lines += ["", f"llama.cpp rows: measured in the same run by its llama-bench ({r['threads']} "
-                  f"threads, one stream, weights {r['weights']}, KV cache {r['kv_cache']}; "
+        lines += ["", "llama.cpp rows: measured in the same run by its llama-bench "
+                  f"({r['threads']} threads, one stream, weights {r['weights']}, KV cache "
+                  f"{r['kv_cache']}; "
                   f"prefill: {r.get('prefill_tokens', 0)} prompt tokens timed after the "
                   "context's tokens; `" + r["command"] + "`)."]
     ref = result.get("llama_cpp_separately_measured")

@@ -1,7 +1,6 @@
 """The long-context benchmark's llama.cpp rows (benchmarks/llama_cpp.py), against a stand-in
 llama-bench that prints what the real one prints (its JSON test records) for the arguments
 it was given, so that what is parsed and what was asked for are both checked."""
-import json
 import os
 import stat
 import sys
