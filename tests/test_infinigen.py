@@ -477,7 +477,8 @@ def test_a_run_keeps_its_calibration_for_the_next_run_like_it(tiny_llama, monkey
     from flexgen_infinigen.infinigen.skew import KEPT_DIR
 
     store = tmp_path / "store"
-    shutil.copytree(tiny_llama[1], store)  # a store of its own: nothing kept in it yet
+    shutil.copytree(tiny_llama[1], store)  # a store of its own, with nothing kept in it yet
+    shutil.rmtree(store / KEPT_DIR, ignore_errors=True)  # (earlier tests' runs keep theirs)
     real, calls = rehearsal.calibrate, []
     monkeypatch.setattr(rehearsal, "calibrate",
                         lambda lm, text=None: calls.append(1) or real(lm, text))
