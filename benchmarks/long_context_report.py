@@ -59,13 +59,14 @@ def markdown(result: dict) -> str:
                  _plan(r)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     ours = [r for r in result["rows"] if r.get("measured_in_run") and "error" not in r]
-    if ours:
-        r = ours[0]
-        lines += ["", "llama.cpp rows: measured in the same run by its llama-bench "
-                  f"({r['threads']} threads, one stream, weights {r['weights']}, KV cache "
-                  f"{r['kv_cache']}; "
-                  f"prefill: {r.get('prefill_tokens', 0)} prompt tokens timed after the "
-                  "context's tokens; `" + r["command"] + "`)."]
+    for command in dict.fromkeys(r["command"] for r in ours):  # one note per llama-bench run
+        r = next(r for r in ours if r["command"] == command)
+        lines += ["", "llama.cpp rows at " + ", ".join(
+                      str(x["context"]) for x in ours if x["command"] == command)
+                  + f": measured in the same run by its llama-bench ({r['threads']} threads, one "
+                  f"stream, weights {r['weights']}, KV cache {r['kv_cache']}; prefill: "
+                  f"{r.get('prefill_tokens', 0)} prompt tokens timed after the context's "
+                  f"tokens; `{command}`)."]
     ref = result.get("llama_cpp_separately_measured")
     if ref:
         when = ("in an earlier session, when this machine read memory faster: compare the rows "
