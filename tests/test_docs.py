@@ -16,7 +16,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 README_MAX_LINES = 250
 
-FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*```([\w-]*)\n(.*?)^[ \t]*```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
 SHELL_OPERATORS = {"&&", "||", "|", ";", ">", ">>", "<", "&"}
