@@ -8,8 +8,8 @@ Part 2 (optimizer): under a memory budget (``--budget-gb``, device and host toge
 on a CPU-only machine), measure every policy of a grid of placements and batch sizes
 that fits the budget, then run the optimizer with the same budget and measure its pick.
 
-    python benchmarks/cost_model.py                    # ~7 minutes on 2 idle CPU cores
-    python benchmarks/cost_model.py --quick            # smoke run (~1 minute)
+    python benchmarks/cost_model.py                    # profile, validation set, grid
+    python benchmarks/cost_model.py --quick            # smoke run: 3 policies, a small grid
     python benchmarks/cost_model.py --hw hw.json       # a saved profile instead of measuring
 
 Writes benchmarks/results/cost_model_<device>.{json,md,png}.

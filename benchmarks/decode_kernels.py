@@ -17,9 +17,9 @@ Beside the bandwidth it records torch's float32 matrix product (2048 x 2048, fro
 the arithmetic a linear layer's flops would need at that rate.
 
 The kernels are whatever ``flexgen_infinigen`` imports: point ``PYTHONPATH`` at another
-checkout to time its kernels with the same inputs (how the before/after table in
-``benchmarks/results/decode_kernels.md`` was made). Writes
-``benchmarks/results/decode_kernels_<tag>.json``.
+checkout to time its kernels with the same inputs, and compare the two tags' files. Writes
+``benchmarks/results/decode_kernels_<tag>.json`` (the committed one is
+``decode_kernels.json``).
 """
 from __future__ import annotations
 

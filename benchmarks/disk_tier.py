@@ -15,7 +15,7 @@ Also the KV cache on disk at a 4k context (SmolLM2-135M, batch 4; weights in mem
     python benchmarks/disk_tier.py [--offload-dir DIR] [--quick]
 
 Writes results/disk_tier_cpu.{json,md,png}. Needs ~27 GB free in the offload folder and
-takes about 25 minutes on 2 cores; run it alone (other processes distort the timings).
+runs for a long time; run it alone (other processes distort the timings).
 """
 from __future__ import annotations
 

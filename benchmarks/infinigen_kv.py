@@ -79,7 +79,7 @@ def run(args) -> dict:
                                   dtype=args.dtype, progress=False,
                                   max_len_hint=(context, args.gen_len))
             with lm:
-                ids, kind = prompt_ids(lm, context, TEXT)
+                ids, kind = prompt_ids(lm, context, Path(args.text))
                 start = time.perf_counter()
                 row, out = measure_kv_traffic(lm, [ids] * args.batch, args.gen_len)
                 row.update({"model": model, "context": context, "kv_policy": kv,
@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--paper-setting", action="store_true",
                    help="OPT-13B shapes, batch 20, prompt 1920, 128 new tokens (needs a GPU)")
     p.add_argument("--out", default=None)
+    p.add_argument("--text", default=str(TEXT),
+                   help="prompt text, e.g. WikiText-2's raw test split (default: ../shared/data/"
+                        "wikitext2_test.txt; without it, synthesized prompts)")
     args = p.parse_args(argv)
     if args.paper_setting:
         args.models, args.contexts, args.gen_len, args.batch = ["opt-13b"], [1920], 128, 20

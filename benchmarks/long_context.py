@@ -1,7 +1,7 @@
 """Long context on one machine: prefill and decode speed of each KV policy against the step's
 memory bound, with the KV cache in CPU memory.
 
-    python benchmarks/long_context.py --quick          # SmolLM2, 4K, batch 1 (a few minutes)
+    python benchmarks/long_context.py --quick          # SmolLM2, 4K, batch 1, full and InfiniGen
     python benchmarks/long_context.py                  # SmolLM2 4K/8K x batch 1/8
     python benchmarks/long_context.py --model path/to/qwen2.5-coder-0.5b-instruct.gguf \\
         --contexts 16384 32768 --batches 1 --tag qwen

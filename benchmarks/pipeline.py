@@ -16,7 +16,7 @@ figures.
 
     python benchmarks/pipeline.py [--offload-dir DIR] [--budget-gb 3.5] [--gen-len 6]
 
-Writes results/pipeline_cpu.{json,md,png}; about 10 minutes on 2 cores, run alone.
+Writes results/pipeline_cpu.{json,md,png}; run it alone (other processes distort the timings).
 """
 from __future__ import annotations
 

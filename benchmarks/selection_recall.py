@@ -1,6 +1,6 @@
 """How well each speculation choice picks the tokens layer i+1 attends to (a fast diagnostic).
 
-    python benchmarks/selection_recall.py              # SmolLM2, 2 wikitext windows, ~4 minutes
+    python benchmarks/selection_recall.py              # SmolLM2, 2 wikitext windows, every variant
     python benchmarks/selection_recall.py --windows 4
     python benchmarks/selection_recall.py --only pages     # those variants' rows updated
 

@@ -6,7 +6,7 @@ exactly ``gen_len`` tokens) and record decode tokens/s, prefill latency, bytes m
 generation step by link and kind, and peak memory per tier. Hugging Face transformers'
 ``generate`` on the same machine, model and lengths is the reference.
 
-    python benchmarks/throughput.py            # full run (about 8 minutes on 2 idle CPU cores)
+    python benchmarks/throughput.py            # full run: both models, every policy
     python benchmarks/throughput.py --quick    # smoke configuration (about 10 seconds)
 
 See benchmarks/README.md for what each column means.

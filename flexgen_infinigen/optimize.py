@@ -72,7 +72,7 @@ def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
     cfg = model_config(a.model)
-    if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
+    if a.hw is None:  # profiling this machine takes a while: first what needs no profile
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)
     hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)

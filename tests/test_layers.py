@@ -1,4 +1,5 @@
-"""The import graph runs one way: from the commands down to the machinery (ARCHITECTURE.md).
+"""The import graph runs one way: from the commands down to the machinery
+(docs/design/architecture.md).
 
 Every module of the package is on a floor; a module may import its own floor and the floors
 below, never above, and no chain of imports comes back to where it started. Imports inside

@@ -47,8 +47,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "where a copy thread only competes with compute for the cores)")
     g.add_argument("--direct-io", type=str2bool, default=False,
                    help="read the disk tier with O_DIRECT, bypassing the page cache (default "
-                        "false: buffered reads measured faster on the machines we tried; see "
-                        "the README's disk tier)")
+                        "false: buffered reads with several requests in flight keep the disk "
+                        "as busy; see docs/design/tiers_and_disk.md)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float16 on CUDA, float32 on CPU")

@@ -30,9 +30,10 @@ from .spec_keys import KINDS, bytes_per_key
 
 __all__ = ["InfiniGenCache", "InfiniGenPolicy", "StepCaps"]
 
-# --select-from-mb by device: on a CPU a layer's speculation (~0.2 ms of kernels and Python)
-# costs more than the rows it spares below about 12 MB of KV (SmolLM2: 4K tokens x batch 2);
-# over a GPU's link every spared row pays (the paper's regime)
+# --select-from-mb by device: on a CPU a layer's speculation has a fixed cost (kernel calls
+# and Python) that exceeds what reading the spared rows costs while the layer's KV is small
+# (12 MB: SmolLM2 at 4K tokens x batch 2); over a GPU's link every spared row pays (the
+# paper's regime)
 SELECT_FROM_MB = {"cpu": 12.0, "cuda": 0.0}
 SELECT_FROM_ENV = "FLEXGEN_INFINIGEN_SELECT_FROM_MB"  # the default's default, for the tests
 
@@ -70,8 +71,9 @@ class InfiniGenPolicy(SelectivePolicy):
                        help="text file for skewing (default: the store's skew, else built-in "
                             "text)")
         g.add_argument("--prompt-skew", type=str2bool, default=False,
-                       help="blend each prompt's own query statistics into its skew (measured "
-                            "worse than the built-in calibration; default false)")
+                       help="blend each prompt's own query statistics into its skew (a "
+                            "short prompt's statistics are noisier than the calibration "
+                            "text's; default false)")
         g.add_argument("--column-score", default="q",
                        help="rank skewed columns by query energy, or query times key energy")
         g.add_argument("--kv-pool-capacity", type=float, default=1.0,

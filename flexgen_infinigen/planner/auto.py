@@ -49,7 +49,7 @@ def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
 def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | None = None,
                 disk_mem: float | None = None, offload_dir: str | None = None) -> HardwareProfile:
     """The named or saved profile; for this machine's own profile, memory as free right now."""
-    if hw is None:  # this machine: its saved profile, else measured now (half a minute)
+    if hw is None:  # this machine: its saved profile, else measured now (the quick profile)
         from .measure import cached_profile
         prof = cached_profile()
     else:

@@ -113,7 +113,8 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 
 # a fused chunk's boolean mask [b, 1, rows, keys] stays under this many bytes, and its rows
-# under FUSED_ROWS (smaller chunks skip more of the causal half; measured best at 512 here)
+# under FUSED_ROWS (smaller chunks skip more of the causal half, larger ones call the kernel
+# fewer times)
 FUSED_MASK_BYTES = 64 << 20
 FUSED_ROWS = 512
 
@@ -127,7 +128,7 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if offset == 0 and not window and bool(valid.all()):
         # no padding, no prefix, no window: one causal call (torch's kernel skips the
-        # masked blocks itself; equal to the chunks, measured 20% faster at 8K)
+        # masked blocks itself and needs no mask; equal to the chunks)
         return _sdpa(qt, kt, vt, None, causal=True).transpose(1, 2).reshape(b, s, heads * d)
     rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
     out = torch.empty(b, s, heads, d, dtype=q.dtype, device=q.device)

@@ -1,7 +1,7 @@
 """Prefills kept for reuse: one block's prompt keys and values and its first logits.
 
-A long prompt's prefill is most of what a long-context run costs on a CPU (minutes at 8K
-tokens, a quarter of an hour at 32K), and it does not depend on the KV policy that decodes
+A long prompt's prefill is most of what a long-context run costs on a CPU (it grows with the
+square of the prompt's length), and it does not depend on the KV policy that decodes
 after it, only on the model, its weights' dtype and compression, and the token ids. A
 :class:`PrefillCache` given to :meth:`~flexgen_infinigen.api.OffloadedLM.generate` keeps
 each block's prefill the first time and hands it to later calls with the same prompts,

@@ -67,7 +67,7 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
             }
             /* the K rows AHEAD chosen rows on are asked for while this block scores, their V
                rows while it adds values: one ask a row read, not the block's in one burst
-               (12-15% faster than asking for K and V together while scoring) */
+               that would fill the line-fill buffers while scoring waits */
             int64_t na = 0;
             for (int64_t j = t0 + AHEAD; j < t0 + AHEAD + m && j < counts[c] && j < hi; j++) {
                 ahead[na] = k + idx[j] * st + c * sc;

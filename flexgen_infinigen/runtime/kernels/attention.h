@@ -21,7 +21,7 @@
    of a column's ranges are merged at the end. */
 #define TB 64
 /* rows read ahead are asked for into L2 (locality 2): two blocks of K and V ahead are 64 KB,
-   twice L1, and asking for L1 evicted them before their turn (17-37% slower from memory) */
+   twice L1, so rows asked for into L1 are evicted before their turn */
 #define AHEAD_LOCALITY 2
 #ifndef NEXT
 #define NEXT (2 * TB)  /* attention over every row asks for the rows this many rows on */

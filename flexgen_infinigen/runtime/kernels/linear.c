@@ -5,9 +5,8 @@
    A block of WR weight rows meets XR rows of x at a time (WR x XR sums in registers, each
    weight vector loaded once for the XR rows, each x vector once for the WR rows): four
    weight rows for one or two rows of x, two for three or more, in passes of up to four rows
-   of x (measured from memory, two threads, 64-byte aligned as torch allocates: Qwen2.5's
-   MLP shapes at eight rows 0.90-1.01 -> 0.70-0.80 ms, SmolLM2's 0.20 -> 0.14-0.17 ms; at one
-   row 5-20% less; C harness). The first pass over a block asks for the weight rows two
+   of x (more weight rows per block would spill the sums out of the sixteen vector
+   registers once x has three rows or more). The first pass over a block asks for the weight rows two
    blocks on into L2, one ask a line, so that memory works while the block computes; rows
    past the weight are never read (a prefetch does not fault). */
 static inline __attribute__((always_inline)) void rows_block(
@@ -82,10 +81,10 @@ void linear_rows(const float *x, const float *w, const float *bias, float *out, 
 
 #ifdef __AVX2__
 /* Codes are asked for this many bytes ahead, into L1: a thread's rows are one stream, yet
-   with one row of x (little arithmetic a byte) the hardware's own read-ahead kept it at
-   20-23 GB/s for two threads; asked 4 KB ahead, 27-29 (Qwen2.5's MLP and head shapes, cold,
-   C harness; 1, 8 and 16 KB ahead and asking into L2 did less). Past the weight's end an
-   ask does not fault. */
+   with one row of x (little arithmetic a byte) the hardware's own read-ahead does not keep
+   memory busy; one page ahead covers memory's latency without evicting the block in use
+   (benchmarks/decode_kernels.py times the choice). Past the weight's end an ask does not
+   fault. */
 #define Q4_AHEAD 4096
 
 /* The end of output row o for one row of x: the float sums acc, plus the minimum's share
@@ -188,9 +187,9 @@ static inline __attribute__((always_inline)) void q4_row1(
    32639, so that q4_row1 can split them into two signed bytes), multiplied with the codes
    exactly in integers (q4_rows, q4_row1), the sums scaled per group and accumulated in
    floats; the minimum's share is minimum . (sum of x over the
-   group), exact. (Rounding x to 8 bits, for byte products alone, was cheaper but lost the
-   small entries of a group that holds an outlier: up to 12% error in SmolLM2's key
-   projections.) Returns 0 when it cannot run (no AVX2). */
+   group), exact. (Rounding x to 8 bits, for byte products alone, is cheaper but loses the
+   small entries of a group that holds an activation outlier, which moves key projections
+   visibly.) Returns 0 when it cannot run (no AVX2). */
 int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
               const float *bias, float *out, int64_t M, int64_t N, int64_t K,
               int64_t nthreads) {

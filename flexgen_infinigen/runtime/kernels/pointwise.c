@@ -1,8 +1,8 @@
 #include "common.h"
 
-/* Row-wise layer math of a decode step on a CPU (RMSNorm, rotary embedding). Each is a few
-   microseconds of arithmetic on a token, where torch's seven or so small operations cost
-   20-60 us in a step; threads only for prefill-sized inputs. */
+/* Row-wise layer math of a decode step on a CPU (RMSNorm, rotary embedding). Each is little
+   arithmetic on a token, where torch's seven or so small operations each pay a dispatch and
+   a temporary; threads only for prefill-sized inputs. */
 #define POINTWISE_THREADS_FROM 65536  /* values: below this, one thread does it all */
 
 /* y = weight * (x / sqrt(mean(x^2) + eps)) for each row of n values (RMSNorm). */

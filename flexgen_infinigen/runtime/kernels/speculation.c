@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
 }
 
 /* dots8 for rows of exactly 32 bytes (64 columns: head dim 64), its sums across rows made
-   with unpacks and adds (vphaddw/vphaddd run at a fifth of an unpack's rate here). A row's
+   with unpacks and adds (vphaddw/vphaddd decode into several micro-ops, an unpack into one). A row's
    byte products for a head (16 lanes of 16 bits, each at most 2 * 2 * 15 * 127 = 7620) are
    folded twice in 16 bits, the lanes of one row kept side by side (32-bit then 64-bit
    unpacks of two rows, added: at most 4 * 7620 = 30480, no overflow), then widened by
@@ -198,9 +198,9 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
             }
             const v8 sc = load8(scale + t), lo8 = load8(lo + t);
             const uint8_t *rows = codes + t * P;
-            /* the codes, scales and minimums 64 rows on, asked for: 15% less time with the
-               keys in memory (a layer's are 8 MB at batch 8 x 8K), none from cache (asks
-               past the end of the keys do not fault) */
+            /* the codes, scales and minimums 64 rows on, asked for, so that keys too large
+               for the cache arrive while this block scores (asks past the end of the keys
+               do not fault) */
             for (int64_t k = 0; k < 8 * P; k += 64)
                 _mm_prefetch((const char *)(rows + AHEAD_ROWS * P + k), _MM_HINT_T0);
             if ((t & 15) == 0) {
