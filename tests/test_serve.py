@@ -20,6 +20,7 @@ pytest.importorskip("uvicorn")
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
 from flexgen_infinigen.sampling import SamplingConfig  # noqa: E402
+from flexgen_infinigen.text.chat import chat_prompt_ids, store_template  # noqa: E402
 from flexgen_infinigen.text.incremental import TextStream  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -92,9 +93,9 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_completion_and_chat_equal_the_library(client, lm):
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
                                     temperature=0, logprobs=2)
-    ref = lm.generate([PROMPTS[0]], 8, keep_logits=True)
+    ref = lm.generate([PROMPTS[0]], 4, keep_logits=True)
     assert out.choices[0].text == ref.texts[0]
     assert out.usage.completion_tokens == len(ref.token_ids[0])
     # the chosen token's log-probability and the top ones, from the model's logits
@@ -103,22 +104,24 @@ def test_completion_and_chat_equal_the_library(client, lm):
     assert out.choices[0].logprobs.token_logprobs == pytest.approx(chosen.tolist(), abs=1e-4)
     assert all(len(top) == 2 for top in out.choices[0].logprobs.top_logprobs)
 
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16, temperature=0, logprobs=True)
-    assert "Paris" in chat.choices[0].message.content
-    assert chat.choices[0].finish_reason == "stop"
-    assert len(chat.choices[0].logprobs.content) >= 1
-    assert chat.choices[0].logprobs.content[0].logprob <= 0
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                          temperature=0, logprobs=True)
+    ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages)
+    assert chat.choices[0].message.content == lm.generate([ids], 3).texts[0]
+    assert chat.choices[0].finish_reason == "length"
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert all(e.logprob <= 0 for e in chat.choices[0].logprobs.content)
 
 
 def test_seeded_sampling_and_stop_strings_equal_the_library(client, lm):
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6,
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4,
                                     temperature=0.9, top_p=0.95, seed=7)
-    ref = lm.generate([PROMPTS[1]], 6, SamplingConfig(0.9, 0.95, 7))
+    ref = lm.generate([PROMPTS[1]], 4, SamplingConfig(0.9, 0.95, 7))
     assert out.choices[0].text == ref.texts[0]
-    greedy = lm.generate([PROMPTS[0]], 8).texts[0]  # " Paris.\n\nThe ..."
-    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+    greedy = lm.generate([PROMPTS[0]], 4).texts[0]  # " Paris.\n\n"
+    assert "\n" in greedy
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
                                      temperature=0, stop=["\n"])
     assert cut.choices[0].text == greedy[:greedy.index("\n")]
     assert cut.choices[0].finish_reason == "stop"
@@ -128,12 +131,12 @@ def test_streamed_equals_not_streamed(client):
     for kind in ("chat", "completion"):
         if kind == "chat":
             args = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
-                        max_tokens=8, temperature=0)
+                        max_tokens=5, temperature=0)
             whole = client.chat.completions.create(**args).choices[0].message.content
             chunks = list(client.chat.completions.create(**args, stream=True))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         else:
-            args = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+            args = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0)
             whole = client.completions.create(**args).choices[0].text
             chunks = list(client.completions.create(**args, stream=True))
             text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -143,7 +146,7 @@ def test_streamed_equals_not_streamed(client):
 
 
 def test_sixteen_concurrent_clients_equal_one_at_a_time(client, server):
-    args = dict(model=MODEL, max_tokens=5, temperature=0)
+    args = dict(model=MODEL, max_tokens=3, temperature=0)
     alone = {p: client.completions.create(prompt=p, **args).choices[0].text for p in PROMPTS}
     blocks, rows = _metric(server, "blocks_total"), _metric(server, "block_rows_total")
     results: dict[int, str] = {}
@@ -236,7 +239,7 @@ def test_full_queue_api_key_and_sigterm_drain(smollm2_store):
     try:
         assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}
                           ).status_code == 401
-        body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0}
+        body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 6, "temperature": 0}
         headers = {"Authorization": "Bearer sesame"}
         codes: list[int] = []
         texts: list[str] = []
@@ -268,8 +271,8 @@ def test_full_queue_api_key_and_sigterm_drain(smollm2_store):
 
 
 def test_stream_from_python_equals_generate(lm):
-    pieces = list(lm.stream(PROMPTS[5], 10))
-    assert "".join(pieces) == lm.generate([PROMPTS[5]], 10).texts[0]
+    pieces = list(lm.stream(PROMPTS[5], 4))
+    assert "".join(pieces) == lm.generate([PROMPTS[5]], 4).texts[0]
     assert len(pieces) > 1
 
 
@@ -284,11 +287,11 @@ def test_text_stream_holds_back_stop_strings_and_half_characters(lm):
         "Hello world. ☃ Bye"
 
 
-def test_run_streams_tokens(smollm2_store):
-    proc = subprocess.run([sys.executable, "-m", "flexgen_infinigen.run", "--path",
-                           str(smollm2_store), "--prompt", PROMPTS[0], "--no-chat",
-                           "--gen-len", "4", "--stream"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    first = proc.stdout.splitlines()[0]  # the text, before the report
-    assert first.startswith(" Paris") and first.strip() in proc.stdout.split("[generated]")[1]
+def test_run_streams_tokens(smollm2_store, capsys):
+    from flexgen_infinigen import run
+
+    assert run.main(["--path", str(smollm2_store), "--prompt", PROMPTS[0], "--no-chat",
+                     "--gen-len", "3", "--stream"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]  # the text, before the report
+    assert first.startswith(" Paris") and first.strip() in out.split("[generated]")[1]
