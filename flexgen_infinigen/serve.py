@@ -62,12 +62,27 @@ def check_args(a) -> None:
     if a.api_key is not None and not a.api_key.strip():
         raise ConfigError("--api-key is empty; give a key or drop the flag")
     check_policy_args(a)
+    _check_listen(a.host, a.port)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise ConfigError("the server needs FastAPI and uvicorn: pip install "
                           "'flexgen_infinigen[serve]'") from None
+
+
+def _check_listen(host: str, port: int) -> None:
+    """One error now, not after loading the model, when the address cannot be listened on."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another "
+                          "--port (or --host)") from None
 
 
 def main(argv=None) -> int:
@@ -110,11 +125,8 @@ def _main(argv=None) -> int:
         except (KeyboardInterrupt, Terminated):
             print("server stopped: every request taken was answered", file=sys.stderr)
             raise
-        if scheduler.alive:  # the server never started (e.g. the port is taken)
+        if scheduler.alive:
             scheduler.stop(timeout=5)
-        if not server.started:
-            raise ConfigError(f"could not listen on {a.host}:{a.port} (taken, or not an "
-                              "address of this machine); pick another --port or --host")
     print("server stopped: every request taken was answered", file=sys.stderr)
     return 0
 

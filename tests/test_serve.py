@@ -295,3 +295,11 @@ def test_run_streams_tokens(smollm2_store, capsys):
     out = capsys.readouterr().out
     first = out.splitlines()[0]  # the text, before the report
     assert first.startswith(" Paris") and first.strip() in out.split("[generated]")[1]
+
+
+def test_a_taken_port_is_one_error_before_loading(server):
+    port = server.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "flexgen_infinigen.serve", "--port", port],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot listen")
