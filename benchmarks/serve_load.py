@@ -94,13 +94,13 @@ def rss_mb(pid: int) -> float:
 
 
 # ---- clients ----------------------------------------------------------------------------------
-def stream_one(url: str, prompt: str, max_tokens: int, out: dict, start: threading.Event):
+def stream_one(url: str, prompt: str, max_tokens: int, out: dict, start):
     """One streaming completion: send time, each chunk's arrival time, the text."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=600) as http:
         http.get(f"{url}/health")  # the connection is open before the start
-        start.wait()
+        start.wait()  # every client sends at once
         sent, times, pieces, usage = time.perf_counter(), [], [], None
         with http.stream("POST", f"{url}/v1/completions", json=body) as r:
             lines = list(_timed_lines(r))
@@ -124,12 +124,11 @@ def _timed_lines(response):
 
 def concurrent_round(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
     results = [{} for _ in prompts]
-    go = threading.Event()
+    go = threading.Barrier(len(prompts))
     threads = [threading.Thread(target=stream_one, args=(url, p, max_tokens, r, go))
                for p, r in zip(prompts, results)]
     for t in threads:
         t.start()
-    go.set()
     for t in threads:
         t.join()
     return results
@@ -209,9 +208,7 @@ def part_concurrent(a, lm) -> dict:
         alone = {}
         for p in prompts:
             out = {}
-            ev = threading.Event()
-            ev.set()
-            stream_one(url, p, a.gen_len, out, ev)
+            stream_one(url, p, a.gen_len, out, threading.Barrier(1))
             alone[p] = out
         in_thread(lm.generate, prompts, 2)  # warm-up, both shapes
         in_thread(lm.generate, prompts[:1], 2)
@@ -246,10 +243,8 @@ def part_concurrent(a, lm) -> dict:
         load["rss_before_mb"], load["rss_after_mb"] = rss_before, rss_mb(proc.pid)
         load["rss_ratio"] = load["rss_after_mb"] / rss_before
         lone_served = {}
-        ev = threading.Event()
-        ev.set()
         time.sleep(a.max_wait_ms / 1000)
-        stream_one(url, prompts[0], a.gen_len, lone_served, ev)
+        stream_one(url, prompts[0], a.gen_len, lone_served, threading.Barrier(1))
     finally:
         code = stop_server(proc)
     ratios = [r["server"]["decode_tokens_per_s"] / r["batch"]["decode_tokens_per_s"]
@@ -270,15 +265,17 @@ def part_sweep(a) -> list[dict]:
         proc, url = start_server((b, n), wait)
         try:
             concurrent_round(url, STARTS[:2], 2)  # warm-up
+            blocks, rows = metric(url, "blocks_total"), metric(url, "block_rows_total")
             together = summarize(concurrent_round(url, STARTS[:16], a.gen_len))
+            blocks = metric(url, "blocks_total") - blocks
+            fill = (metric(url, "block_rows_total") - rows) / blocks / (b * n)
             time.sleep(0.5)
             lone = concurrent_round(url, STARTS[:1], a.gen_len)[0]
-            fill = metric(url, "block_rows_total") / metric(url, "blocks_total") / (b * n)
         finally:
             stop_server(proc)
         rows.append({"gpu_batch_size": b, "num_gpu_batches": n, "max_wait_ms": wait,
                      **together, "lone_ttft_s": lone["times"][0] - lone["sent"],
-                     "mean_block_fill": fill})
+                     "blocks": blocks, "mean_block_fill": fill})
     return rows
 
 
@@ -307,12 +304,14 @@ def markdown(r: dict) -> str:
     if r.get("sweep"):
         lines += ["", "## Block size and --max-wait-ms", "",
                   "| block | max wait ms | 16 clients: decode tok/s | max TTFT s | max latency s "
-                  "| lone TTFT s | mean block fill |", "|---|---|---|---|---|---|---|"]
+                  "| lone TTFT s | blocks for the 16 | their mean fill |",
+                  "|---|---|---|---|---|---|---|---|"]
         for s in r["sweep"]:
             lines.append(f"| {s['gpu_batch_size']} x {s['num_gpu_batches']} | "
                          f"{s['max_wait_ms']:g} | {s['decode_tokens_per_s']:.1f} | "
                          f"{s['ttft_max_s']:.2f} | {s['latency_max_s']:.2f} | "
-                         f"{s['lone_ttft_s']:.2f} | {s['mean_block_fill']:.2f} |")
+                         f"{s['lone_ttft_s']:.2f} | {s['blocks']:.0f} | "
+                         f"{s['mean_block_fill']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
