@@ -265,10 +265,10 @@ def part_sweep(a) -> list[dict]:
         proc, url = start_server((b, n), wait)
         try:
             concurrent_round(url, STARTS[:2], 2)  # warm-up
-            blocks, rows = metric(url, "blocks_total"), metric(url, "block_rows_total")
+            blocks, rows0 = metric(url, "blocks_total"), metric(url, "block_rows_total")
             together = summarize(concurrent_round(url, STARTS[:16], a.gen_len))
             blocks = metric(url, "blocks_total") - blocks
-            fill = (metric(url, "block_rows_total") - rows) / blocks / (b * n)
+            fill = (metric(url, "block_rows_total") - rows0) / blocks / (b * n)
             time.sleep(0.5)
             lone = concurrent_round(url, STARTS[:1], a.gen_len)[0]
         finally:
