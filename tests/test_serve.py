@@ -303,12 +303,13 @@ def test_sigterm_drains_and_exits(server):
     already taken is answered, then the server exits."""
     proc = SERVERS[server]
     result: dict = {}
+    admitted = _metric(server, "requests_admitted_total")
     asking = threading.Thread(target=lambda: result.update(
         zip(("codes", "texts"), _ask_together(server, 10, 6))))
     asking.start()
-    deadline = time.monotonic() + 60
-    while _metric(server, "running_rows") == 0:
-        assert time.monotonic() < deadline, "the requests never started"
+    deadline = time.monotonic() + 60  # every request taken (a later one would be refused)
+    while _metric(server, "requests_admitted_total") - admitted < 10:
+        assert time.monotonic() < deadline, "the requests were never taken"
         time.sleep(0.05)
     code, err = _stop(proc)
     asking.join()

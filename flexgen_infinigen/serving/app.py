@@ -86,6 +86,7 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
                 raise ApiError(503, str(e), "server_overloaded") from None
         except ApiError as e:
             return error(endpoint, e)
+        metrics.count("requests_admitted")
         metrics.count("prompt_tokens", len(served.ids))
         if served.stream:
             metrics.answered(endpoint, 200)

@@ -12,6 +12,7 @@ PREFIX = "flexgen_infinigen"
 
 HELP = {
     "requests_total": ("counter", "HTTP requests answered, by endpoint and status code"),
+    "requests_admitted_total": ("counter", "generations queued for a block"),
     "requests_finished_total": ("counter", "generations that ran to their end"),
     "requests_cancelled_total": ("counter",
                                  "generations dropped because their client disconnected"),
@@ -74,8 +75,8 @@ class Metrics:
                                   for link, kinds in sorted(bytes_moved.items())
                                   for kind, n in sorted(kinds.items())],
         }
-        for name in ("requests_finished", "requests_cancelled", "prompt_tokens",
-                     "generation_tokens", "engine_errors", "blocks", "block_rows"):
+        for name in ("requests_admitted", "requests_finished", "requests_cancelled",
+                     "prompt_tokens", "generation_tokens", "engine_errors", "blocks", "block_rows"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]
         lines = []
         for name, (kind, text) in HELP.items():
