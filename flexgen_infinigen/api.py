@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -156,7 +156,8 @@ class OffloadedLM:
     def generate(self, prompts, gen_len: int = 32, sampling: SamplingConfig | None = None,
                  stop_token_id: int | None = -1, cut_gen_len: int | None = None,
                  keep_logits: bool = False, progress: bool = False,
-                 forced=None, prefill_cache: PrefillCache | None = None) -> Generation:
+                 forced=None, prefill_cache: PrefillCache | None = None,
+                 on_tokens: Callable[[int, list[int | None]], None] | None = None) -> Generation:
         """Generate ``gen_len`` tokens for each prompt (strings or token id lists).
 
         ``stop_token_id``: -1 means the model's stop tokens (:attr:`stop_token_ids`); None
@@ -167,6 +168,9 @@ class OffloadedLM:
         ``prefill_cache``: keep each block's prefill there, and start from a kept one when the
         same prompts come again (any KV policy that needs no prompt queries; see
         :mod:`.prefill_cache`).
+        ``on_tokens(first, tokens)``: called at every step with the new token of each prompt
+        of the block that starts at prompt ``first`` (None for a prompt that has ended):
+        streaming (see also :meth:`stream`).
         """
         if prefill_cache is not None and not self.engine.reuses_prefill:
             raise ConfigError("a pipeline rank cannot start from a kept prefill; drop "
@@ -231,7 +235,10 @@ class OffloadedLM:
                                 - moved_before[link]
                     if keep_logits:
                         block_logits.append(torch.cat(step.logits))
-                    for r, t in enumerate(torch.cat(step.tokens).tolist()):
+                    new = torch.cat(step.tokens).tolist()[:real]
+                    if on_tokens is not None:
+                        on_tokens(start, [None if d else t for d, t in zip(done, new)])
+                    for r, t in enumerate(new):
                         if not done[r]:
                             rows[r].append(t)
                             done[r] = t in stops
@@ -258,6 +265,39 @@ class OffloadedLM:
                           gen_len if projected else ran, projected, logits, step_times,
                           prompt_texts, None if projected else decode_tokens, prefill_links,
                           reused)
+
+    def stream(self, prompt, gen_len: int = 32, sampling: SamplingConfig | None = None,
+               stop_token_id: int | None = -1) -> Iterator[str]:
+        """One prompt's generated text, piece by piece as its tokens come (batch 1): the
+        pieces join to ``generate([prompt], ...).texts[0]``. A token that holds half of a
+        character waits for the rest. Stopping the iteration stops the generation."""
+        from .text.incremental import TextStream
+
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer (dummy weights); nothing to stream")
+        sampling = (sampling or SamplingConfig()).validate()
+        ids = self.encode([prompt])
+        if gen_len < 1:
+            raise ConfigError(f"--gen-len must be at least 1 (got {gen_len})")
+        check_lengths(self.cfg, len(ids[0]), gen_len)
+        stops = self.stop_token_ids if stop_token_id == -1 else \
+            set() if stop_token_id is None else {stop_token_id}
+        chooser = Sampler(sampling)
+        if sampling.repetition_penalty != 1.0:
+            chooser = RepetitionPenalty(chooser, ids, 1, sampling.repetition_penalty)
+        text = TextStream(self.tokenizer)
+        self.engine.kv_policy.reset_stats()
+        with closing(self.engine.generate_block(self._pad_batches(ids, 1), gen_len,
+                                                chooser)) as steps:
+            for step in steps:
+                token = int(step.tokens[0][0])
+                if token in stops:
+                    break
+                if piece := text.add(token):
+                    yield piece
+                raise_if_interrupted()
+        if piece := text.finish():
+            yield piece
 
     def _kept_prefill(self, cache: PrefillCache | None, batches):
         """(prefill to start from, or None; where to keep this one's, or None; its key)."""

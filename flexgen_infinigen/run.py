@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="divide the logits of tokens already in the sequence by this (> 1 "
                         "discourages repeats; 1 = off)")
     g.add_argument("--no-stop", action="store_true", help="ignore the end-of-sequence token")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the tokens as they come (one prompt; default: on when the "
+                        "output is a terminal and one prompt runs)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
     g.add_argument("--verbose", action="store_true",
                    help="also print the memory plan per tier and the time of every step")
@@ -79,6 +82,9 @@ def check_args(a) -> list[str]:
     check_output_path(a.json, "--json")
     check_policy_args(a)
     check_pipeline_args(a)
+    if a.stream and (len(texts) > 1 or a.synthesize):
+        raise ConfigError("--stream prints one prompt's tokens as they come; give one --prompt "
+                          "(or drop --stream)")
     if a.dummy and (a.prompt or a.prompt_file):
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
@@ -99,6 +105,22 @@ def _print_verbose(lm: OffloadedLM, gen) -> None:
         print(f"  {what:<12}" + "".join(f"{t} {n / 1e9:8.3f} GB  "
                                          for t, n in need[what].items()))
     print("step times (s): " + " ".join(f"{t:.3f}" for t in gen.step_times))
+
+
+class _StreamPrinter:
+    """``--stream``: prints the one prompt's text to stdout as its tokens come."""
+
+    def __init__(self, lm: OffloadedLM):
+        from .text.incremental import TextStream
+        self.text, self.stops = TextStream(lm.tokenizer), lm.stop_token_ids
+
+    def __call__(self, first: int, tokens: list[int | None]) -> None:
+        token = tokens[0]
+        if token is not None and token not in self.stops:
+            print(self.text.add(token), end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.text.finish(), flush=True)
 
 
 def planned_policy(a, model: str, texts: list[str]) -> tuple[Policy, dict]:
@@ -136,9 +158,16 @@ def _main(argv=None) -> int:
                           device=a.device, dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
     with lm:
-        gen = lm.generate(make_prompts(lm, a, texts), a.gen_len, sampling,
+        prompts = make_prompts(lm, a, texts)
+        stream = a.stream if a.stream is not None else \
+            sys.stdout.isatty() and len(prompts) == 1 and lm.tokenizer is not None
+        printer = _StreamPrinter(lm) if stream and lm.tokenizer is not None else None
+        gen = lm.generate(prompts, a.gen_len, sampling,
                           stop_token_id=None if a.no_stop else -1,
-                          cut_gen_len=a.cut_gen_len, progress=True)
+                          cut_gen_len=a.cut_gen_len, progress=printer is None,
+                          on_tokens=printer)
+        if printer is not None:
+            printer.finish()
         report = build_report(lm, gen, str(lm.tiers.device),
                               {"auto_plan": plan} if plan else None)
         if a.verbose:

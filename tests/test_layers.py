@@ -29,9 +29,9 @@ FLOORS = [
     ("planner", ["planner"]),
     ("pipeline", ["pipeline", "pipeline.engine", "pipeline.link", "pipeline.partition"]),
     ("command-line helpers", ["cli", "evals", "pipeline.args", "pipeline.launch",
-                              "pipeline.report"]),
+                              "pipeline.report", "serving"]),
     ("commands", ["run", "batch", "eval", "optimize", "profile", "convert", "skew",
-                  "harness"]),
+                  "harness", "serve"]),
 ]
 
 

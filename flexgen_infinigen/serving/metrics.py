@@ -1,0 +1,88 @@
+"""The server's counters, and ``/metrics`` in the Prometheus text format (version 0.0.4).
+
+The engine thread and the event loop both count; each update is one dictionary operation
+under the interpreter lock, and a scrape reads a copy.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+PREFIX = "flexgen_infinigen"
+
+HELP = {
+    "requests_total": ("counter", "HTTP requests answered, by endpoint and status code"),
+    "requests_admitted_total": ("counter", "generations queued for a block"),
+    "requests_finished_total": ("counter", "generations that ran to their end"),
+    "requests_cancelled_total": ("counter",
+                                 "generations dropped because their client disconnected"),
+    "prompt_tokens_total": ("counter", "prompt tokens admitted"),
+    "generation_tokens_total": ("counter", "tokens generated for clients"),
+    "engine_errors_total": ("counter", "blocks the engine failed on"),
+    "queue_depth": ("gauge", "requests waiting for a block"),
+    "running_rows": ("gauge", "requests in the block being decoded"),
+    "blocks_total": ("counter", "blocks run"),
+    "block_rows_total": ("counter", "requests in the blocks run (fill = this / "
+                                    "blocks_total / block_capacity)"),
+    "block_capacity": ("gauge", "rows of a full block: gpu_batch_size x num_gpu_batches"),
+    "block_fill": ("gauge", "the last block's requests over its capacity"),
+    "bytes_moved_total": ("counter", "bytes moved between memory tiers, by link and kind"),
+}
+
+
+class Metrics:
+    def __init__(self):
+        self._counts: Counter = Counter()
+        self._requests: Counter = Counter()  # (endpoint, status) -> answers
+        self._lock = threading.Lock()
+        self.running_rows = 0
+        self.block_capacity = 0
+        self.last_fill = 0.0
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def answered(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self._requests[(endpoint, status)] += 1
+
+    def block_started(self, rows: int, capacity: int) -> None:
+        self.count("blocks")
+        self.count("block_rows", rows)
+        self.running_rows, self.block_capacity = rows, capacity
+        self.last_fill = rows / capacity
+
+    def block_ended(self) -> None:
+        self.running_rows = 0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"counts": dict(self._counts), "requests": dict(self._requests)}
+
+    def render(self, queue_depth: int, capacity: int, bytes_moved: dict) -> str:
+        """The Prometheus text: every metric with its HELP and TYPE lines."""
+        snap = self.snapshot()
+        counts = snap["counts"]
+        values = {
+            "requests_total": [({"endpoint": e, "status": str(s)}, n)
+                               for (e, s), n in sorted(snap["requests"].items())],
+            "queue_depth": [({}, queue_depth)],
+            "running_rows": [({}, self.running_rows)],
+            "block_capacity": [({}, capacity)],
+            "block_fill": [({}, self.last_fill)],
+            "bytes_moved_total": [({"link": link, "kind": kind}, n)
+                                  for link, kinds in sorted(bytes_moved.items())
+                                  for kind, n in sorted(kinds.items())],
+        }
+        for name in ("requests_admitted", "requests_finished", "requests_cancelled",
+                     "prompt_tokens", "generation_tokens", "engine_errors", "blocks", "block_rows"):
+            values[f"{name}_total"] = [({}, counts.get(name, 0))]
+        lines = []
+        for name, (kind, text) in HELP.items():
+            full = f"{PREFIX}_{name}"
+            lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}"]
+            for labels, value in values[name]:
+                tag = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lines.append(f"{full}{{{tag}}} {value}" if tag else f"{full} {value}")
+        return "\n".join(lines) + "\n"

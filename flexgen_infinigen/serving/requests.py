@@ -1,0 +1,255 @@
+"""One HTTP request to the server: its body checked (the OpenAI Batch format's rules of
+:mod:`..cli.openai_batch`, plus what only a server serves: ``stream``, ``stream_options`` and
+log-probabilities), its token ids, and what goes back: OpenAI's response, stream chunk and
+error objects. The request is also the channel between the engine thread, which adds its
+tokens (:meth:`ServeRequest.take`), and the event loop, which reads :attr:`ServeRequest.events`.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..cli import openai_batch
+from ..config import ConfigError
+from ..sampling import SamplingConfig
+from ..text.incremental import TextStream
+
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
+
+
+class ApiError(Exception):
+    """An answer other than 200: its status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ServeRequest:
+    kind: str  # "chat" or "completion"
+    ids: list[int]  # the prompt's token ids
+    max_tokens: int
+    sampling: SamplingConfig
+    stops: list[str]
+    top_logprobs: int | None  # None: no log-probabilities; n: the chosen token's and n more
+    stream: bool
+    include_usage: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    # the channel: set by the event loop before the request is queued
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # the engine thread's state of this row
+    text: TextStream | None = None
+    generated: int = 0
+    finished: bool = False
+
+    def __post_init__(self):
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = self.id or f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+    # ---- engine thread ------------------------------------------------------------------
+    def start(self, tokenizer) -> None:
+        self.text = TextStream(tokenizer, self.stops)
+
+    def take(self, token: int, stop_ids: set[int], logprob: dict | None) -> int:
+        """The row's next token; sends what became final to the client. Returns the tokens
+        that count as generated (0 once the row has finished)."""
+        if self.finished:
+            return 0
+        self.generated += 1
+        if token in stop_ids:
+            self.finish("stop")
+            return 1
+        piece = self.text.add(token)
+        self._send(("token", piece, logprob))
+        if self.text.stopped:
+            self.finish("stop")
+        elif self.generated >= self.max_tokens:
+            self.finish("length")
+        return 1
+
+    def finish(self, reason: str) -> None:
+        if not self.finished:
+            self.finished = True
+            self._send(("done", self.text.finish(), reason))
+
+    def fail(self, message: str) -> None:
+        if not self.finished:
+            self.finished = True
+            self._send(("error", ApiError(500, message, "server_error"), None))
+
+    def drop(self) -> None:
+        """The client has gone: nothing more is computed or kept for it."""
+        self.finished = True
+        self.text = None
+
+    def _send(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (the server is exiting)
+            self.finished = True
+
+    # ---- event loop ---------------------------------------------------------------------
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.ids), "completion_tokens": self.generated,
+                "total_tokens": len(self.ids) + self.generated}
+
+    def response(self, text: str, reason: str, logprobs: list[dict]) -> dict:
+        choice = {"index": 0, "finish_reason": reason,
+                  "logprobs": self.logprobs_object(logprobs)}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat"
+                else "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage()}
+
+    def chunk(self, text: str | None, reason: str | None, logprobs: list[dict],
+              first: bool = False) -> dict:
+        """One SSE chunk: new text (``None``: no choice, the usage chunk)."""
+        choices = []
+        if text is not None:
+            choice = {"index": 0, "finish_reason": reason,
+                      "logprobs": self.logprobs_object(logprobs)}
+            if self.kind == "chat":
+                choice["delta"] = {"role": "assistant", "content": text} if first \
+                    else {"content": text} if text or reason is None else {}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat"
+               else "text_completion", "created": self.created, "model": self.model,
+               "choices": choices}
+        if self.include_usage:
+            out["usage"] = self.usage() if text is None else None
+        return out
+
+    def logprobs_object(self, entries: list[dict]):
+        """OpenAI's ``logprobs`` of a choice: ``content`` entries for a chat, the four lists
+        of the legacy completions."""
+        if self.top_logprobs is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [{"token": e["token"], "logprob": e["logprob"],
+                                 "bytes": list(e["token"].encode("utf-8")),
+                                 "top_logprobs": [{"token": t, "logprob": lp,
+                                                   "bytes": list(t.encode("utf-8"))}
+                                                  for t, lp in e["top"]]} for e in entries]}
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        return {"tokens": [e["token"] for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [dict(e["top"]) for e in entries] if self.top_logprobs
+                else None, "text_offset": offsets}
+
+
+def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
+          names: set[str]) -> ServeRequest:
+    """A request from an HTTP body; :class:`ApiError` for anything that cannot be served as
+    asked (nothing is ever silently dropped that would change the answer)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "\"model\" is required (GET /v1/models lists it)", param="model")
+    if model not in names:
+        raise ApiError(404, f"the model {model!r} is not served here; this server serves "
+                            f"{sorted(names)[0]!r}", param="model", code="model_not_found")
+    served = {"stream", "stream_options", "logprobs", "top_logprobs"}
+    rest = {k: v for k, v in body.items() if k not in served}
+    url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    try:
+        request = openai_batch.parse({"custom_id": "http", "url": url, "body": rest}, "body",
+                                     {"gen_len": default_max_tokens, "repetition_penalty": 1.0})
+    except ConfigError as e:
+        raise ApiError(400, str(e)) from None
+    if request["refused"]:
+        raise ApiError(400, request["refused"])
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options may hold include_usage only",
+                       param="stream_options")
+    if options and not stream:
+        raise ApiError(400, "stream_options goes with stream: true", param="stream_options")
+    ids = _prompt_ids(request, lm, template)
+    settings = request["settings"]
+    max_tokens = _max_tokens(body, settings["gen_len"], len(ids), lm.cfg.max_positions)
+    seed = settings.get("seed")
+    if seed is None:  # OpenAI: an unseeded request samples differently every time
+        seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
+    sampling = SamplingConfig(settings["temperature"], settings["top_p"], seed)
+    return ServeRequest(kind, ids, max_tokens, sampling, request["stop"],
+                        _top_logprobs(kind, body), stream,
+                        bool(options.get("include_usage")), model)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", param=name)
+    return bool(value)
+
+
+def _top_logprobs(kind: str, body: dict) -> int | None:
+    most = MAX_TOP_LOGPROBS[kind]
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "chat":
+        if _flag(body, "logprobs"):
+            n = 0 if top is None else top
+        elif top is not None:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        else:
+            return None
+    else:
+        if top is not None:
+            raise ApiError(400, "a completion takes logprobs: N (top_logprobs is the chat's)",
+                           param="top_logprobs")
+        if logprobs is None:
+            return None
+        n = logprobs
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
+        raise ApiError(400, f"the number of top log-probabilities must be 0 to {most}",
+                       param="top_logprobs" if kind == "chat" else "logprobs")
+    return n
+
+
+def _prompt_ids(request: dict, lm, template: str | None) -> list[int]:
+    from ..text.chat import chat_prompt_ids
+
+    try:
+        if request["messages"] is not None:
+            if template is None or lm.tokenizer is None:
+                raise ApiError(400, "this model has no chat template; use /v1/completions")
+            return chat_prompt_ids(lm.tokenizer, template, request["messages"])
+        return lm.encode([request["prompt"]])[0]
+    except ConfigError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _max_tokens(body: dict, asked: int, prompt: int, context: int) -> int:
+    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    room = context - prompt
+    if room < 1 or (given and asked > room):
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; the "
+                            f"prompt has {prompt}" + (f" and max_tokens asks for {asked}"
+                                                      if given else "")
+                            + "; shorten the prompt" + (" or max_tokens" if given else ""),
+                       param="messages" if "messages" in body else "prompt",
+                       code="context_length_exceeded")
+    return min(asked, room)

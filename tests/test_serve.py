@@ -1,0 +1,338 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client on 127.0.0.1 (and raw
+HTTP for what a client would not send), checked against the library's own generation; and
+streaming outside the server (``OffloadedLM.stream``, ``run --stream``)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen.sampling import SamplingConfig  # noqa: E402
+from flexgen_infinigen.text.chat import chat_prompt_ids, store_template  # noqa: E402
+from flexgen_infinigen.text.incremental import TextStream  # noqa: E402
+
+MODEL = "smollm2-135m"
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SERVERS: dict[str, subprocess.Popen] = {}  # url -> the process
+PROMPTS = ["The capital of France is", "Once upon a time there was", "My favourite food is",
+           "The best way to learn to code is", "Water boils at", "In 1969, the first",
+           "The three primary colours are", "A good night's sleep"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(store, *flags) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flexgen_infinigen.serve", "--path",
+                             str(store), "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not come up")
+
+
+def _stop(proc: subprocess.Popen) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_store):
+    """A server with blocks of 4 x 2 rows, at most 12 waiting requests, and an API key."""
+    proc, url = _start(smollm2_store, "--gpu-batch-size", "4", "--num-gpu-batches", "2",
+                       "--max-wait-ms", "200", "--max-queue", "12", "--api-key", KEY)
+    SERVERS[url] = proc
+    yield url
+    if proc.poll() is None:  # test_sigterm_drains_and_exits did not run
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def lm(smollm2_store):
+    with OffloadedLM.load(path=smollm2_store, policy=Policy(), progress=False) as lm:
+        yield lm
+
+
+def _in_thread(fn, *args, **kwargs):
+    """``fn``'s result from a worker thread, where the server's engine runs too: on cores
+    that other processes keep busy, torch ran many times slower from the main thread."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)))
+    t.start()
+    t.join()
+    assert out, "the call failed (its error is printed above)"
+    return out[0]
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"flexgen_infinigen_{name} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_completion_and_chat_equal_the_library(client, lm):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                    temperature=0, logprobs=2)
+    ref = _in_thread(lm.generate, [PROMPTS[0]], 4, keep_logits=True)
+    assert out.choices[0].text == ref.texts[0]
+    assert out.usage.completion_tokens == len(ref.token_ids[0])
+    # the chosen token's log-probability and the top ones, from the model's logits
+    logprobs = ref.logits[0][:len(out.choices[0].logprobs.token_logprobs)].log_softmax(-1)
+    chosen = logprobs.gather(1, logprobs.argmax(-1, keepdim=True)).squeeze(1)
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(chosen.tolist(), abs=1e-4)
+    assert all(len(top) == 2 for top in out.choices[0].logprobs.top_logprobs)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                          temperature=0, logprobs=True)
+    ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages)
+    assert chat.choices[0].message.content == _in_thread(lm.generate, [ids], 3).texts[0]
+    assert chat.choices[0].finish_reason == "length"
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert all(e.logprob <= 0 for e in chat.choices[0].logprobs.content)
+
+
+def test_seeded_sampling_and_stop_strings_equal_the_library(client, lm):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4,
+                                    temperature=0.9, top_p=0.95, seed=7)
+    ref = _in_thread(lm.generate, [PROMPTS[1]], 4, SamplingConfig(0.9, 0.95, 7))
+    assert out.choices[0].text == ref.texts[0]
+    greedy = _in_thread(lm.generate, [PROMPTS[0]], 4).texts[0]  # " Paris.\n\n"
+    assert "\n" in greedy
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                     temperature=0, stop=["\n"])
+    assert cut.choices[0].text == greedy[:greedy.index("\n")]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_streamed_equals_not_streamed(client):
+    for kind in ("chat", "completion"):
+        if kind == "chat":
+            args = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                        max_tokens=5, temperature=0)
+            whole = client.chat.completions.create(**args).choices[0].message.content
+            chunks = list(client.chat.completions.create(**args, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            args = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=5, temperature=0)
+            whole = client.completions.create(**args).choices[0].text
+            chunks = list(client.completions.create(**args, stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole
+        assert len(chunks) > 2  # piece by piece, not all at the end
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_sixteen_concurrent_clients_equal_one_at_a_time(client, server):
+    args = dict(model=MODEL, max_tokens=3, temperature=0)
+    alone = {p: client.completions.create(prompt=p, **args).choices[0].text for p in PROMPTS}
+    blocks, rows = _metric(server, "blocks_total"), _metric(server, "block_rows_total")
+    results: dict[int, str] = {}
+
+    def ask(i):
+        results[i] = client.completions.create(prompt=PROMPTS[i % 8], **args).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: results[i] for i in range(16)} == {i: alone[PROMPTS[i % 8]] for i in range(16)}
+    # they were served in shared blocks, not one by one
+    ran = _metric(server, "blocks_total") - blocks
+    assert (_metric(server, "block_rows_total") - rows) == 16 and ran < 16
+
+
+def test_a_dropped_stream_frees_its_row(client, server):
+    cancelled = _metric(server, "requests_cancelled_total")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=400,
+                                       temperature=0, stream=True)
+    for n, _ in enumerate(stream):
+        if n == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while _metric(server, "requests_cancelled_total") == cancelled:
+        assert time.monotonic() < deadline, "the dropped row was never cancelled"
+        time.sleep(0.2)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2,
+                                    temperature=0)
+    assert out.choices[0].text
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not JSON"),
+    (json.dumps({"model": MODEL}), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}), 400, "n > 1"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "tools": []}), 400, "tools"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}), 400, "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 9}), 400, "0 to 5"),
+    (json.dumps({"model": MODEL, "prompt": [5] * 8190, "max_tokens": 10}), 400,
+     "context length"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "not served"),
+])
+def test_malformed_bodies_get_openai_errors(server, body, status, words):
+    r = httpx.post(f"{server}/v1/completions", content=body, headers=AUTH, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"]
+    assert httpx.get(f"{server}/health").status_code == 200  # and the server goes on
+
+
+def test_the_client_sees_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+
+
+def test_a_bounded_load(client, server):
+    """A fixed number of requests from a few clients, streamed or not: every one answered
+    once, and the server counts them."""
+    finished = _metric(server, "requests_finished_total")
+    answers: list[str] = []
+
+    def worker(w):
+        for i in range(6):
+            args = dict(model=MODEL, prompt=PROMPTS[(w + i) % 8], max_tokens=1 + (i % 4),
+                        temperature=0)
+            if i % 2:
+                chunks = list(client.completions.create(**args, stream=True))
+                assert chunks[-1].choices[0].finish_reason
+                answers.append("".join(c.choices[0].text for c in chunks))
+            else:
+                answers.append(client.completions.create(**args).choices[0].text)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 24 and all(answers)
+    assert _metric(server, "requests_finished_total") - finished == 24
+    assert _metric(server, "queue_depth") == 0
+
+
+def test_stream_from_python_equals_generate(lm):
+    pieces = _in_thread(lambda: list(lm.stream(PROMPTS[5], 4)))
+    assert "".join(pieces) == _in_thread(lm.generate, [PROMPTS[5]], 4).texts[0]
+    assert len(pieces) > 1
+
+
+def test_text_stream_holds_back_stop_strings_and_half_characters(lm):
+    ids = lm.tokenizer.encode("Hello world. ☃ Bye")
+    stream = TextStream(lm.tokenizer, stops=["Bye"])
+    out = "".join(stream.add(t) for t in ids) + stream.finish()
+    assert out == "Hello world. ☃ " and stream.stopped
+    stream = TextStream(lm.tokenizer)
+    pieces = [stream.add(t) for t in ids]
+    assert "\ufffd" not in "".join(pieces) and "".join(pieces) + stream.finish() == \
+        "Hello world. ☃ Bye"
+
+
+def test_run_streams_tokens(smollm2_store):
+    # passive OpenMP waits: on cores other processes keep busy, spinning threads of the main
+    # thread's team slow torch down many times (the server runs its engine in a thread)
+    proc = subprocess.run([sys.executable, "-m", "flexgen_infinigen.run", "--path",
+                           str(smollm2_store), "--prompt", PROMPTS[0], "--no-chat",
+                           "--gen-len", "3", "--stream"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]  # the text, before the report
+    assert first.startswith(" Paris") and first.strip() in proc.stdout.split("[generated]")[1]
+
+
+def test_a_taken_port_is_one_error_before_loading(server):
+    port = server.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "flexgen_infinigen.serve", "--port", port],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot listen")
+
+
+def test_api_key_and_full_queue(server):
+    assert httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "hi"}
+                      ).status_code == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer nope"}
+                     ).json()["error"]["code"] == "invalid_api_key"
+    codes, texts = _ask_together(server, 30, 4)
+    # 8 rows running and --max-queue 12 waiting: the rest are told to come back later
+    assert 503 in codes and 200 in codes and len(codes) == 30
+    assert len(texts) == codes.count(200) and all(texts)
+
+
+def test_sigterm_drains_and_exits(server):
+    """The last test of the module: SIGTERM while requests run and wait; every request
+    already taken is answered, then the server exits."""
+    proc = SERVERS[server]
+    result: dict = {}
+    admitted = _metric(server, "requests_admitted_total")
+    asking = threading.Thread(target=lambda: result.update(
+        zip(("codes", "texts"), _ask_together(server, 10, 6))))
+    asking.start()
+    deadline = time.monotonic() + 60  # every request taken (a later one would be refused)
+    while _metric(server, "requests_admitted_total") - admitted < 10:
+        assert time.monotonic() < deadline, "the requests were never taken"
+        time.sleep(0.05)
+    code, err = _stop(proc)
+    asking.join()
+    assert result["codes"] == [200] * 10 and all(result["texts"])
+    assert code in (0, 143) and "every request taken was answered" in err
+
+
+def _ask_together(url: str, n: int, max_tokens: int) -> tuple[list[int], list[str]]:
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": max_tokens, "temperature": 0}
+    codes: list[int] = []
+    texts: list[str] = []
+
+    def ask():
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        codes.append(r.status_code)
+        if r.status_code == 200:
+            texts.append(r.json()["choices"][0]["text"])
+        else:
+            assert r.json()["error"]["message"]
+
+    threads = [threading.Thread(target=ask) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes, texts
