@@ -101,6 +101,13 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     item = torch.tensor([], dtype=dtype).element_size()
     in_place = _packed_in_place(policy, device)
     shapes = family_of(cfg).weight_shapes(cfg)
+    # each layer's (attention, MLP) weights in elements: a MoE model may mix dense layers and
+    # expert layers; the largest stage bounds what is in flight (a prefill may route to
+    # every expert)
+    layer_stages = [[sum(math.prod(shapes[f"layers.{i}.{n}"]) for n in names[k])
+                     for k in ("attn", "mlp")]
+                    for i, names in ((i, family_of(cfg).stage_weights(cfg, i))
+                                     for i in range(cfg.num_layers))]
     ends = head = True
     if part is not None:
         names = part.weight_names(cfg)
@@ -129,9 +136,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
     # one fused attention chunk's mask (scores are never materialized; a policy that needs
     # the prompt's attention mass, H2O, counts its score chunk itself)
-    per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
-                (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
-    biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
+    biggest_stage = max(max(per) if policy.sep_layer else sum(per) for per in layer_stages)
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim * ends) * item
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
