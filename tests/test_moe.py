@@ -121,7 +121,7 @@ def test_converted_config_and_layers(family):
     hf = ref.config
     assert cfg.model_type == hf.model_type and cfg.experts_per_token == 2
     names = set(WeightStore(store).tensors)
-    for i, layer in enumerate(ref.model.layers):
+    for i in range(len(ref.model.layers)):
         moe = i in _routers(ref)
         assert (f"layers.{i}.router.weight" in names) == moe, (name, i)
         assert (f"layers.{i}.experts.0.down_proj.weight" in names) == moe, (name, i)

@@ -54,7 +54,8 @@ _MOE_LAYER = {"mlp.gate": "router", "block_sparse_moe.gate": "router",
               "mlp.shared_expert_gate": "shared_expert_gate",
               **{f"mlp.shared_expert.{m}": f"shared_expert.{m}"
                  for m in ("gate_proj", "up_proj", "down_proj")}}
-_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LLAMA_TOP = {"embed_tokens.weight": "embed.weight", "norm.weight": "final_norm.weight",
               "lm_head.weight": "lm_head.weight"}
