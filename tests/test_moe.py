@@ -183,3 +183,99 @@ def test_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         config_from_hf({**base, "model_type": "mixtral", "num_local_experts": 2,
                         "num_experts_per_tok": 3}, "x")
+
+
+EXPERTS_IN_CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+                                            expert_cpu_percent=100)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
+@pytest.mark.parametrize("experts", [(0, 100), (0, 0)], ids=["cpu-memory", "disk"])
+def test_experts_placed_apart(family, experts):
+    """--experts-percent: the routed experts live where it says, everything else where
+    --percent says (here on the device: nothing but experts moves); the same output."""
+    from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST
+
+    name, ref, store = family
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=experts[0],
+                                 expert_cpu_percent=experts[1])
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+        where = {n: {s.tier for s in t.segments} for n, t in lm.engine.weights.items()}
+        moved = lm.tiers.bytes_moved
+    home = HOST if experts[1] else DISK
+    for n, tiers in where.items():
+        assert tiers == ({home} if ".experts." in n else {DEVICE}), n
+    assert moved["host->device"]["weights"] == 0 and moved["host->device"]["experts"] > 0
+    assert (moved["disk->host"]["experts"] > 0) == (home == DISK)
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_greedy(ref, prompt, STEPS)
+        assert out.token_ids[row] == tokens
+        assert (out.logits[row] - logits).abs().max().item() < 1e-4
+
+
+# the public Qwen3-30B-A3B config.json's shapes
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypatch):
+    """The plan puts the experts' bytes where --experts-percent says (counted from the
+    shapes here); on a 24 GiB GPU a Qwen3-30B-A3B fits with its experts in CPU memory and is
+    refused with them on the GPU; the loader refuses before any weight is placed."""
+    from flexgen_infinigen import api
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.models import family_of
+    from flexgen_infinigen.models.moe import is_expert_weight
+    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.weights.hf_config import config_from_hf
+    from flexgen_infinigen.weights.store import WeightStore
+
+    def bytes_of(cfg, experts: bool, item: int) -> int:
+        return sum(math.prod(s) * item for n, s in family_of(cfg).weight_shapes(cfg).items()
+                   if is_expert_weight(n) == experts)
+
+    _, _, store = family
+    cfg = WeightStore(store).config
+    experts, dense = bytes_of(cfg, True, 4), bytes_of(cfg, False, 4)
+    need = memory_plan.plan(cfg, EXPERTS_IN_CPU_MEMORY, torch.float32, 16, 8)
+    assert need["weights"] == {"device": dense, "host": experts, "disk": 0}
+
+    big = config_from_hf(QWEN3_30B_A3B, "qwen3-30b-a3b")
+    assert 55e9 < bytes_of(big, True, 2) < 60e9 and bytes_of(big, False, 2) < 4e9
+    gpu, gib = torch.device("cuda"), 1 << 30
+    have = {"device": 24 * gib, "host": 128 * gib, "disk": 1 << 40}
+    memory_plan.check_fit(memory_plan.plan(big, EXPERTS_IN_CPU_MEMORY, torch.float16, 512,
+                                           64), have, gpu)
+    with pytest.raises(ConfigError, match="experts-percent"):
+        memory_plan.check_fit(memory_plan.plan(big, Policy(), torch.float16, 512, 64), have,
+                              gpu)
+    # through the loader: refused before placing (this machine's memory made that small)
+    monkeypatch.setattr(memory_plan, "available",
+                        lambda dev, d: {"device": dense + experts // 2, "host": 0,
+                                        "disk": 1 << 40})
+    monkeypatch.setattr(api, "place_weights", lambda *a, **k: pytest.fail("placed"))
+    with pytest.raises(ConfigError, match="needs"):
+        OffloadedLM.load(path=store, policy=Policy(), progress=False)
+
+
+def test_experts_percent_flag():
+    from flexgen_infinigen.cli.args import add_policy_args, policy_from_args
+    from flexgen_infinigen.config import ConfigError
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_policy_args(p)
+    policy, _ = policy_from_args(p.parse_args(["--percent", "100", "0", "100", "0", "100", "0",
+                                               "--experts-percent", "20", "50"]))
+    assert policy.expert_split == (0.2, 0.5, 0.3) and policy.weight_split == (1.0, 0, 0)
+    assert policy_from_args(p.parse_args([]))[0].expert_split == (1.0, 0, 0)
+    with pytest.raises(ConfigError, match="sum to at most 100"):
+        policy_from_args(p.parse_args(["--experts-percent", "60", "50"]))
+    with pytest.raises(ConfigError, match="percent auto"):
+        policy_from_args(p.parse_args(["--percent", "auto", "--experts-percent", "0", "100"]))
