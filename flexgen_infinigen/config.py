@@ -35,7 +35,15 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     o_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm_full: bool = False  # the q/k RMSNorm spans all heads at once (OLMoE), not one head
     sliding_window: int = 0  # each token sees only the newest this many keys (Mistral); 0: all
+    # mixture of experts (models/moe.py); 0 experts: every MLP is dense
+    num_experts: int = 0
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate_size: int = 0  # one expert's FFN width
+    norm_topk_prob: bool = False  # the top-k router weights renormalised to sum to 1
+    shared_expert_size: int = 0  # FFN width of a shared expert with a sigmoid gate (Qwen2-MoE)
+    dense_layers: tuple = ()  # layers whose MLP is dense (intermediate_size) in a MoE model
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
@@ -48,6 +56,7 @@ class ModelConfig:
         # a dict, or pairs as JSON gives them back (lists), become sorted tuples
         scaling = dict(self.rope_scaling or ())
         object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
+        object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers or ())))
 
     @property
     def rope(self) -> dict:

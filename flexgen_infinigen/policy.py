@@ -22,6 +22,10 @@ class Policy:
     cache_cpu_percent: float = 0
     act_gpu_percent: float = 100
     act_cpu_percent: float = 0
+    # a mixture-of-experts model's routed experts on GPU / CPU in percent, disk the rest
+    # (--experts-percent); None: they follow the weights' percentages
+    expert_gpu_percent: float | None = None
+    expert_cpu_percent: float | None = None
     # None: on with CUDA; on a CPU-only machine on when anything is on disk (a reader waits on
     # the disk, not on the cores), else off (a copy thread would compete with compute)
     overlap: bool | None = None
@@ -51,6 +55,12 @@ class Policy:
         return self._split(self.w_gpu_percent, self.w_cpu_percent)
 
     @property
+    def expert_split(self) -> tuple[float, float, float]:
+        if self.expert_gpu_percent is None:
+            return self.weight_split
+        return self._split(self.expert_gpu_percent, self.expert_cpu_percent)
+
+    @property
     def cache_split(self) -> tuple[float, float, float]:
         return self._split(self.cache_gpu_percent, self.cache_cpu_percent)
 
@@ -61,8 +71,8 @@ class Policy:
     @property
     def uses_disk(self) -> bool:
         """Anything (weights, cache, activations) placed on the disk tier."""
-        return any(split[2] > 0 for split in (self.weight_split, self.cache_split,
-                                              self.act_split))
+        return any(split[2] > 0 for split in (self.weight_split, self.expert_split,
+                                              self.cache_split, self.act_split))
 
     def validate(self) -> "Policy":
         names = ["weights", "cache", "activations"]
@@ -77,6 +87,13 @@ class Policy:
             if g + c > 100:
                 raise ConfigError(f"--percent for {what} puts {g}% on GPU and {c}% on CPU, over "
                                   "100 in all; make each GPU+CPU pair sum to at most 100")
+        if (self.expert_gpu_percent is None) != (self.expert_cpu_percent is None):
+            raise ConfigError("--experts-percent takes two numbers, GPU and CPU")
+        if self.expert_gpu_percent is not None:
+            g, c = self.expert_gpu_percent, self.expert_cpu_percent
+            if not (0 <= g <= 100 and 0 <= c <= 100 and g + c <= 100):
+                raise ConfigError(f"--experts-percent {g} {c}: give GPU and CPU percentages "
+                                  "between 0 and 100 that sum to at most 100 (disk gets the rest)")
         for flag, v in [("--gpu-batch-size", self.gpu_batch_size),
                         ("--num-gpu-batches", self.num_gpu_batches),
                         ("--prefill-chunk", 1 if self.prefill_chunk is None

@@ -35,8 +35,8 @@ def test_host_tier(tiny_opt, overlap):
     assert moved["host->device"]["weights"] == weights
     assert moved["host->device"]["kv_cache"] == kv_read
     assert moved["device->host"]["kv_cache"] == kv_written
-    assert moved["disk->host"] == {"weights": 0, "kv_cache": 0, "activations": 0}
-    assert moved["host->disk"] == {"weights": 0, "kv_cache": 0, "activations": 0}
+    assert moved["disk->host"] == {"weights": 0, "experts": 0, "kv_cache": 0, "activations": 0}
+    assert moved["host->disk"] == {"weights": 0, "experts": 0, "kv_cache": 0, "activations": 0}
 
 
 @pytest.mark.parametrize("kv", ["full", "infinigen", "h2o"])

@@ -20,6 +20,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="six numbers WG WC CG CC HG HC: weights, KV cache and activations on GPU "
                         "/ CPU in percent, disk gets the rest (on a CPU-only machine 'GPU' is the "
                         "compute device); or 'auto' to let the optimizer choose")
+    g.add_argument("--experts-percent", nargs=2, type=float, default=None,
+                   metavar=("GPU", "CPU"),
+                   help="mixture-of-experts models: the routed experts on GPU / CPU in percent, "
+                        "disk gets the rest (default: as the weights in --percent); attention, "
+                        "router, shared experts and norms follow --percent. "
+                        "--experts-percent 0 100 keeps the experts in CPU memory")
     g.add_argument("--gpu-batch-size", type=int_or_auto, default=1, metavar="N|auto")
     g.add_argument("--num-gpu-batches", type=int_or_auto, default=None, metavar="N|auto",
                    help="default 1, or auto when --gpu-batch-size is auto")
@@ -79,6 +85,17 @@ def parse_percent(values: list[str]) -> list[float] | None:
         raise ConfigError(f"--percent takes six numbers or auto, got {' '.join(values)}") from None
 
 
+def expert_percent(a) -> dict:
+    """The policy fields of ``--experts-percent`` (none when it is not given)."""
+    given = getattr(a, "experts_percent", None)
+    if given is None:
+        return {}
+    if [v.lower() for v in a.percent] == ["auto"]:
+        raise ConfigError("--experts-percent with --percent auto: the optimizer does not place "
+                          "experts apart yet; give --percent six numbers")
+    return {"expert_gpu_percent": given[0], "expert_cpu_percent": given[1]}
+
+
 def wants_plan(a) -> bool:
     return "auto" in ([v.lower() for v in a.percent] + [a.gpu_batch_size, a.num_gpu_batches])
 
@@ -92,7 +109,8 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
                     cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
                     compress_cache=a.compress_cache, direct_io=a.direct_io,
-                    prefill_chunk=a.prefill_chunk, host_in_place=a.host_in_place)
+                    prefill_chunk=a.prefill_chunk, host_in_place=a.host_in_place,
+                    **expert_percent(a))
     if not wants_plan(a):
         return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None
@@ -130,6 +148,8 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
 def check_policy_args(a) -> None:
     """Placement checks that need no weights (every command with policy flags runs them)."""
     parse_percent(a.percent)
+    if expert_percent(a):
+        Policy(**expert_percent(a)).validate()
     if a.offload_dir:
         offload_root(a.offload_dir)  # created, and checked writable, before any loading
     kv_policy_from_args(a).check_placement(a.cpu_cache_compute)

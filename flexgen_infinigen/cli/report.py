@@ -126,7 +126,9 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
           pol["w_gpu_percent"], pol["w_cpu_percent"], pol["cache_gpu_percent"],
           pol["cache_cpu_percent"], pol["act_gpu_percent"], pol["act_cpu_percent"],
           pol["gpu_batch_size"], pol["num_gpu_batches"], pol["overlap"], pol["sep_layer"],
-          pol["cpu_cache_compute"], pol["compress_weight"], pol["compress_cache"]))
+          pol["cpu_cache_compute"], pol["compress_weight"], pol["compress_cache"])
+      + ("" if pol.get("expert_gpu_percent") is None else
+         f", experts percent {pol['expert_gpu_percent']} {pol['expert_cpu_percent']}"))
     s = r["sizes_bytes"]
     placed = r["weights_by_tier_bytes"]
     tot = max(sum(placed.values()), 1)

@@ -1,6 +1,7 @@
 """Model families: each is a small module of math with the same functions.
 
-A family module provides ``weight_shapes``, ``stage_weights``, ``encode_positions``,
+A family module provides ``weight_shapes``, ``stage_weights`` (of one layer: a model may mix
+dense and mixture-of-experts layers), ``encode_positions``,
 ``embed``, ``attn_input``, ``query``, ``attn_qkv``, ``attn_out``, ``mlp`` and ``head``,
 the names ``QUERY_WEIGHTS`` (the weights the query alone needs) and the flag
 ``SKEW_FOLDS_INTO_WEIGHTS`` (whether q and k are plain affine maps of

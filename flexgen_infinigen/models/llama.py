@@ -3,8 +3,9 @@
 The variants are flags of :class:`~flexgen_infinigen.config.ModelConfig`, not separate code:
 Llama 3.x RoPE scaling (``rope_scaling``), Mistral's sliding window (applied by the mask,
 see :func:`flexgen_infinigen.attention.mask_bias`), Qwen2's q/k/v biases (``qkv_bias``),
-Qwen3's per-head q/k RMSNorm (``qk_norm``) and a head width that is not hidden/heads
-(``attn_head_dim``).
+Qwen3's per-head q/k RMSNorm (``qk_norm``; OLMoE's spans all heads, ``qk_norm_full``), a
+head width that is not hidden/heads (``attn_head_dim``) and mixture-of-experts MLPs
+(``num_experts``: the math is in :mod:`.moe`; a config's ``dense_layers`` keep a dense MLP).
 """
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from . import moe
 from ..runtime.compression import lookup
 from ..runtime import cpu_layers
 from ..runtime.cpu_layers import linear
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
-    """One layer's weights by stage kind, with the names a ``layers.{i}.`` prefix completes."""
+def _layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Layer ``layer``'s weights by stage kind, with the names a ``layers.{i}.`` prefix
+    completes (a MoE layer's MLP differs from a dense one's)."""
     h, f, kv, qd, d = (cfg.hidden_size, cfg.intermediate_size, cfg.kv_dim, cfg.q_dim,
                        cfg.head_dim)
     attn = {"attn_norm.weight": (h,), "q_proj.weight": (qd, h), "k_proj.weight": (kv, h),
@@ -30,7 +33,10 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
     if cfg.o_bias:
         attn["o_proj.bias"] = (h,)
     if cfg.qk_norm:
-        attn.update({"q_norm.weight": (d,), "k_norm.weight": (d,)})
+        attn.update({"q_norm.weight": (qd,), "k_norm.weight": (kv,)} if cfg.qk_norm_full else
+                    {"q_norm.weight": (d,), "k_norm.weight": (d,)})
+    if moe.is_moe_layer(cfg, layer):
+        return {"attn": attn, "mlp": moe.mlp_shapes(cfg)}
     mlp = {"mlp_norm.weight": (h,), "gate_proj.weight": (f, h), "up_proj.weight": (f, h),
            "down_proj.weight": (h, f)}
     return {"attn": attn, "mlp": mlp}
@@ -41,16 +47,17 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    per_layer = {n: s for part in _layer_shapes(cfg).values() for n, s in part.items()}
     for i in range(cfg.num_layers):
+        per_layer = {n: s for part in _layer_shapes(cfg, i).values() for n, s in part.items()}
         shapes.update({f"layers.{i}.{n}": s for n, s in per_layer.items()})
     return shapes
 
 
-def stage_weights(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Weight names used by each schedule stage; layer stages use a ``layers.{i}.`` prefix."""
+def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
+    """Weight names used by each schedule stage; layer stages (of layer ``layer``) use a
+    ``layers.{i}.`` prefix."""
     head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    layer = _layer_shapes(cfg)
+    layer = _layer_shapes(cfg, layer)
     return {"embed": ["embed.weight"], "attn": list(layer["attn"]), "mlp": list(layer["mlp"]),
             "head": head}
 
@@ -136,9 +143,12 @@ def _project(cfg: ModelConfig, w: dict, x: torch.Tensor, part: str, heads: int):
     per-head norm where the config has one (q and k of Qwen3), before RoPE."""
     b, s, _ = x.shape
     y = linear(x, w[f"{part}_proj.weight"], w.get(f"{part}_proj.bias"))
+    norm = w.get(f"{part}_norm.weight")
+    if norm is not None and cfg.qk_norm_full:  # over every head at once (OLMoE)
+        y = rms_norm(y, norm, cfg.norm_eps)
     y = y.view(b, s, heads, cfg.head_dim)
-    if f"{part}_norm.weight" in w:
-        y = rms_norm(y, w[f"{part}_norm.weight"], cfg.norm_eps)
+    if norm is not None and not cfg.qk_norm_full:
+        y = rms_norm(y, norm, cfg.norm_eps)
     return y
 
 
@@ -164,6 +174,8 @@ def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> 
 
 def mlp(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = rms_norm(h, w["mlp_norm.weight"], cfg.norm_eps)
+    if moe.ROUTER in w:
+        return h + moe.mlp(cfg, w, x)
     gated = F.silu(linear(x, w["gate_proj.weight"])) * linear(x, w["up_proj.weight"])
     return h + linear(gated, w["down_proj.weight"])
 

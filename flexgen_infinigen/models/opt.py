@@ -37,7 +37,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def stage_weights(cfg: ModelConfig) -> dict[str, list[str]]:
+def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
     wb = lambda *names: [f"{n}.{t}" for n in names for t in ("weight", "bias")]  # noqa: E731
     proj = cfg.embed_dim != cfg.hidden_size
     return {

@@ -33,7 +33,7 @@ from .attention import attend_prompt, mask_bias, score_rows, visible
 from .prefill_cache import Prefilled
 from .stages import LayerSlice, Stage, build_stages  # noqa: F401 (re-exported)
 from .streams import Lanes
-from .tiered import TieredTensor
+from .tiered import OnDemand, TieredTensor
 from .tiers import Tiers
 
 # called with (layer, q, k, valid) of each layer's prompt pass instead of storing it
@@ -229,8 +229,15 @@ class Engine:
 
     # ---- the schedule -----------------------------------------------------------------------
     def _load_weights(self, j: int) -> dict[str, torch.Tensor]:
-        return {short: self.weights[full].read_for_compute()
-                for short, full in self.stages[j].weights.items()}
+        """Stage ``j``'s weights for compute; routed experts off the device as handles that
+        the MoE math reads only for the experts its tokens use (once for the whole stage:
+        the handles are shared by its GPU batches)."""
+        out = {}
+        for short, full in self.stages[j].weights.items():
+            t = self.weights[full]
+            out[short] = OnDemand(t) if t.kind == "experts" and not t.resident \
+                else t.read_for_compute()
+        return out
 
     def _load_cache(self, decode: bool, j: int, k: int):
         if not decode or (j, k) not in self.caches:

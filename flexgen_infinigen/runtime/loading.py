@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, ModelConfig, get_config
 from ..models import family_of
+from ..models.moe import is_expert_weight
 from ..policy import Policy
 from ..weights.sources import DummySource, StoreSource
 from ..weights.store import WeightStore
@@ -94,7 +95,9 @@ def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype:
                   progress: bool = True, names: set[str] | None = None
                   ) -> dict[str, TieredTensor]:
     """Every weight (or those in ``names``: one pipeline rank's), split along its rows across
-    the tiers as the policy's percentages say."""
+    the tiers as the policy's percentages say. Routed experts are tensors of their own kind
+    (``experts``), placed by the policy's ``expert_split`` (``--experts-percent``), and the
+    bytes they move are counted apart."""
     shapes = family_of(cfg).weight_shapes(cfg)
     if names is not None:
         shapes = {n: s for n, s in shapes.items() if n in names}
@@ -102,7 +105,10 @@ def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype:
     for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
                             disable=not progress, leave=False):
         raise_if_interrupted()
-        tensor = TieredTensor(tiers, shape, dtype, policy.weight_split, "weights",
+        expert = is_expert_weight(name)
+        tensor = TieredTensor(tiers, shape, dtype,
+                              policy.expert_split if expert else policy.weight_split,
+                              "experts" if expert else "weights",
                               compress=policy.compress_weight, pin=policy.pin_weight)
         tensor.write(source(name, shape).to(dtype), src_tier="host")
         placed[name] = tensor

@@ -16,6 +16,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
+from ..models.moe import is_expert_weight
 from ..policy import Policy
 from .attention import FUSED_ROWS
 from .compression import can_compress, stored_bytes
@@ -71,7 +72,7 @@ def _packed_in_place(policy: Policy, device: torch.device | None) -> bool:
     all on the compute device, which is the CPU. No stage of them is ever expanded; a product
     the kernel does not take expands one matrix, for that product only."""
     return (device is not None and device.type == "cpu" and policy.compress_weight
-            and policy.weight_split[0] >= 1.0)
+            and min(policy.weight_split[0], policy.expert_split[0]) >= 1.0)
 
 
 def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
@@ -101,6 +102,17 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     item = torch.tensor([], dtype=dtype).element_size()
     in_place = _packed_in_place(policy, device)
     shapes = family_of(cfg).weight_shapes(cfg)
+    # each layer's (attention, MLP) weights in elements, and its routed experts apart: a MoE
+    # model may mix dense and expert layers; experts are read while their stage computes (a
+    # prefill may route to all of a layer's), not prefetched with the next stage
+    layer_stages, layer_experts = [], []
+    for i in range(cfg.num_layers):
+        names = family_of(cfg).stage_weights(cfg, i)
+        size = {n: math.prod(shapes[f"layers.{i}.{n}"]) for k in ("attn", "mlp")
+                for n in names[k]}
+        layer_stages.append([sum(size[n] for n in names[k] if not is_expert_weight(n))
+                             for k in ("attn", "mlp")])
+        layer_experts.append(sum(v for n, v in size.items() if is_expert_weight(n)))
     ends = head = True
     if part is not None:
         names = part.weight_names(cfg)
@@ -111,7 +123,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     for name, shape in shapes.items():
         if part is not None and name not in names:
             continue  # layer 0's shapes stay known for the working set below
-        for t, n in enumerate(_split_bytes(shape, 0, policy.weight_split, item,
+        split = policy.expert_split if is_expert_weight(name) else policy.weight_split
+        for t, n in enumerate(_split_bytes(shape, 0, split, item,
                                            policy.compress_weight)):
             weights[t] += n
     b, max_len = policy.gpu_batch_size, prompt_len + gen_len
@@ -129,9 +142,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
     # one fused attention chunk's mask (scores are never materialized; a policy that needs
     # the prompt's attention mass, H2O, counts its score chunk itself)
-    per_kind = [sum(math.prod(shapes[f"layers.0.{n}"]) for n in names) for names in
-                (family_of(cfg).stage_weights(cfg)[k] for k in ("attn", "mlp"))]
-    biggest_stage = max(per_kind) if policy.sep_layer else sum(per_kind)
+    biggest_stage = max(max(per) if policy.sep_layer else sum(per) for per in layer_stages)
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim * ends) * item
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
@@ -140,8 +151,9 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # a stage's weights are copied (brought to the device, or expanded from 4 bits) unless
     # they all sit on the device as they are: then compute reads them in place (4-bit ones
     # too on a CPU, but for one matrix at a time in a product the kernel does not take)
-    resident = policy.weight_split[0] >= 1.0 and (not policy.compress_weight or in_place)
-    stage_copies = 2 * biggest_stage
+    resident = (min(policy.weight_split[0], policy.expert_split[0]) >= 1.0
+                and (not policy.compress_weight or in_place))
+    stage_copies = 2 * biggest_stage + max(layer_experts) * item
     expanded = _expanded_matrix(cfg, shapes, policy, item, head) if in_place else 0
     working = (stage_copies * (not resident) + expanded + loads
                + b * rows * prompt_len  # one fused attention chunk's boolean mask
@@ -152,7 +164,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
         if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the
     # one in use and the next), from the pinned caching allocator, which rounds to a power of 2
-    disk_read = max(biggest_stage * policy.weight_split[2], 2 * per_cache[2])
+    disk_read = max(biggest_stage * max(policy.weight_split[2], policy.expert_split[2]),
+                    2 * per_cache[2])
     staging = 2 * _pow2(math.ceil(disk_read)) if disk_read else 0
     totals = {t: weights[i] + cache[i] + act[i] for i, t in enumerate(TIERS)}
     totals[DEVICE] += working + sum(kv_terms.values())
@@ -203,11 +216,14 @@ def check_fit(need: dict, have: dict[str, int], device: torch.device) -> None:
     checks = [(DEVICE, total[DEVICE] + (total[HOST] if shared else 0)), (DISK, total[DISK])]
     if not shared:
         checks.insert(1, (HOST, total[HOST]))
-    hints = {DEVICE: "move weights or cache to disk (lower wg wc cg cc in --percent), add "
-                     "--compress-weight / --compress-cache, or lower --gpu-batch-size"
+    hints = {DEVICE: "move weights or cache to disk (lower wg wc cg cc in --percent, or "
+                     "--experts-percent), add --compress-weight / --compress-cache, or lower "
+                     "--gpu-batch-size"
              if shared else
-             "lower the GPU percentages in --percent (wg cg hg) or --gpu-batch-size",
-             HOST: "move more to disk (lower wc cc hc in --percent) or lower --gpu-batch-size",
+             "lower the GPU percentages in --percent (wg cg hg) or --experts-percent, or "
+             "--gpu-batch-size",
+             HOST: "move more to disk (lower wc cc hc in --percent, or the CPU share of "
+                   "--experts-percent) or lower --gpu-batch-size",
              DISK: "free disk space under --offload-dir or keep more in memory"}
     for tier, n in checks:
         if n > have[tier]:

@@ -19,11 +19,13 @@ def build_stages(cfg: ModelConfig, sep_layer: bool, part: "LayerSlice | None" = 
                  ) -> list[Stage]:
     """The schedule's stages of the whole model, or of one pipeline rank's ``part``: its
     layers, with the embedding only on the first rank and the head only on the last."""
-    names = family_of(cfg).stage_weights(cfg)
+    family = family_of(cfg)
+    names = family.stage_weights(cfg)
     part = part or LayerSlice.whole(cfg)
     stages = [Stage("embed", None, {n: n for n in names["embed"]})] if part.embed else []
     for i in part.layers:
-        per = {kind: {n: f"layers.{i}.{n}" for n in names[kind]} for kind in ("attn", "mlp")}
+        layer = family.stage_weights(cfg, i)
+        per = {kind: {n: f"layers.{i}.{n}" for n in layer[kind]} for kind in ("attn", "mlp")}
         if sep_layer:
             stages += [Stage("attn", i, per["attn"]), Stage("mlp", i, per["mlp"])]
         else:

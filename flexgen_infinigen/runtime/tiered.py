@@ -236,3 +236,16 @@ def _rows_of(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, flat: torc
                         t.storage_offset())
     index = (rows * t.stride(0) + cols * t.stride(1)) // inner
     return view, index.to(flat.device)
+
+
+class OnDemand:
+    """A weight read for compute only when the math first asks for it (:meth:`get`), then
+    kept: a routed expert, read by a stage only when a token is routed to it."""
+
+    def __init__(self, tensor: TieredTensor):
+        self.tensor, self._value = tensor, None
+
+    def get(self):
+        if self._value is None:
+            self._value = self.tensor.read_for_compute()
+        return self._value

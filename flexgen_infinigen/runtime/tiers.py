@@ -2,7 +2,8 @@
 
 Every copy between tiers goes through :class:`Tiers`, which counts its bytes by
 link (``disk->host``, ``host->device``, ``device->host``, ``host->disk``) and by
-kind (``weights``, ``kv_cache``, ``activations``), and tracks how many bytes each
+kind (``weights``, ``experts``: a mixture-of-experts model's routed experts, read only when
+routed to, ``kv_cache``, ``activations``), and tracks how many bytes each
 tier holds so that the report can give a peak per tier.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .offload_dir import DIR_PREFIX, OWNER_FILE, offload_root, remove_stale_fold
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
 LINKS = ("disk->host", "host->device", "device->host", "host->disk")
-KINDS = ("weights", "kv_cache", "activations")
+KINDS = ("weights", "experts", "kv_cache", "activations")
 
 PAGE = 4096
 # long-lived host buffers at least this large are allocated at their exact size and pinned in

@@ -33,13 +33,25 @@ LLAMA_FIELDS = frozenset({
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "head_dim",
     "hidden_act", "attention_bias", "mlp_bias",
 })
+QWEN_WINDOW = frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                         "layer_types"})
+# mixture-of-experts fields (models/moe.py computes them); the router's auxiliary loss, its
+# logits as an output and its jitter noise act only in training
+EXPERT_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
+                           "output_router_logits", "router_aux_loss_coef",
+                           "router_jitter_noise"})
+QWEN_MOE = EXPERT_FIELDS | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                            "mlp_only_layers"}
 UNDERSTOOD = {
     "llama": LLAMA_FIELDS,
     "mistral": LLAMA_FIELDS | {"sliding_window"},
-    "qwen2": LLAMA_FIELDS | {"use_sliding_window", "sliding_window", "max_window_layers",
-                             "layer_types"},
-    "qwen3": LLAMA_FIELDS | {"use_sliding_window", "sliding_window", "max_window_layers",
-                             "layer_types"},
+    "qwen2": LLAMA_FIELDS | QWEN_WINDOW,
+    "qwen3": LLAMA_FIELDS | QWEN_WINDOW,
+    "qwen3_moe": LLAMA_FIELDS | QWEN_WINDOW | QWEN_MOE,
+    "qwen2_moe": LLAMA_FIELDS | QWEN_WINDOW | QWEN_MOE | {"shared_expert_intermediate_size",
+                                                          "qkv_bias"},
+    "mixtral": LLAMA_FIELDS | {"sliding_window"} | EXPERT_FIELDS,
+    "olmoe": LLAMA_FIELDS | EXPERT_FIELDS | {"norm_topk_prob", "clip_qkv"},
     "opt": frozenset({
         "vocab_size", "hidden_size", "ffn_dim", "num_hidden_layers", "num_attention_heads",
         "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
@@ -54,6 +66,12 @@ ROPE_TYPES = {
                "high_freq_factor", "original_max_position_embeddings"},
 }
 MOE_HINTS = ("expert", "moe", "router")
+# architectures whose attention this runtime does not compute, refused by what it lacks
+NOT_COMPUTED = {
+    "deepseek_v2": "DeepSeek's multi-head latent attention (MLA)",
+    "deepseek_v3": "DeepSeek's multi-head latent attention (MLA)",
+    "gpt_oss": "gpt-oss's attention sinks",
+}
 
 
 def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
@@ -63,8 +81,9 @@ def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
         if field in known:
             continue
         if any(h in field.lower() for h in MOE_HINTS):
-            raise ConfigError(f"config.json field {field!r}: mixture-of-experts models are not "
-                              "supported by this runtime")
+            raise ConfigError(f"config.json field {field!r} is not computed by this runtime "
+                              f"for model_type {kind!r} (its mixture-of-experts types: "
+                              f"{', '.join(sorted(k for k in UNDERSTOOD if k in MOE_TYPES))})")
         if field == "quantization_config":
             raise ConfigError("config.json has a quantization_config: pre-quantized checkpoints "
                               "are not supported; convert the unquantized (bf16/fp16) weights")
@@ -105,19 +124,48 @@ def _first(x, default):
     return default if x is None else x
 
 
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def experts_from_hf(hf: dict, kind: str) -> dict:
+    """The mixture-of-experts fields of our config (none for a dense model type)."""
+    if kind not in MOE_TYPES:
+        return {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    _require(0 < top_k <= experts, "num_experts_per_tok", top_k,
+             f"a top-k between 1 and the number of experts ({experts})")
+    out = dict(num_experts=experts, experts_per_token=top_k,
+               expert_intermediate_size=hf["intermediate_size"],
+               norm_topk_prob=kind == "mixtral" or bool(hf.get("norm_topk_prob", False)))
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        step = int(hf.get("decoder_sparse_step") or 1)
+        only = set(hf.get("mlp_only_layers") or ())
+        out["expert_intermediate_size"] = hf["moe_intermediate_size"]
+        out["dense_layers"] = tuple(i for i in range(hf["num_hidden_layers"])
+                                    if i in only or (i + 1) % step)
+    if kind == "qwen2_moe":
+        out["shared_expert_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+    if kind == "olmoe":
+        _require(hf.get("clip_qkv") is None, "clip_qkv", hf.get("clip_qkv"),
+                 "OLMoE without q/k/v clipping")
+    return out
+
+
 def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
-    """Llama 1-3.x, Mistral, Qwen2/2.5 and Qwen3: one family with flags."""
+    """Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3 and the mixture-of-experts Qwen3-MoE,
+    Qwen2-MoE, Mixtral and OLMoE: one family with flags."""
     _require(hf.get("hidden_act", "silu") == "silu", "hidden_act", hf.get("hidden_act"),
              "SiLU-gated MLPs")
     _require(not hf.get("mlp_bias", False), "mlp_bias", hf.get("mlp_bias"), "MLPs without bias")
     window = 0
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         _require(not hf.get("use_sliding_window", False), "use_sliding_window",
                  hf.get("use_sliding_window"), "full attention in every Qwen layer")
         types = set(hf.get("layer_types") or ["full_attention"])
         _require(types == {"full_attention"}, "layer_types", sorted(types),
                  "full_attention layers for Qwen")
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         window = int(hf.get("sliding_window") or 0)
     heads = hf["num_attention_heads"]
     theta, scaling = rope_from_hf(hf)
@@ -135,8 +183,10 @@ def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
         bos_token_id=_first(hf.get("bos_token_id"), 1),
         eos_token_id=eos, pad_token_id=_first(hf.get("pad_token_id"), eos),  # pads are masked
         attn_head_dim=head_dim if head_dim * heads != hf["hidden_size"] else 0,
-        qkv_bias=bias or kind == "qwen2", o_bias=bias, qk_norm=kind == "qwen3",
-        sliding_window=window, rope_scaling=scaling, model_type=kind)
+        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
+        o_bias=bias, qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe"), qk_norm_full=kind == "olmoe",
+        sliding_window=window, rope_scaling=scaling, model_type=kind,
+        **experts_from_hf(hf, kind))
 
 
 def opt(hf: dict, name: str) -> ModelConfig:
@@ -167,6 +217,9 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
     """Our config for a Hugging Face one; one :class:`ConfigError` for anything we would not
     compute as the model's authors did."""
     kind = hf.get("model_type")
+    if kind in NOT_COMPUTED:
+        raise ConfigError(f"model_type {kind!r}: {NOT_COMPUTED[kind]} is not computed by this "
+                          f"runtime; it converts {', '.join(sorted(UNDERSTOOD))}")
     if kind not in UNDERSTOOD:
         raise ConfigError(f"model_type {kind!r} is not supported; this runtime converts "
                           f"{', '.join(sorted(UNDERSTOOD))}")

@@ -1,5 +1,6 @@
 """Convert a local Hugging Face checkpoint folder (OPT, Llama 1-3.x, Mistral, Qwen2/2.5,
-Qwen3) into a weight store.
+Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE with one tensor per
+expert matrix, as the Hub writes them) into a weight store.
 
 Reads ``config.json`` (:mod:`.hf_config` refuses what we do not compute, before any tensor
 is read) and the weights: ``*.safetensors``, sharded with ``model.safetensors.index.json``
@@ -47,6 +48,15 @@ _LLAMA_LAYER = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
                 "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj",
                 "mlp.down_proj": "down_proj"}
+# mixture-of-experts MLPs: the router, the routed experts (Mixtral's w1/w3/w2 are gate/up/
+# down) and Qwen2-MoE's shared expert with its gate
+_MOE_LAYER = {"mlp.gate": "router", "block_sparse_moe.gate": "router",
+              "mlp.shared_expert_gate": "shared_expert_gate",
+              **{f"mlp.shared_expert.{m}": f"shared_expert.{m}"
+                 for m in ("gate_proj", "up_proj", "down_proj")}}
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LLAMA_TOP = {"embed_tokens.weight": "embed.weight", "norm.weight": "final_norm.weight",
               "lm_head.weight": "lm_head.weight"}
 
@@ -64,6 +74,12 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
     m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", name)
     if m and m.group(2) in _LLAMA_LAYER:
         return f"layers.{m.group(1)}.{_LLAMA_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _MOE_LAYER:
+        return f"layers.{m.group(1)}.{_MOE_LAYER[m.group(2)]}.{m.group(3)}"
+    expert = _EXPERT.match(m.group(2)) if m else None
+    if expert:
+        matrix = _MIXTRAL_EXPERT.get(expert.group(2), expert.group(2))
+        return f"layers.{m.group(1)}.experts.{expert.group(1)}.{matrix}.{m.group(3)}"
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return _LLAMA_TOP.get(name)

@@ -1,0 +1,91 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): a softmax top-k router,
+routed SwiGLU experts and, in Qwen2-MoE, a shared expert behind a sigmoid gate.
+
+Every expert matrix is its own weight-store tensor (``experts.{e}.gate_proj.weight``, as
+the Hugging Face checkpoints write them), so a step reads only the experts its tokens were
+routed to: the engine hands expert weights over as :class:`~..runtime.tiered.OnDemand`
+handles, brought to the compute device the first time a token picks the expert and kept for
+the rest of the stage (every GPU batch of a block and every prefill chunk share them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..runtime.cpu_layers import linear
+from ..runtime.tiered import OnDemand
+
+ROUTER = "router.weight"
+EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+SHARED = "shared_expert"
+SHARED_GATE = "shared_expert_gate.weight"
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.num_experts > 0 and layer not in cfg.dense_layers
+
+
+def is_expert_weight(name: str) -> bool:
+    """A routed expert's matrix (``layers.{i}.experts.{e}...``): read only when routed to,
+    and counted apart (kind ``experts``) when it moves between tiers."""
+    return name.startswith("experts.") or ".experts." in name
+
+
+def _swiglu_shapes(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (width, h), f"{prefix}.up_proj.weight": (width, h),
+            f"{prefix}.down_proj.weight": (h, width)}
+
+
+def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's MLP weights, named as a ``layers.{i}.`` prefix completes them."""
+    h = cfg.hidden_size
+    shapes = {"mlp_norm.weight": (h,), ROUTER: (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes.update(_swiglu_shapes(f"experts.{e}", cfg.expert_intermediate_size, h))
+    if cfg.shared_expert_size:
+        shapes.update(_swiglu_shapes(SHARED, cfg.shared_expert_size, h))
+        shapes[SHARED_GATE] = (1, h)
+    return shapes
+
+
+def expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """The bytes of one routed expert's three matrices."""
+    return 3 * cfg.expert_intermediate_size * cfg.hidden_size * itemsize
+
+
+def route(cfg: ModelConfig, x: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [n, k] in ``x``'s dtype, experts [n, k]) for the tokens ``x`` [n, h]: the
+    softmax over every expert (in float32), its top k (ties go to the lower index, as
+    ``torch.topk`` breaks them), renormalised to sum to 1 when ``norm_topk_prob``."""
+    probs = torch.softmax(linear(x, router).float(), dim=-1)
+    top, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return top.to(x.dtype), experts
+
+
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def fetch(weight):
+    """A weight the math can multiply: an :class:`OnDemand` handle is read (once)."""
+    return weight.get() if isinstance(weight, OnDemand) else weight
+
+
+def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """The MoE MLP of the normalized input ``x`` [b, s, h] (no residual): each routed expert
+    takes the rows of the tokens that chose it, scaled by their router weight; the shared
+    expert, if any, takes every token, scaled by the sigmoid of its gate."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, experts = route(cfg, flat, w[ROUTER])
+    out = torch.zeros_like(flat)
+    for e in torch.unique(experts).tolist():  # the experts this stage's tokens use, in order
+        rows, slot = torch.where(experts == e)
+        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
+        out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
+    if cfg.shared_expert_size:
+        shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
+        out += torch.sigmoid(linear(flat, w[SHARED_GATE])) * shared
+    return out.view_as(x)

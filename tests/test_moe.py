@@ -1,0 +1,281 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): tiny random checkpoints
+built by transformers, saved as the Hub writes them (one safetensors tensor per expert
+matrix), converted by us and run under several placements: tokens and logits equal
+transformers'; InfiniGen keeping everything equals the full cache; the routed experts' bytes
+moved between tiers equal a count made from transformers' own router choices."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.kv import InfiniGenOptions
+
+STEPS = 6
+PROMPTS = [[1] + [(7 * i + 3) % 200 + 2 for i in range(13)],
+           [1] + [(11 * i + 5) % 200 + 2 for i in range(9)]]
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, intermediate_size=96,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              tie_word_embeddings=False, num_experts_per_tok=2)
+QWEN3 = dict(num_experts=8, moe_intermediate_size=32, head_dim=24)
+# name: (config class, model class, config fields, layers whose router is zero: every token
+# ties between all experts there)
+FAMILIES = {
+    # a dense layer (mlp_only_layers) among MoE layers, the top-k renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(QWEN3, norm_topk_prob=True, mlp_only_layers=[1]), ()),
+    # top-k not renormalised; layer 0 dense by the sparse step, layer 1 ties everywhere
+    "qwen3_moe-ties": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                       dict(QWEN3, norm_topk_prob=False, decoder_sparse_step=2,
+                            num_hidden_layers=4), (1,)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=8, intermediate_size=48), ()),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=6, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=80, norm_topk_prob=False), ()),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=8, intermediate_size=32, norm_topk_prob=False), ()),
+}
+PLACEMENTS = {
+    "all-on-device": Policy(),
+    "weights-and-cache-in-cpu-memory": Policy.from_percent([0, 100, 0, 100, 100, 0],
+                                                           overlap=True),
+    "weights-on-disk": Policy.from_percent([0, 0, 100, 0, 100, 0]),
+    "mixed-with-disk-two-batches": Policy.from_percent([30, 40, 30, 40, 100, 0],
+                                                       num_gpu_batches=2, overlap=True),
+}
+KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
+
+
+def _routers(model):
+    """Every MoE layer's router module, by layer."""
+    return {i: layer.mlp.gate for i, layer in enumerate(model.model.layers)
+            if hasattr(getattr(layer, "mlp", None), "gate")
+            and hasattr(layer.mlp.gate, "top_k")} or {
+        i: layer.block_sparse_moe.gate for i, layer in enumerate(model.model.layers)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers model in fp32, our converted store)."""
+    import transformers
+
+    from flexgen_infinigen.weights.hf_convert import convert_hf
+
+    name = request.param
+    config_cls, model_cls, extra, tied = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "bias" in pname or "norm" in pname:  # start at 0 and 1: make them count
+                p.copy_(torch.randn_like(p) * 0.5 + ("norm" in pname))
+        for i, router in _routers(model).items():  # routes far apart (no near-ties) ...
+            router.weight.copy_(torch.randn_like(router.weight) * (0 if i in tied else 1))
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    ref = getattr(transformers, model_cls).from_pretrained(folder, dtype=torch.float32).eval()
+    store = convert_hf(folder, folder / "store", name, progress=False)
+    return name, ref, store
+
+
+def _run(store, policy, kv="full", kv_options=None, prompts=PROMPTS, steps=STEPS):
+    with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=kv_options,
+                          progress=False) as lm:
+        out = lm.generate(prompts, steps, stop_token_id=None, keep_logits=True)
+        moved = {link: dict(kinds) for link, kinds in lm.tiers.bytes_moved.items()}
+        return out, lm.engine.kv_policy.report(), moved, lm.engine.cfg
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_matches_transformers(family, placement):
+    name, ref, store = family
+    out, _, _, _ = _run(store, PLACEMENTS[placement])
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_greedy(ref, prompt, STEPS)
+        assert out.token_ids[row] == tokens, name
+        assert (out.logits[row] - logits).abs().max().item() < 1e-4, name
+
+
+def test_infinigen_keeping_everything_equals_full(family):
+    name, _, store = family
+    full, _, _, _ = _run(store, Policy())
+    ours, report, _, _ = _run(store, PLACEMENTS["weights-and-cache-in-cpu-memory"],
+                              "infinigen", {"options": KEEP_ALL})
+    assert ours.token_ids == full.token_ids, name
+    for a, b in zip(ours.logits, full.logits):
+        assert (a - b).abs().max().item() < 1e-4, name
+    assert report["kv_selected_fraction"] > 0.2
+
+
+def test_converted_config_and_layers(family):
+    """The store holds one tensor per expert matrix, dense layers a dense MLP."""
+    from flexgen_infinigen.weights.store import WeightStore
+
+    name, ref, store = family
+    cfg = WeightStore(store).config
+    hf = ref.config
+    assert cfg.model_type == hf.model_type and cfg.experts_per_token == 2
+    names = set(WeightStore(store).tensors)
+    for i in range(len(ref.model.layers)):
+        moe = i in _routers(ref)
+        assert (f"layers.{i}.router.weight" in names) == moe, (name, i)
+        assert (f"layers.{i}.experts.0.down_proj.weight" in names) == moe, (name, i)
+        assert (f"layers.{i}.gate_proj.weight" in names) != moe, (name, i)
+    assert cfg.norm_topk_prob == bool(getattr(hf, "norm_topk_prob", True))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"], indirect=True)
+@pytest.mark.parametrize("tier", ["cpu-memory", "disk"])
+def test_expert_bytes_equal_the_routers_choices(family, tier):
+    """Experts read per step are those the tokens were routed to, each once per stage of a
+    block (both GPU batches share it): the bytes counted as ``experts`` equal that count from
+    transformers' own router choices, and the other weights are read whole once a step."""
+    name, ref, store = family
+    prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
+    percent = [0, 100, 0, 100, 100, 0] if tier == "cpu-memory" else [0, 0, 0, 100, 100, 0]
+    policy = Policy.from_percent(percent, num_gpu_batches=2, overlap=True)
+    out, _, moved, cfg = _run(store, policy, prompts=prompts)
+    routers = _routers(ref)
+    choices = {i: [] for i in routers}  # layer -> per prompt, the top-k indices per position
+    hooks = [r.register_forward_hook(lambda m, a, o, i=i: choices[i].append(o[2]))
+             for i, r in routers.items()]
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ref(torch.tensor([prompt + out.token_ids[row][:STEPS - 1]]))
+    for h in hooks:
+        h.remove()
+    length = len(prompts[0])
+    # iteration 0 routes every prompt token, iteration t the t-th fed token, of both rows
+    positions = [range(length)] + [[length + t - 1] for t in range(1, STEPS)]
+    used = sum(len({int(e) for per_row in choices[i] for p in pos for e in per_row[p]})
+               for i in routers for pos in positions)
+    per_expert = 3 * cfg.expert_intermediate_size * cfg.hidden_size * 4  # float32
+    assert used < STEPS * len(routers) * cfg.num_experts  # some experts were not read
+    assert moved["host->device"]["experts"] == used * per_expert
+    assert moved["disk->host"]["experts"] == (used * per_expert if tier == "disk" else 0)
+    from flexgen_infinigen.models import family_of
+    from flexgen_infinigen.models.moe import is_expert_weight
+    dense = sum(math.prod(s) * 4 for n, s in family_of(cfg).weight_shapes(cfg).items()
+                if not is_expert_weight(n))
+    assert moved["host->device"]["weights"] == STEPS * dense
+
+
+def test_refused_by_name(tmp_path):
+    """What the runtime does not compute is refused in one line naming it."""
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.weights.hf_config import config_from_hf
+
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                num_attention_heads=4, num_key_value_heads=2)
+    for kind, words in [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks")]:
+        with pytest.raises(ConfigError, match=words):
+            config_from_hf({**base, "model_type": kind}, "x")
+    with pytest.raises(ConfigError, match="num_local_experts"):  # experts on a dense type
+        config_from_hf({**base, "model_type": "llama", "num_local_experts": 8}, "x")
+    with pytest.raises(ConfigError, match="clip_qkv"):
+        config_from_hf({**base, "model_type": "olmoe", "num_experts": 4,
+                        "num_experts_per_tok": 2, "clip_qkv": 8.0}, "x")
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        config_from_hf({**base, "model_type": "mixtral", "num_local_experts": 2,
+                        "num_experts_per_tok": 3}, "x")
+
+
+EXPERTS_IN_CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+                                            expert_cpu_percent=100)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
+@pytest.mark.parametrize("experts", [(0, 100), (0, 0)], ids=["cpu-memory", "disk"])
+def test_experts_placed_apart(family, experts):
+    """--experts-percent: the routed experts live where it says, everything else where
+    --percent says (here on the device: nothing but experts moves); the same output."""
+    from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST
+
+    name, ref, store = family
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=experts[0],
+                                 expert_cpu_percent=experts[1])
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+        where = {n: {s.tier for s in t.segments} for n, t in lm.engine.weights.items()}
+        moved = lm.tiers.bytes_moved
+    home = HOST if experts[1] else DISK
+    for n, tiers in where.items():
+        assert tiers == ({home} if ".experts." in n else {DEVICE}), n
+    assert moved["host->device"]["weights"] == 0 and moved["host->device"]["experts"] > 0
+    assert (moved["disk->host"]["experts"] > 0) == (home == DISK)
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_greedy(ref, prompt, STEPS)
+        assert out.token_ids[row] == tokens
+        assert (out.logits[row] - logits).abs().max().item() < 1e-4
+
+
+# the public Qwen3-30B-A3B config.json's shapes
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypatch):
+    """The plan puts the experts' bytes where --experts-percent says (counted from the
+    shapes here); on a 24 GiB GPU a Qwen3-30B-A3B fits with its experts in CPU memory and is
+    refused with them on the GPU; the loader refuses before any weight is placed."""
+    from flexgen_infinigen import api
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.models import family_of
+    from flexgen_infinigen.models.moe import is_expert_weight
+    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.weights.hf_config import config_from_hf
+    from flexgen_infinigen.weights.store import WeightStore
+
+    def bytes_of(cfg, experts: bool, item: int) -> int:
+        return sum(math.prod(s) * item for n, s in family_of(cfg).weight_shapes(cfg).items()
+                   if is_expert_weight(n) == experts)
+
+    _, _, store = family
+    cfg = WeightStore(store).config
+    experts, dense = bytes_of(cfg, True, 4), bytes_of(cfg, False, 4)
+    need = memory_plan.plan(cfg, EXPERTS_IN_CPU_MEMORY, torch.float32, 16, 8)
+    assert need["weights"] == {"device": dense, "host": experts, "disk": 0}
+
+    big = config_from_hf(QWEN3_30B_A3B, "qwen3-30b-a3b")
+    assert 55e9 < bytes_of(big, True, 2) < 60e9 and bytes_of(big, False, 2) < 4e9
+    gpu, gib = torch.device("cuda"), 1 << 30
+    have = {"device": 24 * gib, "host": 128 * gib, "disk": 1 << 40}
+    memory_plan.check_fit(memory_plan.plan(big, EXPERTS_IN_CPU_MEMORY, torch.float16, 512,
+                                           64), have, gpu)
+    with pytest.raises(ConfigError, match="experts-percent"):
+        memory_plan.check_fit(memory_plan.plan(big, Policy(), torch.float16, 512, 64), have,
+                              gpu)
+    # through the loader: refused before placing (this machine's memory made that small)
+    monkeypatch.setattr(memory_plan, "available",
+                        lambda dev, d: {"device": dense + experts // 2, "host": 0,
+                                        "disk": 1 << 40})
+    monkeypatch.setattr(api, "place_weights", lambda *a, **k: pytest.fail("placed"))
+    with pytest.raises(ConfigError, match="needs"):
+        OffloadedLM.load(path=store, policy=Policy(), progress=False)
+
+
+def test_experts_percent_flag():
+    from flexgen_infinigen.cli.args import add_policy_args, policy_from_args
+    from flexgen_infinigen.config import ConfigError
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_policy_args(p)
+    policy, _ = policy_from_args(p.parse_args(["--percent", "100", "0", "100", "0", "100", "0",
+                                               "--experts-percent", "20", "50"]))
+    assert policy.expert_split == (0.2, 0.5, 0.3) and policy.weight_split == (1.0, 0, 0)
+    assert policy_from_args(p.parse_args([]))[0].expert_split == (1.0, 0, 0)
+    with pytest.raises(ConfigError, match="sum to at most 100"):
+        policy_from_args(p.parse_args(["--experts-percent", "60", "50"]))
+    with pytest.raises(ConfigError, match="percent auto"):
+        policy_from_args(p.parse_args(["--percent", "auto", "--experts-percent", "0", "100"]))
