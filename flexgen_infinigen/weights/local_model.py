@@ -21,7 +21,7 @@ from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from .store import MANIFEST
 
 # bump when a conversion would now write something different (a tokenizer fix, say)
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: GGUF tensors kept as the file's codes (store format 2)
 _CHECKPOINT_FILES = ("*.safetensors", "*.bin", "*.json", "merges.txt", "tokenizer.model")
 
 
@@ -59,7 +59,10 @@ def cache_store_path(path: Path, cache_dir: Path | None = None) -> Path:
 
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.is_file() else path.name)
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
-    return default_cache_dir(cache_dir) / "stores" / f"{stem}-{digest}"
+    # a GGUF's store holds its codes (store format 2): its own folder, so that a version
+    # reading only format 1 (floats) never finds it, nor converts over it
+    codes = "-codes" if path.suffix == ".gguf" else ""
+    return default_cache_dir(cache_dir) / "stores" / f"{stem}-{digest}{codes}"
 
 
 def _stored_identity(store: Path) -> dict | None:
