@@ -43,8 +43,12 @@ def test_matches_transformers(smollm2_store, prompts, references, name):
         out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
     for row, (ref_tokens, ref_logits) in enumerate(references):
         assert out.token_ids[row] == ref_tokens
-        # fp32 rounding: logits are O(10); allow a few ulps of accumulated difference
-        assert (out.logits[row] - ref_logits).abs().max().item() < 2e-3
+        # the store holds the GGUF's Q4_1/Q8_0 codes and the reference gguf's dequantized
+        # floats: where the codes are multiplied in place (all on the device) the 4-bit
+        # kernel rounds x to 16 bits per 64 values, ~1e-3 of the logits' scale after 30
+        # layers; elsewhere they are expanded exactly and only fp32 order differs
+        scale = ref_logits.abs().max().item()
+        assert (out.logits[row] - ref_logits).abs().max().item() < 2e-3 * scale
 
 
 def test_continuation_is_text(smollm2_store):

@@ -5,6 +5,8 @@ dependency): the same numbers through someone else's implementation.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .store import WeightStore
 
 _LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -12,6 +14,22 @@ _LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
                 "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
                 "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
                 "down_proj": "mlp.down_proj"}
+
+
+def dequantized(store: WeightStore, name: str):
+    """A stored tensor as float32: a quantized GGUF tensor's blocks expanded by ``gguf``'s own
+    dequantizer (independent of the runtime's codes), floats widened."""
+    import torch
+
+    kind = store.tensors[name].get("gguf_type")
+    if kind is None:
+        return store.tensor(name).float().clone()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(store.tensors[name]["shape"])
+    values = dequantize(np.asarray(store.load(name)), GGMLQuantizationType[kind])
+    return torch.from_numpy(values.reshape(shape).astype(np.float32))
 
 
 def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
@@ -30,7 +48,7 @@ def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
     model = LlamaForCausalLM(hf_cfg).eval()
     state = {}
     for name in store.tensors:
-        t = store.tensor(name).float().clone()
+        t = dequantized(store, name)
         if name == "embed.weight":
             state["model.embed_tokens.weight"] = t
         elif name == "final_norm.weight":

@@ -167,7 +167,8 @@ class WeightStore:
         codes reordered, the scales decoded to float32; nothing expanded to floats)."""
         info = self.tensors[name]
         parts = gguf_codes.to_parts(self.load(name), info["gguf_type"], tuple(info["shape"]))
-        return Packed(*(torch.from_numpy(p) for p in parts), tuple(info["shape"]))
+        return Packed(*(torch.from_numpy(np.require(p, requirements=["C", "W"])) for p in parts),
+                      tuple(info["shape"]))
 
     def load(self, name: str) -> np.ndarray:
         """The raw array, memory-mapped (bf16 tensors come back as their int16 bits)."""
