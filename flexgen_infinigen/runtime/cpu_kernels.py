@@ -4,9 +4,9 @@ a 4-bit cache ``kernels/attention_q4.c``; their shared block in ``kernels/attent
 and InfiniGen's speculation: packed speculation keys scored without unpacking them into
 floats, and the default selection rule, fused with the scoring (``kernels/speculation.c``;
 the mass rule itself in ``kernels/selection.c``, page-level speculation in
-``kernels/pages.c``). The layers' own math (few-row linear layers in ``kernels/linear.c``, over floats, 4-bit or 8-bit codes,
-RMSNorm and rotary embedding in ``kernels/pointwise.c``) is called through
-:mod:`.cpu_layers`.
+``kernels/pages.c``). The layers' own math (few-row linear layers over floats, 4-bit or
+8-bit codes in ``kernels/linear.c``, RMSNorm and rotary embedding in
+``kernels/pointwise.c``) is called through :mod:`.cpu_layers`.
 
 They are plain C (no torch headers), built with the system's C compiler into
 ``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (a few seconds, once per machine and source),

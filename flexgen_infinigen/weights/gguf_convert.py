@@ -4,12 +4,12 @@ Every tensor is kept as the file stores it, renamed to the store's canonical nam
 quantized ones as their blocks (the runtime reads their codes, :mod:`.gguf_codes`), float
 ones at their own width (F32, F16, BF16); nothing is expanded to floats, so converting
 holds one tensor's bytes at a time. A tensor type that cannot be kept is refused by name
-before anything is written. For the llama architecture, llama.cpp stores ``attn_q``/``attn_k`` with the
-rows of each head interleaved for its rotary kernel; we undo that so the store
-matches Hugging Face's layout (the ``rotate_half`` convention that
-:func:`flexgen_infinigen.models.llama.rotary` implements). qwen2 files keep Hugging
-Face's order (llama.cpp rotates them the NeoX way) and carry q/k/v biases; qwen3 files
-keep it too and add per-head q/k RMSNorm weights. The
+before anything is written. For the llama architecture, llama.cpp stores
+``attn_q``/``attn_k`` with the rows of each head interleaved for its rotary kernel; we
+undo that (moving whole rows, codes unchanged) so the store matches Hugging Face's layout
+(the ``rotate_half`` convention that :func:`flexgen_infinigen.models.llama.rotary`
+implements). qwen2 files keep Hugging Face's order (llama.cpp rotates them the NeoX way)
+and carry q/k/v biases; qwen3 files keep it too and add per-head q/k RMSNorm weights. The
 vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
 (:mod:`.gguf_tokenizer`: byte-level BPE by its pre-tokenizer type, or SentencePiece).
 """
