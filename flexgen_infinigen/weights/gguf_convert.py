@@ -16,6 +16,7 @@ vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
 import sys
@@ -165,6 +166,20 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     return known
 
 
+def _release(reader, t) -> None:
+    """Hand back the mapped pages of a tensor already written: the file stays in the page
+    cache, but the process no longer holds it resident (converting an 8B file would
+    otherwise count its 4.9 GB in the converter's memory)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
 def _tensor_rows(t, kind: str, shape: tuple[int, ...], src: Path) -> np.ndarray:
     """A GGUF tensor's data as stored: quantized blocks ``[rows, bytes a row]`` (uint8),
     F32/F16 values, or BF16 bits as int16, in ``shape``. One error when the file holds fewer
@@ -240,6 +255,8 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
                 writer.add(key, w, dtype="bfloat16")
             else:
                 writer.add(key, w)
+            del w
+            _release(reader, t)
             seen.add(key)
         missing = sorted(set(expected) - seen)
         if missing:
