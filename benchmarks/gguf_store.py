@@ -152,26 +152,6 @@ def write_8b(path: Path, layers: int = 32) -> None:
 
 # --- decode speed and perplexity ----------------------------------------------------------
 
-def float_store(codes: Path, dest: Path) -> Path:
-    """The float32 store of the same weights (each tensor dequantized by ``gguf``): what the
-    default model was before its codes were kept."""
-    from flexgen_infinigen.weights.hf_reference import dequantized
-    from flexgen_infinigen.weights.store import StoreWriter, WeightStore
-
-    if (dest / "manifest.json").is_file():
-        return dest
-    src = WeightStore(codes)
-    extra = {k: v for k, v in src.manifest.items()
-             if k not in ("format", "config", "tensors", "tokenizer", "source")}
-    with StoreWriter(dest, src.config, source=src.manifest.get("source", ""),
-                     extra=extra) as w:
-        for name in src.tensors:
-            w.add(name, dequantized(src, name).numpy())
-        if src.tokenizer_path is not None:
-            w.add_tokenizer_json(src.tokenizer_path.read_text(encoding="utf-8"))
-    return dest
-
-
 def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -> dict:
     import torch
 
@@ -327,6 +307,8 @@ def main() -> None:
         r["sizes"].append(size_row("8B Q4_K_M-shaped", big, work / "8b", child))
         big.unlink()
         subprocess.run(["rm", "-rf", str(work / "8b")], check=True)
+    from flexgen_infinigen.weights.hf_reference import float_store
+
     floats = float_store(codes, work / "smollm2-float32")
     stores = {"codes (Q4_1)": (codes, False), "float32 store": (floats, False),
               "float32 + --compress-weight": (floats, True)}

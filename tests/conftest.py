@@ -72,6 +72,15 @@ def smollm2_store():
 
 
 @pytest.fixture(scope="session")
+def smollm2_float_store(smollm2_store, tmp_path_factory):
+    """The default model's weights as a float32 store (its Q4_1/Q8_0 codes expanded by
+    ``gguf``): a float source, for what ``--compress-weight`` does to floats."""
+    from flexgen_infinigen.weights.hf_reference import float_store
+
+    return float_store(smollm2_store, tmp_path_factory.mktemp("smollm2") / "float32")
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_store):
     from flexgen_infinigen.weights.hf_reference import hf_llama_from_store
 

@@ -32,6 +32,32 @@ def dequantized(store: WeightStore, name: str):
     return torch.from_numpy(values.reshape(shape).astype(np.float32))
 
 
+def float_store(src_path, dest):
+    """A float32 copy of a store (each quantized tensor expanded by :func:`dequantized`) at
+    ``dest``, built once: the same weights as floats, the reference a quantized store is
+    measured against (and a float source for ``--compress-weight``)."""
+    from pathlib import Path
+
+    from .store import MANIFEST, StoreWriter
+
+    dest = Path(dest)
+    if (dest / MANIFEST).is_file():
+        return dest
+    src = WeightStore(src_path)
+    extra = {k: v for k, v in src.manifest.items()
+             if k not in ("format", "config", "tensors", "tokenizer", "source")}
+    with StoreWriter(dest, src.config, source=src.manifest.get("source", ""),
+                     extra=extra) as w:
+        for name in src.tensors:
+            w.add(name, dequantized(src, name).numpy())
+        if src.tokenizer_path is not None:
+            w.add_tokenizer_json(src.tokenizer_path.read_text(encoding="utf-8"))
+        for extra_file in src.path.iterdir():  # the chat template and such
+            if extra_file.is_file() and extra_file.suffix not in (".npy", ".json"):
+                w.add_text(extra_file.name, extra_file.read_text(encoding="utf-8"))
+    return dest
+
+
 def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
     """transformers' LlamaForCausalLM with the store's (dequantized) weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
