@@ -112,14 +112,15 @@ def _gguf_name(name: str) -> tuple[str, str | None]:
     return f"blk.{i}.{GGUF_NAMES[part]}.{kind}", part
 
 
-def write_quantized_gguf(model, arch: str, path, kinds=TYPES, extra=None) -> None:
+def write_quantized_gguf(model, arch: str, path, kinds=TYPES, shards: int = 0) -> None:
     """``model`` as a GGUF whose matrices are quantized (``gguf``'s quantizer where it has
     one, random codes for the K-quants), and the model's own weights replaced by what the
     file encodes (``gguf``'s dequantizer): the reference runs on exactly those values."""
     from flexgen_infinigen.weights.gguf_convert import permute_rotary, unpermute_rotary
 
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    # ``shards``: at most that many tensors a file (``path``-0000i-of-0000n.gguf)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=shards)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -128,7 +129,7 @@ def write_quantized_gguf(model, arch: str, path, kinds=TYPES, extra=None) -> Non
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    if getattr(c, "head_dim", None):
+    if arch == "qwen3":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_tokenizer_model("llama")
@@ -268,3 +269,24 @@ def test_truncated_gguf_is_one_error(tmp_path):
         convert_gguf(path, tmp_path / "store", progress=False)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "store").exists()
+
+
+def test_sharded_gguf_is_one_model(tmp_path):
+    """A GGUF split into shards converts, named by any shard, to the store the whole file
+    gives (the same tensors, bit for bit); a missing shard is one error naming it."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+    from flexgen_infinigen.weights.store import WeightStore
+
+    model = _tiny("llama")
+    write_quantized_gguf(model, "llama", tmp_path / "whole.gguf")
+    write_quantized_gguf(model, "llama", tmp_path / "split.gguf", shards=8)
+    shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(shards) > 2
+    whole = WeightStore(convert_gguf(tmp_path / "whole.gguf", tmp_path / "a", progress=False))
+    split = WeightStore(convert_gguf(shards[1], tmp_path / "b", progress=False))
+    assert whole.tensors == split.tensors
+    for name in whole.tensors:
+        assert np.array_equal(whole.load(name), split.load(name))
+    shards[-1].unlink()
+    with pytest.raises(ConfigError, match=shards[-1].name):
+        convert_gguf(shards[0], tmp_path / "c", progress=False)

@@ -29,6 +29,7 @@ from ..models import llama
 from ..runtime.guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE
 from . import gguf_codes
+from .gguf_shards import JoinedReader, shard_paths
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
 
@@ -90,6 +91,15 @@ def _open_reader(path: Path):
         return gguf.GGUFReader(path)
     except Exception as e:  # corrupt or truncated files raise assorted errors
         raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
+
+
+def open_model(path: Path):
+    """The reader of a GGUF model: one file, or all shards of a split one (any shard
+    named) read as one (:class:`.gguf_shards.JoinedReader`)."""
+    paths = shard_paths(Path(path))
+    if len(paths) == 1:
+        return _open_reader(paths[0])
+    return JoinedReader([_open_reader(p) for p in paths], str(path))
 
 
 def field_value(reader, key: str, default=None):
@@ -170,7 +180,8 @@ def _release(reader, t) -> None:
     """Hand back the mapped pages of a tensor already written: the file stays in the page
     cache, but the process no longer holds it resident (converting an 8B file would
     otherwise count its 4.9 GB in the converter's memory)."""
-    mm = getattr(reader.data, "_mmap", None)
+    reader = getattr(reader, "owner", {}).get(t.name, reader)  # a shard's own reader
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -218,7 +229,7 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     from tqdm import tqdm
 
     src, dest = Path(gguf_path), Path(dest)
-    reader = _open_reader(src)
+    reader = open_model(src)
     cfg = config_from_gguf(reader, name, str(src))
     expected = llama.weight_shapes(cfg)
     permuted = PERMUTED[field_value(reader, "general.architecture")]

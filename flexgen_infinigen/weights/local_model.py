@@ -48,7 +48,9 @@ def _source(model: str) -> tuple[Path, str]:
 
 def identity(path: Path, kind: str) -> dict:
     """What decides whether a converted store is still this source's (see the module doc)."""
-    files = [path] if kind == "gguf" else sorted(
+    from .gguf_shards import shard_paths
+
+    files = shard_paths(path) if kind == "gguf" else sorted(
         {f for pattern in _CHECKPOINT_FILES for f in path.glob(pattern) if f.is_file()})
     stats = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return {"path": str(path), "files": stats, "converter": CONVERTER_VERSION}
@@ -76,8 +78,8 @@ def source_config(model: str) -> ModelConfig:
     """The model's config read from the source's metadata, converting nothing."""
     path, kind = _source(model)
     if kind == "gguf":
-        from .gguf_convert import _open_reader, config_from_gguf
-        return config_from_gguf(_open_reader(path), None, str(path))
+        from .gguf_convert import config_from_gguf, open_model
+        return config_from_gguf(open_model(path), None, str(path))
     from .hf_config import config_from_hf
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
