@@ -221,12 +221,14 @@ def markdown(r: dict) -> str:
                   f"Batch 1, a {d['prompt_tokens']}-token WikiText-2 prompt, {d['gen_len']} "
                   f"tokens, {d['threads']} threads; the three loaded at once and run in turn, "
                   f"{d['repeats']} times (median, and the range).", "",
-                  "| weights | decode tokens/s | range | vs float32 store |", "|---|---|---|---|"]
+                  "| weights | decode tokens/s | range | vs float32 store | prefill s (median) |",
+                  "|---|---|---|---|---|"]
         for name, rs in d["runs"].items():
             rates = [x["decode_tokens_per_s"] for x in rs]
             med = d["median_tokens_per_s"][name]
+            prefill = float(np.median([x["prefill_s"] for x in rs]))
             lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
-                         f"{med / base:.2f}x |")
+                         f"{med / base:.2f}x | {prefill:.2f} |")
     p = r.get("perplexity")
     if p:
         ref = p["float32 store"]["perplexity"]
@@ -285,7 +287,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ppl-windows", type=int, default=4)
     p.add_argument("--out", type=Path, default=RESULTS / "gguf_store.json")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite the .md and .png from the JSON at --out")
     a = p.parse_args()
+    if a.render:
+        r = json.loads(a.out.read_text())
+        a.out.with_suffix(".md").write_text(markdown(r))
+        plot(r, a.out.with_suffix(".png"))
+        return
     sys.path.insert(0, str(ROOT))
     from flexgen_infinigen.config import default_cache_dir
     from flexgen_infinigen.weights.embedded import default_gguf, default_model_store
