@@ -59,18 +59,16 @@ def _score(store, policy, ids):
 
 
 @pytest.fixture(scope="module")
-def full_score(smollm2_float_store, wikitext_ids):
-    return _score(smollm2_float_store, Policy(), wikitext_ids)
+def full_score(smollm2_store, wikitext_ids):
+    return _score(smollm2_store, Policy(), wikitext_ids)
 
 
 # Measured on SmolLM2-135M (wikitext-2, 128 scored tokens): full ~24-27, compressed cache
 # +10-15%, compressed weights +55-60% (a 135M model is far more sensitive than OPT-30B).
 @pytest.mark.parametrize("what, max_ratio", [("cache", 1.3), ("weights", 2.0)])
-def test_compressed_model_stays_close(smollm2_float_store, wikitext_ids, full_score, what,
-                                      max_ratio):
+def test_compressed_model_stays_close(smollm2_store, wikitext_ids, full_score, what, max_ratio):
     kw = {"compress_cache": True} if what == "cache" else {"compress_weight": True}
-    ppl, tokens, logits = _score(smollm2_float_store,
-                                 Policy.from_percent([100, 0, 0, 100, 100, 0], **kw),
+    ppl, tokens, logits = _score(smollm2_store, Policy.from_percent([100, 0, 0, 100, 100, 0], **kw),
                                  wikitext_ids)
     full_ppl, full_tokens, full_logits = full_score
     assert full_ppl < ppl < max_ratio * full_ppl  # compression costs something, boundedly
@@ -117,8 +115,8 @@ def test_chunked_compression_equals_the_plain_formula(dtype, monkeypatch):
     assert packed.shape == tuple(x.shape)
 
 
-def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_float_store, wikitext_ids,
-                                                            monkeypatch):
+def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikitext_ids,
+                                                           monkeypatch):
     """4-bit weights in CPU memory are multiplied as stored by a kernel that rounds each row
     of the step's input to 16 bits per group of 64: the same tokens and the same perplexity
     as expanding the weights to floats first (measured on SmolLM2: teacher-forced
@@ -139,14 +137,14 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_float_store,
 
     monkeypatch.setattr(cpu_layers, "linear_q4", counted)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
-    with OffloadedLM.load(path=smollm2_float_store, policy=policy, progress=False) as lm:
+    with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
         assert isinstance(lm.engine.weights["layers.0.q_proj.weight"].read_for_compute(),
                           PackedWeight)
-    fast = _score(smollm2_float_store, policy, wikitext_ids)
+    fast = _score(smollm2_store, policy, wikitext_ids)
     if not calls or real(torch.ones(1, 64), PackedWeight(compress(torch.ones(2, 64)))) is None:
         pytest.skip("no AVX2 here: 4-bit weights are expanded (the path compared against)")
     monkeypatch.setattr(cpu_layers, "linear_q4", lambda *a: None)
-    slow = _score(smollm2_float_store, policy, wikitext_ids)
+    slow = _score(smollm2_store, policy, wikitext_ids)
     assert abs(fast[0] / slow[0] - 1) < 0.002
     assert fast[1] == slow[1]
     rel = (fast[2] - slow[2]).abs().mean() / slow[2].std()
