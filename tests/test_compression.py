@@ -116,7 +116,7 @@ def test_chunked_compression_equals_the_plain_formula(dtype, monkeypatch):
 
 
 def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikitext_ids,
-                                                           monkeypatch):
+                                                            monkeypatch):
     """4-bit weights in CPU memory are multiplied as stored by a kernel that rounds each row
     of the step's input to 16 bits per group of 64: the same tokens and the same perplexity
     as expanding the weights to floats first (measured on SmolLM2: teacher-forced
