@@ -230,7 +230,7 @@ def markdown(r: dict) -> str:
             lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
                          f"{med / base:.2f}x | {prefill:.2f} |")
     p = r.get("perplexity")
-    if p:
+    if p and "float32 store" in p:
         ref = p["float32 store"]["perplexity"]
         lines += ["", "## WikiText-2 perplexity, the default model", "",
                   f"`{p['float32 store']['command']}`, {p['float32 store']['tokens_scored']} "
@@ -266,7 +266,7 @@ def plot(r: dict, path: Path) -> None:
         axes[i].set_ylabel("decode tokens/s (median)")
         axes[i].tick_params(axis="x", labelrotation=15)
         i += 1
-    if r.get("perplexity"):
+    if r.get("perplexity") and "float32 store" in r["perplexity"]:
         ppl = {k: v["perplexity"] for k, v in r["perplexity"].items()}
         axes[i].bar(list(ppl), list(ppl.values()), color="tab:orange")
         low = min(ppl.values())
@@ -321,17 +321,24 @@ def main() -> None:
     floats = float_store(codes, work / "smollm2-float32")
     stores = {"codes (Q4_1)": (codes, False), "float32 store": (floats, False),
               "float32 + --compress-weight": (floats, True)}
+    save(r, a.out)  # after each part: a long run cut short keeps what it measured
     if a.repeats:
         r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
+        save(r, a.out)
     if a.ppl_windows:
-        r["perplexity"] = {name: perplexity(path, cw, a.ppl_windows, 512, 256)
-                           for name, (path, cw) in stores.items()}
+        r["perplexity"] = {}
+        for name, (path, cw) in stores.items():
+            r["perplexity"][name] = perplexity(path, cw, a.ppl_windows, 512, 256)
+            save(r, a.out)
     subprocess.run(["rm", "-rf", str(work)], check=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(r, indent=1))
-    a.out.with_suffix(".md").write_text(markdown(r))
-    plot(r, a.out.with_suffix(".png"))
     print(markdown(r))
+
+
+def save(r: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=1))
+    out.with_suffix(".md").write_text(markdown(r))
+    plot(r, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
