@@ -21,7 +21,8 @@ from .policy import Policy
 from .runtime import memory_plan
 from .runtime.engine import Engine
 from .runtime.guards import raise_if_interrupted
-from .runtime.loading import find_weights, place_weights, resolve_device, resolve_dtype
+from .runtime.loading import (find_weights, place_weights, resolve_device, resolve_dtype,
+                              weight_layouts)
 from .runtime.prefill_cache import PrefillCache, Prefilled
 from .runtime.stages import LayerSlice
 from .runtime.tiers import TIERS, Tiers
@@ -51,6 +52,10 @@ class OffloadedLM:
         self.cfg, self.engine, self.tokenizer, self.tiers = cfg, engine, tokenizer, tiers
         self.load_time_s = 0.0
         self.store_path = None
+        # weights kept as a quantized file's codes: (code bits, group) by name; and every
+        # stored tensor's format (Q4_1, F32, ...), for the report
+        self.weight_layouts: dict[str, tuple[int, int]] = {}
+        self.weight_formats: dict[str, str] = {}
 
     @classmethod
     def load(cls, model: str | None = None, path: str | None = None, dummy: bool = False,
@@ -84,8 +89,9 @@ class OffloadedLM:
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
+        layouts = weight_layouts(source, cfg)
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
-                                part=part, device=dev)
+                                part=part, device=dev, layouts=layouts)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)
         tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io,
                       host_in_place=policy.host_in_place)
@@ -102,6 +108,8 @@ class OffloadedLM:
             tokenizer = load_tokenizer(store.path, cfg)
         lm = cls(cfg, engine, tokenizer, tiers)
         lm.store_path = store.path if store is not None else None
+        lm.weight_layouts = layouts
+        lm.weight_formats = source.formats() if hasattr(source, "formats") else {}
         try:
             lm.use_kv_policy(kv)
         except BaseException:

@@ -99,7 +99,7 @@ def _print_verbose(lm: OffloadedLM, gen) -> None:
     from .runtime import memory_plan
     need = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, gen.prompt_tokens,
                             gen.generated_tokens, kv=lm.engine.kv_policy,
-                            device=lm.engine.tiers.device)
+                            device=lm.engine.tiers.device, layouts=lm.weight_layouts)
     print("memory plan (bytes):")
     for what in ("weights", "kv_cache", "activations", "total"):
         print(f"  {what:<12}" + "".join(f"{t} {n / 1e9:8.3f} GB  "

@@ -61,7 +61,8 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_store():
+def smollm2_codes_store():
+    """The default model's store as the runtime builds it: the GGUF's Q4_1/Q8_0 codes."""
     from flexgen_infinigen.config import ConfigError
     from flexgen_infinigen.weights.embedded import default_model_store
 
@@ -69,6 +70,19 @@ def smollm2_store():
         return default_model_store(progress=False)
     except ConfigError as e:
         pytest.skip(f"SmolLM2-135M could not be obtained: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_store(smollm2_codes_store, tmp_path_factory):
+    """The default model's weights as a float32 store (its codes expanded by ``gguf``): the
+    real model for tests of everything but the weights' format (the KV policies, kernels
+    compared with torch, ``--compress-weight`` on floats), whose bounds assume float
+    weights. Products over 4-bit codes round x to 16 bits per 64 values, which turns a
+    1e-7 difference upstream into ~1e-3 of the logits; test_llama_reference and
+    test_gguf_codes run the codes themselves."""
+    from flexgen_infinigen.weights.hf_reference import float_store
+
+    return float_store(smollm2_codes_store, tmp_path_factory.mktemp("smollm2") / "float32")
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,11 @@ POLICIES = {k: p if p.overlap is not None else dataclasses.replace(p, overlap=Tr
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_store):
+def prompts(smollm2_codes_store):
     from flexgen_infinigen.config import get_config
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(smollm2_store, get_config("smollm2-135m"))
+    tok = load_tokenizer(smollm2_codes_store, get_config("smollm2-135m"))
     return [tok.encode(t) for t in TEXTS]
 
 
@@ -38,16 +38,20 @@ def references(smollm2_hf, prompts):
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_matches_transformers(smollm2_store, prompts, references, name):
-    with OffloadedLM.load(path=smollm2_store, policy=POLICIES[name], progress=False) as lm:
+def test_matches_transformers(smollm2_codes_store, prompts, references, name):
+    with OffloadedLM.load(path=smollm2_codes_store, policy=POLICIES[name], progress=False) as lm:
         out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
     for row, (ref_tokens, ref_logits) in enumerate(references):
         assert out.token_ids[row] == ref_tokens
-        # fp32 rounding: logits are O(10); allow a few ulps of accumulated difference
-        assert (out.logits[row] - ref_logits).abs().max().item() < 2e-3
+        # the store holds the GGUF's Q4_1/Q8_0 codes and the reference gguf's dequantized
+        # floats: where the codes are multiplied in place (all on the device) the 4-bit
+        # kernel rounds x to 16 bits per 64 values, ~1e-3 of the logits' scale after 30
+        # layers; elsewhere they are expanded exactly and only fp32 order differs
+        scale = ref_logits.abs().max().item()
+        assert (out.logits[row] - ref_logits).abs().max().item() < 2e-3 * scale
 
 
-def test_continuation_is_text(smollm2_store):
-    with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
+def test_continuation_is_text(smollm2_codes_store):
+    with OffloadedLM.load(path=smollm2_codes_store, progress=False) as lm:
         out = lm.generate(["The capital of France is"], 8)
     assert "Paris" in out.texts[0]

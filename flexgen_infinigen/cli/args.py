@@ -45,7 +45,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sep-layer", type=str2bool, default=True)
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
-    g.add_argument("--compress-weight", action="store_true")
+    g.add_argument("--compress-weight", action="store_true",
+                   help="pack float weights into 4-bit groups of 64; weights a quantized GGUF "
+                        "brought are kept as its codes, and this changes nothing for them")
     g.add_argument("--compress-cache", action="store_true")
     g.add_argument("--overlap", type=str2bool, default=None,
                    help="overlap transfers with compute (default: on with CUDA; on a CPU on when "

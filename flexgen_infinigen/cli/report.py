@@ -13,8 +13,10 @@ from ..models import family_of
 from ..planner.hardware import HardwareProfile
 from ..planner.measure import saved_profile
 from ..runtime import memory_plan
+from ..runtime.compression import can_compress
 from ..runtime.stages import LayerSlice
 from ..runtime.tiers import DEVICE, DISK, HOST, LINKS, Tiers
+from .weight_formats import weight_formats
 
 GB = 1e9
 
@@ -36,7 +38,11 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     part = lm.engine.part if lm.engine.part != LayerSlice.whole(cfg) else None
     planned = memory_plan.plan(cfg, policy, lm.engine.dtype, gen.prompt_tokens,
                                gen.generated_tokens, kv=lm.engine.kv_policy, part=part,
-                               device=lm.engine.tiers.device)["total"]
+                               device=lm.engine.tiers.device,
+                               layouts=lm.weight_layouts)["total"]
+    shapes = family_of(cfg).weight_shapes(cfg)
+    formats = weight_formats(shapes, lm.weight_formats, lm.weight_layouts,
+                             policy.compress_weight, lambda n: can_compress(shapes[n]))
     report = {
         "model": {"name": cfg.name, "architecture": cfg.architecture, "family": cfg.family,
                   "num_layers": cfg.num_layers,
@@ -49,6 +55,7 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
         "num_prompts": n, "prompt_len": p, "gen_len": g, "projected": gen.projected,
         "sizes_bytes": {"model": weight_elems * item, "cache": cache_bytes, "hidden": hidden_bytes},
         "weights_by_tier_bytes": placed,
+        "weight_formats": formats,
         "prefill_latency_s": gen.prefill_latency_s,
         "prefill_throughput": n * p / max(gen.prefill_latency_s, 1e-9),
         "decode_latency_s": gen.decode_latency_s,
@@ -136,6 +143,11 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
       f"hidden size (prefill): {_gb(s['hidden'])}")
     w("weights placed: " + ", ".join(f"{t} {_gb(n)} ({100 * n / tot:.1f}%)"
                                      for t, n in placed.items()))
+    fmt = r.get("weight_formats")
+    if fmt:
+        w(f"weights: {fmt['summary']}")
+        if fmt.get("compress_weight"):
+            w(f"compress weight: {fmt['compress_weight']}")
     proj = " (projected from --cut-gen-len)" if r["projected"] else ""
     made = [len(t) for t in r.get("token_ids") or []]
     if made and min(made) < r["gen_len"]:  # some stopped at the end of their sequence or turn

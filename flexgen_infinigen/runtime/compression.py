@@ -1,4 +1,10 @@
-"""Group-wise asymmetric 4-bit quantization (min/max per group of 64 along the last dim)."""
+"""Group-wise quantized tensors: codes plus a scale and a minimum per group along the last dim.
+
+The runtime's own 4-bit compression (``--compress-weight``, ``--compress-cache``) makes groups
+of 64 from floats (min/max per group). Weights that a GGUF file already quantized arrive as
+their own codes (:mod:`..weights.gguf_codes`): 4-bit in groups of 32, or one signed byte a
+code in groups of 32 or 16. Every form is ``value = code * scale + minimum`` per group.
+"""
 from __future__ import annotations
 
 import math
@@ -11,9 +17,11 @@ GROUP_SIZE = 64
 
 @dataclass
 class Packed:
-    """A quantized tensor: two 4-bit codes per byte, plus a scale and minimum per group."""
+    """A quantized tensor: two 4-bit codes per byte (uint8 ``[..., groups, group / 2]``,
+    element 2j of a group in the low nibble of byte j) or one signed code per byte (int8
+    ``[..., groups, group]``), plus a scale and minimum per group."""
 
-    codes: torch.Tensor  # uint8 [..., groups, group/2]
+    codes: torch.Tensor  # uint8 [..., groups, group/2] or int8 [..., groups, group]
     scale: torch.Tensor  # [..., groups, 1] in the original dtype
     minimum: torch.Tensor  # [..., groups, 1]
     shape: tuple[int, ...]  # the original shape
@@ -26,24 +34,41 @@ class Packed:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
+    @property
+    def bits(self) -> int:
+        return 8 if self.codes.dtype == torch.int8 else 4
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1] * (8 // self.bits)
+
 
 def can_compress(shape: tuple[int, ...], group: int = GROUP_SIZE) -> bool:
     return len(shape) >= 2 and shape[-1] % group == 0
 
 
-def stored_bytes(shape: tuple[int, ...], itemsize: int, compress: bool) -> int:
-    """Bytes of a tensor of ``shape`` as stored: packed 4-bit codes plus a scale and a minimum
-    per group (what :attr:`Packed.nbytes` counts) when compressed and compressible."""
+def stored_bytes(shape: tuple[int, ...], itemsize: int, compress: bool,
+                 layout: tuple[int, int] | None = None) -> int:
+    """Bytes of a tensor of ``shape`` as stored: packed codes plus a scale and a minimum per
+    group (what :attr:`Packed.nbytes` counts) when compressed and compressible, or when it
+    came quantized with ``layout`` = (code bits, group)."""
     n = math.prod(shape)
+    if layout is not None:
+        bits, group = layout
+        return n // group * (group * bits // 8 + 2 * itemsize)
     if compress and can_compress(tuple(shape)):
         return n // GROUP_SIZE * (GROUP_SIZE // 2 + 2 * itemsize)
     return n * itemsize
 
 
-def packed_shapes(shape: tuple[int, ...], group: int = GROUP_SIZE):
+def packed_shapes(shape: tuple[int, ...], group: int = GROUP_SIZE, bits: int = 4):
     groups = shape[-1] // group
     lead = tuple(shape[:-1])
-    return lead + (groups, group // 2), lead + (groups, 1), lead + (groups, 1)
+    return lead + (groups, group * bits // 8), lead + (groups, 1), lead + (groups, 1)
+
+
+def codes_dtype(bits: int) -> torch.dtype:
+    return torch.int8 if bits == 8 else torch.uint8
 
 
 # rows of groups compressed or decompressed at a time: the temporaries stay near 16 MB
@@ -87,17 +112,18 @@ def compress(x: torch.Tensor, group: int = GROUP_SIZE) -> Packed:
 
 def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     codes = p.codes
-    groups, half = codes.shape[-2], codes.shape[-1]
-    out = torch.empty(*codes.shape[:-2], groups * half * 2, dtype=p.scale.dtype,
+    groups, width, group = codes.shape[-2], codes.shape[-1], p.group
+    out = torch.empty(*codes.shape[:-2], groups * group, dtype=p.scale.dtype,
                       device=codes.device)
-    flat_codes = codes.reshape(-1, groups, half)
+    flat_codes = codes.reshape(-1, groups, width)
     scale, minimum = p.scale.reshape(-1, groups, 1), p.minimum.reshape(-1, groups, 1)
-    flat_out = out.view(-1, groups, 2 * half)
-    step = max(1, CHUNK_VALUES // (groups * half * 2))
+    flat_out = out.view(-1, groups, group)
+    step = max(1, CHUNK_VALUES // (groups * group))
+    eight = p.bits == 8
     for start in range(0, flat_codes.shape[0], step):
         part = slice(start, start + step)
         c = flat_codes[part]
-        q = torch.stack([c & 0x0F, c >> 4], dim=-1).flatten(-2).to(out.dtype)
+        q = (c if eight else torch.stack([c & 0x0F, c >> 4], dim=-1).flatten(-2)).to(out.dtype)
         torch.mul(q, scale[part], out=flat_out[part])
         flat_out[part] += minimum[part]
     return out if dtype is None else out.to(dtype)
@@ -113,11 +139,13 @@ class PackedWeight:
 
     def __post_init__(self):
         p = self.packed
-        # what the CPU kernel takes (cpu_layers.linear_q4): a float32 matrix, its codes as
-        # this module packs them, every part contiguous
-        self.kernel_ready = (len(p.shape) == 2 and p.shape[-1] % GROUP_SIZE == 0
-                             and GROUP_SIZE == 64 and p.scale.dtype == torch.float32
-                             and p.codes.shape[-1] == 32 and not p.codes.is_cuda
+        # what the CPU kernels take (cpu_layers.linear_q4 / linear_q8): a float32 matrix,
+        # every part contiguous; 4-bit codes in groups of 64 or 32 along rows of whole
+        # 64-value blocks, 8-bit codes in groups of a multiple of 8
+        fits = (p.group in (32, 64) and p.shape[-1] % 64 == 0) if p.bits == 4 \
+            else p.group % 8 == 0
+        self.kernel_ready = (len(p.shape) == 2 and fits and p.scale.dtype == torch.float32
+                             and not p.codes.is_cuda
                              and all(t.is_contiguous() for t in p.parts))
 
     @property

@@ -4,9 +4,9 @@ a 4-bit cache ``kernels/attention_q4.c``; their shared block in ``kernels/attent
 and InfiniGen's speculation: packed speculation keys scored without unpacking them into
 floats, and the default selection rule, fused with the scoring (``kernels/speculation.c``;
 the mass rule itself in ``kernels/selection.c``, page-level speculation in
-``kernels/pages.c``). The layers' own math (few-row linear layers in ``kernels/linear.c``,
-RMSNorm and rotary embedding in ``kernels/pointwise.c``) is called through
-:mod:`.cpu_layers`.
+``kernels/pages.c``). The layers' own math (few-row linear layers over floats, 4-bit or
+8-bit codes in ``kernels/linear.c``, RMSNorm and rotary embedding in
+``kernels/pointwise.c``) is called through :mod:`.cpu_layers`.
 
 They are plain C (no torch headers), built with the system's C compiler into
 ``$FLEXGEN_INFINIGEN_CACHE/kernels/<hash>.so`` (a few seconds, once per machine and source),
@@ -91,8 +91,10 @@ def library() -> ctypes.CDLL | None:
         lib.speculate_pages.restype = None
         lib.linear_rows.argtypes = [ptr] * 4 + [i64] * 4
         lib.linear_rows.restype = None
-        lib.linear_q4.argtypes = [ptr] * 6 + [i64] * 4
+        lib.linear_q4.argtypes = [ptr] * 6 + [i64] * 5
         lib.linear_q4.restype = ctypes.c_int
+        lib.linear_q8.argtypes = [ptr] * 6 + [i64] * 5
+        lib.linear_q8.restype = ctypes.c_int
         lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6

@@ -20,7 +20,7 @@ MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
     read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
-    a packed 4-bit weight (:class:`~.compression.PackedWeight`) is multiplied as stored
+    a packed 4-bit weight (:class:`~.compression.PackedWeight`, 4 or 8 bits) is multiplied as stored
     (:func:`linear_q4`). Anything else, or without the kernels, goes to ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if isinstance(weight, PackedWeight):
@@ -43,9 +43,10 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
 
 
 def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
-    """``x @ W.T (+ bias)`` for a packed 4-bit weight read as stored (``kernels/linear.c``:
-    x rounded to 16 bits per group of 64 for the integer products), or None when the kernel
-    cannot take the inputs (no AVX2, not float32, a GPU)."""
+    """``x @ W.T (+ bias)`` for a packed weight read as stored (``kernels/linear.c``): 4-bit
+    codes (groups of 64 or 32; x rounded to 16 bits per block of 64 for the integer
+    products) or 8-bit codes (``linear_q8``: floats), or None when the kernel cannot take
+    the inputs (4 bits without AVX2, not float32, a GPU)."""
     if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.float32):
         return None
@@ -58,9 +59,10 @@ def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     xs = x.reshape(rows, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     b = bias.contiguous() if bias is not None else None
-    done = lib.linear_q4(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
-                         p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
-                         out.data_ptr(), rows, n, k, torch.get_num_threads())
+    kernel = lib.linear_q8 if p.bits == 8 else lib.linear_q4
+    done = kernel(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
+                  p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
+                  out.data_ptr(), rows, n, k, p.group, torch.get_num_threads())
     return out if done else None
 
 

@@ -30,7 +30,8 @@ ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses in whole bl
 REQUEST_BYTES = 16 << 20
 READERS = 4
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
-                  torch.bfloat16: np.int16, torch.uint8: np.uint8, torch.int64: np.int64}
+                  torch.bfloat16: np.int16, torch.uint8: np.uint8, torch.int8: np.int8,
+                  torch.int64: np.int64}
 
 
 class OffloadIOError(ConfigError):

@@ -91,16 +91,29 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
     return cfg, StoreSource(store), store
 
 
+def weight_layouts(source, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(code bits, group) of each weight the source keeps as a quantized file's codes."""
+    layout = getattr(source, "layout", None)
+    if layout is None:
+        return {}
+    found = {n: layout(n) for n in family_of(cfg).weight_shapes(cfg)}
+    return {n: lay for n, lay in found.items() if lay is not None}
+
+
 def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype: torch.dtype,
                   progress: bool = True, names: set[str] | None = None
                   ) -> dict[str, TieredTensor]:
     """Every weight (or those in ``names``: one pipeline rank's), split along its rows across
     the tiers as the policy's percentages say. Routed experts are tensors of their own kind
     (``experts``), placed by the policy's ``expert_split`` (``--experts-percent``), and the
-    bytes they move are counted apart."""
+    bytes they move are counted apart. Weights a quantized file brought are placed as their
+    codes (one tensor's codes built at a time; ``--compress-weight`` changes nothing then),
+    floats in ``dtype`` (4-bit with ``--compress-weight``)."""
     shapes = family_of(cfg).weight_shapes(cfg)
     if names is not None:
         shapes = {n: s for n, s in shapes.items() if n in names}
+    layouts = weight_layouts(source, cfg)
+    compress = policy.compress_weight and not layouts
     placed = {}
     for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
                             disable=not progress, leave=False):
@@ -109,8 +122,11 @@ def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype:
         tensor = TieredTensor(tiers, shape, dtype,
                               policy.expert_split if expert else policy.weight_split,
                               "experts" if expert else "weights",
-                              compress=policy.compress_weight, pin=policy.pin_weight)
-        tensor.write(source(name, shape).to(dtype), src_tier="host")
+                              compress=compress, pin=policy.pin_weight,
+                              layout=layouts.get(name))
+        data = source(name, shape)
+        tensor.write(data if name in layouts else data.to(dtype), src_tier="host")
+        del data
         placed[name] = tensor
     tiers.reset_counters()
     return placed

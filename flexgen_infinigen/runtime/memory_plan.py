@@ -27,14 +27,16 @@ from .tiers import DEVICE, DISK, HOST, TIERS
 GIB = 1 << 30
 
 
-def _split_bytes(shape, split_dim: int, fractions, itemsize: int, compress: bool) -> list[int]:
+def _split_bytes(shape, split_dim: int, fractions, itemsize: int, compress: bool,
+                 layout: tuple[int, int] | None = None) -> list[int]:
     sizes = split_sizes(shape[split_dim], fractions)
     out = []
     for size in sizes:
         seg = list(shape)
         seg[split_dim] = size
         # compressible is decided on the whole tensor's shape (its segments share the groups)
-        out.append(stored_bytes(seg, itemsize, compress and can_compress(tuple(shape))))
+        out.append(stored_bytes(seg, itemsize, compress and can_compress(tuple(shape)),
+                                layout))
     return out
 
 
@@ -67,11 +69,12 @@ def prompt_activation_bytes(cfg: ModelConfig, batch: int, prompt_len: int, item:
     return batch * prompt_len * per_token * item
 
 
-def _packed_in_place(policy: Policy, device: torch.device | None) -> bool:
-    """4-bit weights that a CPU multiplies where they are stored (``cpu_layers.linear_q4``):
+def _packed_in_place(policy: Policy, device: torch.device | None, coded: bool = False) -> bool:
+    """Weight codes that a CPU multiplies where they are stored (``cpu_layers.linear_q4``):
     all on the compute device, which is the CPU. No stage of them is ever expanded; a product
-    the kernel does not take expands one matrix, for that product only."""
-    return (device is not None and device.type == "cpu" and policy.compress_weight
+    the kernel does not take expands one matrix, for that product only. ``coded``: the
+    weights came as a quantized file's codes."""
+    return (device is not None and device.type == "cpu" and (policy.compress_weight or coded)
             and min(policy.weight_split[0], policy.expert_split[0]) >= 1.0)
 
 
@@ -93,14 +96,20 @@ def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
 
 
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
-         gen_len: int, kv=None, part=None, device: torch.device | None = None
-         ) -> dict[str, dict[str, int]]:
+         gen_len: int, kv=None, part=None, device: torch.device | None = None,
+         layouts: dict[str, tuple[int, int]] | None = None) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
     the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device; of the whole
     model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`). The compute
-    ``device``, when known, tells whether 4-bit weights are multiplied in place (a CPU)."""
+    ``device``, when known, tells whether 4-bit weights are multiplied in place (a CPU).
+    ``layouts``: the weights kept as a quantized file's codes ((code bits, group) by name,
+    :func:`.loading.weight_layouts`), counted as stored; ``--compress-weight`` then changes
+    nothing."""
     item = torch.tensor([], dtype=dtype).element_size()
-    in_place = _packed_in_place(policy, device)
+    layouts = layouts or {}
+    if layouts:
+        policy = dataclasses.replace(policy, compress_weight=False)
+    in_place = _packed_in_place(policy, device, bool(layouts))
     shapes = family_of(cfg).weight_shapes(cfg)
     # each layer's (attention, MLP) weights in elements, and its routed experts apart: a MoE
     # model may mix dense and expert layers; experts are read while their stage computes (a
@@ -125,7 +134,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
             continue  # layer 0's shapes stay known for the working set below
         split = policy.expert_split if is_expert_weight(name) else policy.weight_split
         for t, n in enumerate(_split_bytes(shape, 0, split, item,
-                                           policy.compress_weight)):
+                                           policy.compress_weight, layouts.get(name))):
             weights[t] += n
     b, max_len = policy.gpu_batch_size, prompt_len + gen_len
     cache_shape = (max_len, b * cfg.num_kv_heads, cfg.head_dim)
@@ -152,7 +161,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # they all sit on the device as they are: then compute reads them in place (4-bit ones
     # too on a CPU, but for one matrix at a time in a product the kernel does not take)
     resident = (min(policy.weight_split[0], policy.expert_split[0]) >= 1.0
-                and (not policy.compress_weight or in_place))
+                and (not (policy.compress_weight or layouts) or in_place))
     stage_copies = 2 * biggest_stage + max(layer_experts) * item
     expanded = _expanded_matrix(cfg, shapes, policy, item, head) if in_place else 0
     working = (stage_copies * (not resident) + expanded + loads

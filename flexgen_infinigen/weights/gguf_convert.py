@@ -1,17 +1,22 @@
-"""Convert a llama- or qwen2-architecture GGUF file into a weight store.
+"""Convert a llama-, qwen2- or qwen3-architecture GGUF file into a weight store.
 
-Every tensor is dequantized to float32 and renamed to the store's canonical
-names. For the llama architecture, llama.cpp stores ``attn_q``/``attn_k`` with the
-rows of each head interleaved for its rotary kernel; we undo that so the store
-matches Hugging Face's layout (the ``rotate_half`` convention that
-:func:`flexgen_infinigen.models.llama.rotary` implements). qwen2 files keep Hugging
-Face's order (llama.cpp rotates them the NeoX way) and carry q/k/v biases. The
+Every tensor is kept as the file stores it, renamed to the store's canonical names:
+quantized ones as their blocks (the runtime reads their codes, :mod:`.gguf_codes`), float
+ones at their own width (F32, F16, BF16); nothing is expanded to floats, so converting
+holds one tensor's bytes at a time. A tensor type that cannot be kept is refused by name
+before anything is written. For the llama architecture, llama.cpp stores
+``attn_q``/``attn_k`` with the rows of each head interleaved for its rotary kernel; we
+undo that (moving whole rows, codes unchanged) so the store matches Hugging Face's layout
+(the ``rotate_half`` convention that :func:`flexgen_infinigen.models.llama.rotary`
+implements). qwen2 files keep Hugging Face's order (llama.cpp rotates them the NeoX way)
+and carry q/k/v biases; qwen3 files keep it too and add per-head q/k RMSNorm weights. The
 vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
 (:mod:`.gguf_tokenizer`: byte-level BPE by its pre-tokenizer type, or SentencePiece).
 """
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
 import sys
@@ -23,6 +28,8 @@ from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from ..models import llama
 from ..runtime.guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE
+from . import gguf_codes
+from .gguf_shards import JoinedReader, shard_paths
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
 
@@ -36,12 +43,13 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "attn_norm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
     "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj", "ffn_down": "down_proj",
+    "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # rotary rows interleaved by llama.cpp (undone on conversion) per architecture
-PERMUTED = {"llama": True, "qwen2": False}
+PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 def store_name(gguf_name: str) -> str:
@@ -56,7 +64,7 @@ def store_name(gguf_name: str) -> str:
                           "(rope_freqs), which the GGUF path does not read; convert the "
                           "Hugging Face checkpoint with --checkpoint instead")
     raise ConfigError(f"GGUF tensor {gguf_name!r} is not supported by the llama model; "
-                      "use a plain llama- or qwen2-architecture GGUF")
+                      "use a plain llama-, qwen2- or qwen3-architecture GGUF")
 
 
 def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -85,6 +93,15 @@ def _open_reader(path: Path):
         raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
 
 
+def open_model(path: Path):
+    """The reader of a GGUF model: one file, or all shards of a split one (any shard
+    named) read as one (:class:`.gguf_shards.JoinedReader`)."""
+    paths = shard_paths(Path(path))
+    if len(paths) == 1:
+        return _open_reader(paths[0])
+    return JoinedReader([_open_reader(p) for p in paths], str(path))
+
+
 def field_value(reader, key: str, default=None):
     """The decoded value of one GGUF metadata key, or ``default``."""
     field = reader.fields.get(key)
@@ -100,7 +117,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
-                          f"{' and '.join(ARCHITECTURES)} GGUF files can be converted")
+                          f"{', '.join(ARCHITECTURES)} GGUF files can be converted")
     p = arch + "."
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
@@ -141,6 +158,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
         qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope, model_type=arch,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
     if name is None or name not in KNOWN_MODELS:
         return meta
@@ -158,6 +176,43 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     return known
 
 
+def _release(reader, t) -> None:
+    """Hand back the mapped pages of a tensor already written: the file stays in the page
+    cache, but the process no longer holds it resident (converting an 8B file would
+    otherwise count its 4.9 GB in the converter's memory)."""
+    reader = getattr(reader, "owner", {}).get(t.name, reader)  # a shard's own reader
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):
+        pass
+
+
+def _tensor_rows(t, kind: str, shape: tuple[int, ...], src: Path) -> np.ndarray:
+    """A GGUF tensor's data as stored: quantized blocks ``[rows, bytes a row]`` (uint8),
+    F32/F16 values, or BF16 bits as int16, in ``shape``. One error when the file holds fewer
+    bytes than the tensor needs (a file cut short)."""
+    data = np.asarray(t.data)
+    rows = math.prod(shape[:-1])
+    if kind in gguf_codes.BLOCKS:
+        size, per = gguf_codes.BLOCKS[kind][:2]
+        want = (rows * (shape[-1] // per) * size, shape[-1] % per == 0)
+        if data.nbytes != want[0] or not want[1]:
+            raise ConfigError(f"GGUF {src}: tensor {t.name!r} holds {data.nbytes} bytes, its "
+                              f"{kind} blocks need {want[0]}; the file is damaged or cut "
+                              "short, re-download it")
+        return data.view(np.uint8).reshape(rows, -1)
+    dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]
+    if data.nbytes != math.prod(shape) * np.dtype(dtype).itemsize:
+        raise ConfigError(f"GGUF {src}: tensor {t.name!r} holds {data.nbytes} bytes, not "
+                          f"{math.prod(shape)} {kind} values; the file is damaged or cut "
+                          "short, re-download it")
+    return data.view(dtype).reshape(shape)
+
+
 def tokenizer_json_from_gguf(reader, pre_tokenizer: str | None = None) -> str | None:
     """The GGUF's tokenizer as a Hugging Face tokenizer.json (None: the file has none)."""
     tok = tokenizer_from_gguf(reader, pre_tokenizer)
@@ -171,14 +226,15 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
 
     ``pre_tokenizer`` overrides the file's ``tokenizer.ggml.pre``; ``extra`` goes into the
     store's manifest (the source identity of a ``--model FILE`` conversion)."""
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     src, dest = Path(gguf_path), Path(dest)
-    reader = _open_reader(src)
+    reader = open_model(src)
     cfg = config_from_gguf(reader, name, str(src))
     expected = llama.weight_shapes(cfg)
     permuted = PERMUTED[field_value(reader, "general.architecture")]
+    for t in reader.tensors:  # every type checked before anything is written
+        gguf_codes.check_kept(t.tensor_type.name, t.name, str(src))
     tokenizer = tokenizer_json_from_gguf(reader, pre_tokenizer)  # refused before any tensor
     if tokenizer is None:
         print("note: the GGUF has no tokenizer; the store has none: run it with --prompt-len",
@@ -194,20 +250,24 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
             if key not in expected:
                 raise ConfigError(f"GGUF tensor {t.name!r} is not part of {cfg.name}; "
                                   "the file does not match the model config")
-            try:
-                w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            except NotImplementedError as e:
-                raise ConfigError(f"GGUF tensor {t.name!r} uses {t.tensor_type.name}, which "
-                                  "cannot be dequantized; use another quantization") from e
-            w = w.reshape(shape)
             if shape != expected[key]:
                 raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
                                   f"wants {expected[key]}; the file does not match the model")
+            kind = t.tensor_type.name
+            w = _tensor_rows(t, kind, shape, src)
+            # whole rows move: a row's blocks (or values) stay together, codes unchanged
             if permuted and (key.endswith("q_proj.weight") or key.endswith("q_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_heads)
             elif permuted and (key.endswith("k_proj.weight") or key.endswith("k_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_kv_heads)
-            writer.add(key, w)
+            if kind in gguf_codes.BLOCKS:
+                writer.add_blocks(key, w, shape, kind)
+            elif kind == "BF16":
+                writer.add(key, w, dtype="bfloat16")
+            else:
+                writer.add(key, w)
+            del w
+            _release(reader, t)
             seen.add(key)
         missing = sorted(set(expected) - seen)
         if missing:

@@ -5,6 +5,8 @@ dependency): the same numbers through someone else's implementation.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .store import WeightStore
 
 _LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -12,6 +14,48 @@ _LLAMA_PARTS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_laye
                 "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
                 "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
                 "down_proj": "mlp.down_proj"}
+
+
+def dequantized(store: WeightStore, name: str):
+    """A stored tensor as float32: a quantized GGUF tensor's blocks expanded by ``gguf``'s own
+    dequantizer (independent of the runtime's codes), floats widened."""
+    import torch
+
+    kind = store.tensors[name].get("gguf_type")
+    if kind is None:
+        return store.tensor(name).float().clone()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = tuple(store.tensors[name]["shape"])
+    values = dequantize(np.asarray(store.load(name)), GGMLQuantizationType[kind])
+    return torch.from_numpy(values.reshape(shape).astype(np.float32))
+
+
+def float_store(src_path, dest):
+    """A float32 copy of a store (each quantized tensor expanded by :func:`dequantized`) at
+    ``dest``, built once: the same weights as floats, the reference a quantized store is
+    measured against (and a float source for ``--compress-weight``)."""
+    from pathlib import Path
+
+    from .store import MANIFEST, StoreWriter
+
+    dest = Path(dest)
+    if (dest / MANIFEST).is_file():
+        return dest
+    src = WeightStore(src_path)
+    extra = {k: v for k, v in src.manifest.items()
+             if k not in ("format", "config", "tensors", "tokenizer", "source")}
+    with StoreWriter(dest, src.config, source=src.manifest.get("source", ""),
+                     extra=extra) as w:
+        for name in src.tensors:
+            w.add(name, dequantized(src, name).numpy())
+        if src.tokenizer_path is not None:
+            w.add_tokenizer_json(src.tokenizer_path.read_text(encoding="utf-8"))
+        for extra_file in src.path.iterdir():  # the chat template and such
+            if extra_file.is_file() and extra_file.suffix not in (".npy", ".json"):
+                w.add_text(extra_file.name, extra_file.read_text(encoding="utf-8"))
+    return dest
 
 
 def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
@@ -30,7 +74,7 @@ def hf_llama_from_store(store_path, attn_implementation: str = "eager"):
     model = LlamaForCausalLM(hf_cfg).eval()
     state = {}
     for name in store.tensors:
-        t = store.tensor(name).float().clone()
+        t = dequantized(store, name)
         if name == "embed.weight":
             state["model.embed_tokens.weight"] = t
         elif name == "final_norm.weight":

@@ -21,7 +21,7 @@ from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from .store import MANIFEST
 
 # bump when a conversion would now write something different (a tokenizer fix, say)
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: GGUF tensors kept as the file's codes (store format 2)
 _CHECKPOINT_FILES = ("*.safetensors", "*.bin", "*.json", "merges.txt", "tokenizer.model")
 
 
@@ -48,7 +48,9 @@ def _source(model: str) -> tuple[Path, str]:
 
 def identity(path: Path, kind: str) -> dict:
     """What decides whether a converted store is still this source's (see the module doc)."""
-    files = [path] if kind == "gguf" else sorted(
+    from .gguf_shards import shard_paths
+
+    files = shard_paths(path) if kind == "gguf" else sorted(
         {f for pattern in _CHECKPOINT_FILES for f in path.glob(pattern) if f.is_file()})
     stats = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return {"path": str(path), "files": stats, "converter": CONVERTER_VERSION}
@@ -59,7 +61,10 @@ def cache_store_path(path: Path, cache_dir: Path | None = None) -> Path:
 
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.is_file() else path.name)
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
-    return default_cache_dir(cache_dir) / "stores" / f"{stem}-{digest}"
+    # a GGUF's store holds its codes (store format 2): its own folder, so that a version
+    # reading only format 1 (floats) never finds it, nor converts over it
+    codes = "-codes" if path.suffix == ".gguf" else ""
+    return default_cache_dir(cache_dir) / "stores" / f"{stem}-{digest}{codes}"
 
 
 def _stored_identity(store: Path) -> dict | None:
@@ -73,8 +78,8 @@ def source_config(model: str) -> ModelConfig:
     """The model's config read from the source's metadata, converting nothing."""
     path, kind = _source(model)
     if kind == "gguf":
-        from .gguf_convert import _open_reader, config_from_gguf
-        return config_from_gguf(_open_reader(path), None, str(path))
+        from .gguf_convert import config_from_gguf, open_model
+        return config_from_gguf(open_model(path), None, str(path))
     from .hf_config import config_from_hf
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))

@@ -10,13 +10,23 @@ from .store import WeightStore
 
 
 class StoreSource:
-    """Tensors of a converted weight store, memory-mapped."""
+    """Tensors of a converted weight store, memory-mapped; a tensor kept as a quantized
+    file's codes comes as a :class:`~..runtime.compression.Packed` (its ``layout``)."""
 
     def __init__(self, store: WeightStore):
         self.store = store
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...]):
+        if self.store.layout(name) is not None:
+            return self.store.packed(name)
         return self.store.tensor(name)
+
+    def layout(self, name: str) -> tuple[int, int] | None:
+        return self.store.layout(name) if name in self.store.tensors else None
+
+    def formats(self) -> dict[str, str]:
+        """Each tensor's stored format (``Q4_1``, ``Q8_0``, ``F32``, ...)."""
+        return {name: self.store.format(name) for name in self.store.tensors}
 
 
 class DummySource:

@@ -2,10 +2,16 @@
 
 Layout of a store folder::
 
-    manifest.json      {"format": 1, "config": {...}, "tensors": {name: {"shape", "dtype"}},
+    manifest.json      {"format": 2, "config": {...}, "tensors": {name: {"shape", "dtype"}},
                         "tokenizer": "tokenizer.json" | null, "source": "..."}
     <name>.npy         one file per tensor, written with numpy (never pickled)
     tokenizer.json     a Hugging Face ``tokenizers`` file, when one is known
+
+A tensor is floats (``dtype`` float32, float16, or bfloat16 held as int16 bits), or, from a
+quantized GGUF, the file's own blocks (format 2: ``"gguf_type": "Q4_1"``, ``dtype`` uint8,
+the ``.npy`` shaped ``[rows, bytes a row]``, ``shape`` the tensor's own), turned into the
+runtime's codes one tensor at a time when loaded (:mod:`.gguf_codes`). Format 1 stores (all
+floats) still load.
 
 A store is written into a temporary sibling folder and renamed into place only
 after every tensor and the manifest are on disk, so an interrupted conversion
@@ -14,6 +20,7 @@ never leaves a folder that looks complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -24,8 +31,10 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, ModelConfig
+from ..runtime.compression import Packed
+from . import gguf_codes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -68,6 +77,13 @@ class StoreWriter:
         np.save(self.tmp / f"{name}.npy", array, allow_pickle=False)
         self.tensors[name] = {"shape": list(array.shape), "dtype": dtype or str(array.dtype)}
 
+    def add_blocks(self, name: str, raw: np.ndarray, shape: tuple[int, ...],
+                   type_name: str) -> None:
+        """Write a quantized GGUF tensor as its blocks ``raw`` (uint8 ``[rows, bytes]``)."""
+        np.save(self.tmp / f"{name}.npy", np.ascontiguousarray(raw), allow_pickle=False)
+        self.tensors[name] = {"shape": [int(d) for d in shape], "dtype": "uint8",
+                              "gguf_type": type_name}
+
     def add_text(self, name: str, text: str) -> None:
         """A small text file stored beside the tensors (a chat template, say)."""
         (self.tmp / name).write_text(text, encoding="utf-8")
@@ -100,6 +116,9 @@ class WeightStore:
                 f"{self.path} is not a weight store (no {MANIFEST}); convert weights with "
                 "`python -m flexgen_infinigen.convert` or use --dummy")
         self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("format", 1) > FORMAT_VERSION:
+            raise ConfigError(f"weight store {self.path} has format {self.manifest['format']}, "
+                              "newer than this version reads; upgrade or re-convert it")
         self.config = ModelConfig.from_dict(self.manifest["config"])
         self.tensors: dict[str, dict] = self.manifest["tensors"]
 
@@ -117,11 +136,39 @@ class WeightStore:
             except (ValueError, OSError) as e:
                 raise ConfigError(f"tensor file {self.path / (name + '.npy')} is damaged "
                                   f"({e}); re-run the conversion") from None
+            kind = info.get("gguf_type")
+            if kind is not None:  # blocks: [rows, blocks a row * bytes a block]
+                size, per = gguf_codes.BLOCKS[kind][:2]
+                blocks = (math.prod(info["shape"][:-1]), info["shape"][-1] // per * size)
+                if actual != blocks or info["shape"][-1] % per:
+                    raise ConfigError(f"tensor file {self.path / (name + '.npy')} holds "
+                                      f"{actual}, not the {kind} blocks of {info['shape']}; "
+                                      "re-run the conversion")
+                actual = tuple(info["shape"])
             for found in (tuple(info["shape"]), actual):
                 if found != tuple(shape):
                     raise ConfigError(
                         f"tensor {name!r} in {self.path} has shape {found}, the model config "
                         f"wants {tuple(shape)}; the store does not match --model, re-convert it")
+
+    def format(self, name: str) -> str:
+        """What a tensor is stored as: its GGUF type (``Q4_1``), or ``F32``/``F16``/``BF16``."""
+        info = self.tensors[name]
+        floats = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+        return info.get("gguf_type") or floats.get(info["dtype"], info["dtype"])
+
+    def layout(self, name: str) -> tuple[int, int] | None:
+        """(code bits, group) of a tensor kept as codes; None for floats."""
+        kind = self.tensors[name].get("gguf_type")
+        return None if kind is None else gguf_codes.layout(kind)
+
+    def packed(self, name: str) -> Packed:
+        """A quantized tensor's codes, scales and minima (built from its blocks now: the
+        codes reordered, the scales decoded to float32; nothing expanded to floats)."""
+        info = self.tensors[name]
+        parts = gguf_codes.to_parts(self.load(name), info["gguf_type"], tuple(info["shape"]))
+        return Packed(*(torch.from_numpy(np.require(p, requirements=["C", "W"])) for p in parts),
+                      tuple(info["shape"]))
 
     def load(self, name: str) -> np.ndarray:
         """The raw array, memory-mapped (bf16 tensors come back as their int16 bits)."""

@@ -100,6 +100,16 @@ static inline float q4_finish(v8 acc, const float *mo, const float *xsum, int64_
     return hsum8(acc) + bias;
 }
 
+/* The factor of 64-value block g's integer sums: the block's weight scale times x's step.
+   Each 32-bit lane of the sums covers elements 8i .. 8i + 7 of the block, so with groups of
+   32 lanes 0-3 take the first group's scale and lanes 4-7 the second's. */
+static inline v8 q4_scales(const float *so, int64_t g, int64_t group, float step) {
+    if (group == 64)
+        return splat8(so[g] * step);
+    const float a = so[2 * g], b = so[2 * g + 1];
+    return (v8){a, a, a, a, b, b, b, b} * splat8(step);
+}
+
 /* Output rows o .. o + P (P <= 2) of linear_q4 for 2 <= M <= 8 rows of x, whose 16-bit
    values are laid out in planes (see below). Seen as 16 16-bit lanes, a group's 32 bytes of
    codes hold elements 4l .. 4l + 3 in lane l, a nibble each: four shifts and masks widen
@@ -107,12 +117,12 @@ static inline float q4_finish(v8 acc, const float *mo, const float *xsum, int64_
 static inline __attribute__((always_inline)) void q4_rows(
         const int64_t M, const uint8_t *codes, const float *scale, const float *minimum,
         const float *bias, float *out, const int16_t *xq, const float *xs, const float *xsum,
-        int64_t o, int64_t P, int64_t N, int64_t K, __m256i tail) {
-    const int64_t G = K / 64, GP = (G + 7) / 8 * 8;
+        int64_t o, int64_t P, int64_t N, int64_t K, int64_t group, __m256i tail) {
+    const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
     const __m256i nibble = _mm256_set1_epi16(0x000F);
     for (int64_t r = 0; r < P; r++) {
         const uint8_t *co = codes + (o + r) * G * 32;
-        const float *so = scale + (o + r) * G;
+        const float *so = scale + (o + r) * GW;
         v8 acc[8] = {{0}};
         for (int64_t g = 0; g < G; g++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
@@ -128,11 +138,11 @@ static inline __attribute__((always_inline)) void q4_rows(
                                      _mm256_madd_epi16(c1, _mm256_loadu_si256(q + 1))),
                     _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(q + 2)),
                                      _mm256_madd_epi16(c3, _mm256_loadu_si256(q + 3))));
-                acc[m] += (v8)_mm256_cvtepi32_ps(p) * splat8(so[g] * xs[m * G + g]);
+                acc[m] += (v8)_mm256_cvtepi32_ps(p) * q4_scales(so, g, group, xs[m * G + g]);
             }
         }
         for (int64_t m = 0; m < M; m++)
-            out[m * N + o + r] = q4_finish(acc[m], minimum + (o + r) * G, xsum + m * GP, G,
+            out[m * N + o + r] = q4_finish(acc[m], minimum + (o + r) * GW, xsum + m * GP, GW,
                                            tail, bias ? bias[o + r] : 0.0f);
     }
 }
@@ -147,13 +157,13 @@ static inline __attribute__((always_inline)) void q4_rows(
 static inline __attribute__((always_inline)) void q4_row1(
         const uint8_t *codes, const float *scale, const float *minimum, const float *bias,
         float *out, const int8_t *xb, const float *xs, const float *xsum, int64_t o,
-        int64_t P, int64_t K, __m256i tail) {
-    const int64_t G = K / 64;
+        int64_t P, int64_t K, int64_t group, __m256i tail) {
+    const int64_t G = K / 64, GW = K / group;
     const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(256),
                   one = _mm256_set1_epi16(1);
     for (int64_t r = 0; r < P; r++) {
         const uint8_t *co = codes + (o + r) * G * 32;
-        const float *so = scale + (o + r) * G;
+        const float *so = scale + (o + r) * GW;
         v8 acc = {0};
         for (int64_t g = 0; g < G; g++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
@@ -169,19 +179,21 @@ static inline __attribute__((always_inline)) void q4_row1(
                 _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
             const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
                                                _mm256_madd_epi16(lo, one));
-            acc += (v8)_mm256_cvtepi32_ps(p) * splat8(so[g] * xs[g]);
+            acc += (v8)_mm256_cvtepi32_ps(p) * q4_scales(so, g, group, xs[g]);
         }
-        out[o + r] = q4_finish(acc, minimum + (o + r) * G, xsum, G, tail,
+        out[o + r] = q4_finish(acc, minimum + (o + r) * GW, xsum, GW, tail,
                                bias ? bias[o + r] : 0.0f);
     }
 }
 #endif
 
 /* out[m, o] = sum_k x[m, k] * w[o, k] (+ bias[o]) for 4-bit group-quantized weights (the
-   runtime's --compress-weight format): w[o, k] = code * scale[o, g] + minimum[o, g] for group
-   g = k / 64; codes [N, K / 64, 32] bytes, element 2j of a group in the low nibble of byte j,
-   2j + 1 in the high one. The weights are read as they are stored (a quarter of their float
-   bytes), never expanded in memory.
+   runtime's --compress-weight format, group 64, or a GGUF's Q4_0 / Q4_1 / Q4_K codes, group
+   32): w[o, k] = code * scale[o, g] + minimum[o, g] for group g = k / group; codes
+   [N, K / 2] bytes, element 2j of a group in the low nibble of its byte j, 2j + 1 in the
+   high one (so two groups of 32 are laid out as one of 64). K is a multiple of 64. The
+   weights are read as they are stored (a quarter of their float bytes), never expanded in
+   memory.
 
    With AVX2: each row of x is rounded to 16-bit integers per group of 64 (max |x| to
    32639, so that q4_row1 can split them into two signed bytes), multiplied with the codes
@@ -191,14 +203,16 @@ static inline __attribute__((always_inline)) void q4_row1(
    small entries of a group that holds an activation outlier, which moves key projections
    visibly.) Returns 0 when it cannot run (no AVX2). */
 int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
-              const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
               int64_t nthreads) {
 #ifdef __AVX2__
-    const int64_t G = K / 64, GP = (G + 7) / 8 * 8;
+    if ((group != 64 && group != 32) || K % 64)
+        return 0;
+    const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
     static __thread void *buf;
     static __thread size_t have;
-    int16_t *xq = (int16_t *)thread_scratch(&buf, &have, 2 * M * K + sizeof(float) * M * (G + GP)
-                                                         + 64);
+    int16_t *xq = (int16_t *)thread_scratch(&buf, &have,
+                                            2 * M * K + sizeof(float) * M * (G + GP) + 64);
     if (!xq)
         return 0;
     int8_t *xb = (int8_t *)xq;  /* one row: its bytes where the planes would be */
@@ -206,10 +220,12 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const float *xg = x + m * K + g * 64;
-            float most = 0.0f, sum = 0.0f;
+            float most = 0.0f, sum = 0.0f, half = 0.0f;
             for (int64_t i = 0; i < 64; i++) {
                 most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
                 sum += xg[i];
+                if (i == 31)
+                    half = sum;
             }
             const float step = most > 0.0f ? most / 32639.0f : 1.0f;
             for (int64_t i = 0; i < 64; i++) {
@@ -224,25 +240,34 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
                 }
             }
             xs[m * G + g] = step;
-            xsum[m * GP + g] = sum;
+            if (group == 64) {
+                xsum[m * GP + g] = sum;
+            } else {  /* the sums of the two groups of 32 */
+                float second = 0.0f;
+                for (int64_t i = 32; i < 64; i++)
+                    second += xg[i];
+                xsum[m * GP + 2 * g] = half;
+                xsum[m * GP + 2 * g + 1] = second;
+            }
         }
     for (int64_t m = 0; m < M; m++)  /* zeros past the last group, for q4_finish's mask */
-        for (int64_t g = G; g < GP; g++)
+        for (int64_t g = GW; g < GP; g++)
             xsum[m * GP + g] = 0.0f;
-    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G % 8)),
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(GW % 8)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < N; o += 2) {
         const int64_t pair = o + 1 < N ? 2 : 1;
         if (M == 1) {
-            q4_row1(codes, scale, minimum, bias, out, xb, xs, xsum, o, pair, K, tail);
+            q4_row1(codes, scale, minimum, bias, out, xb, xs, xsum, o, pair, K, group, tail);
             continue;
         }
         for (int64_t m = 0; m < M; m += 8) {  /* constant row counts: sums in registers */
             float *om = out + m * N;
             const int16_t *xm = xq + m * K;
             const float *sm = xs + m * G, *tm = xsum + m * GP;
-#define Q4(R) q4_rows(R, codes, scale, minimum, bias, om, xm, sm, tm, o, pair, N, K, tail); \
+#define Q4(R) q4_rows(R, codes, scale, minimum, bias, om, xm, sm, tm, o, pair, N, K, group, \
+                    tail); \
               break
             switch (M - m < 8 ? M - m : 8) {
                 case 1: Q4(1); case 2: Q4(2); case 3: Q4(3); case 4: Q4(4);
@@ -254,7 +279,94 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
     return 1;
 #else
     (void)x; (void)codes; (void)scale; (void)minimum; (void)bias; (void)out; (void)M;
-    (void)N; (void)K; (void)nthreads;
+    (void)N; (void)K; (void)group; (void)nthreads;
     return 0;
 #endif
 }
+
+/* out[m, o] = sum_k x[m, k] * w[o, k] (+ bias[o]) for weights kept as one signed byte a
+   code (a GGUF's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): w[o, k] = code * scale[o, g] +
+   minimum[o, g] for group g = k / group (group a multiple of 8, K a multiple of group);
+   codes [N, K] int8. Per group the codes, widened to floats in registers, are dotted with
+   x and scaled; the minimum adds minimum * (the group's sum of x). Plain C with vector
+   types: AVX2 where the compiler targets it, whatever vector unit there is otherwise. Up
+   to four rows of x share each load of the codes. Returns 0 when it cannot run. */
+typedef int8_t c8 __attribute__((vector_size(8)));
+
+static inline v8 widen8(const int8_t *p) {
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    c8 c;
+    __builtin_memcpy(&c, p, 8);
+    return __builtin_convertvector(c, v8);
+#endif
+}
+
+static inline __attribute__((always_inline)) void q8_rows(
+        const int XR, const float *x, const int8_t *co, const float *so, const float *mo,
+        const float *xsum, int64_t K, int64_t group, float *acc) {
+    const int64_t GW = K / group;
+    v8 a[4];
+    float lows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < XR; r++)
+        a[r] = splat8(0.0f);
+    for (int64_t g = 0; g < GW; g++) {
+        v8 part[4];
+        for (int r = 0; r < XR; r++)
+            part[r] = splat8(0.0f);
+        for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+            const v8 w = widen8(co + k);
+            for (int r = 0; r < XR; r++)
+                part[r] += w * load8(x + r * K + k);
+        }
+        const v8 s = splat8(so[g]);
+        for (int r = 0; r < XR; r++) {
+            a[r] += part[r] * s;
+            lows[r] += mo[g] * xsum[r * GW + g];
+        }
+    }
+    for (int r = 0; r < XR; r++)
+        acc[r] = hsum8(a[r]) + lows[r];
+}
+
+int linear_q8(const float *x, const int8_t *codes, const float *scale, const float *minimum,
+              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
+              int64_t nthreads) {
+    if (group % 8 || K % group)
+        return 0;
+    const int64_t GW = K / group;
+    static __thread void *buf;
+    static __thread size_t have;
+    float *xsum = (float *)thread_scratch(&buf, &have, sizeof(float) * M * GW + 64);
+    if (!xsum)
+        return 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < GW; g++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < group; i++)
+                sum += x[m * K + g * group + i];
+            xsum[m * GW + g] = sum;
+        }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t o = 0; o < N; o++) {
+        const int8_t *co = codes + o * K;
+        const float *so = scale + o * GW, *mo = minimum + o * GW;
+        const float b = bias ? bias[o] : 0.0f;
+        float acc[4];
+        for (int64_t m = 0; m < M; m += 4) {
+            const int64_t n = M - m < 4 ? M - m : 4;
+            const float *xm = x + m * K, *sm = xsum + m * GW;
+            switch (n) {  /* constant row counts: the sums stay in registers */
+                case 1: q8_rows(1, xm, co, so, mo, sm, K, group, acc); break;
+                case 2: q8_rows(2, xm, co, so, mo, sm, K, group, acc); break;
+                case 3: q8_rows(3, xm, co, so, mo, sm, K, group, acc); break;
+                default: q8_rows(4, xm, co, so, mo, sm, K, group, acc);
+            }
+            for (int64_t r = 0; r < n; r++)
+                out[(m + r) * N + o] = acc[r] + b;
+        }
+    }
+    return 1;
+}
+

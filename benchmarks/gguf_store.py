@@ -1,0 +1,345 @@
+"""Quantized GGUF files kept as their codes: store size, conversion memory, decode speed and
+perplexity against the float32 store of the same weights.
+
+- Store size on disk over the GGUF's size: the default model (SmolLM2-135M Q4_1), the
+  Qwen2.5-Coder-0.5B GGUF when it is present (``--qwen``; assembled by
+  ``/work/shared/models/qwen2.5-coder-0.5b.sh DEST``), and an 8B Q4_K_M-shaped GGUF written
+  here with ``gguf``'s writer from random codes (Llama-3-8B shapes, ~4.9 GB under
+  ``--tmp``; converted in a fresh process whose peak resident memory above its imports is
+  recorded, then both deleted).
+- Decode tokens/s of the default model at batch 1 after a ~900-token prompt: from its Q4_1
+  codes, from the float32 store of the same (dequantized) weights, and from that float
+  store with ``--compress-weight``; the three loaded at once and run in turn, repeated.
+- WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three.
+
+    python benchmarks/gguf_store.py                   # all of it (minutes; 5 GB of /tmp)
+    python benchmarks/gguf_store.py --skip-8b         # no 8B file
+
+Writes benchmarks/results/gguf_store.{json,md,png} (the plot needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+WIKI = Path("/work/shared/data/wikitext2_test.txt")
+QWEN = Path.home() / ".cache" / "flexgen_infinigen" / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
+GOALS = {"smollm2-135m Q4_1": 1.15, "qwen2.5-coder-0.5b": 1.6, "8B Q4_K_M-shaped": 1.2}
+
+CHILD = r"""
+import json, sys, time
+from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts after the imports
+base = status("VmRSS")
+t = time.perf_counter()
+convert_gguf(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t,
+                  "peak_growth_bytes": status("VmHWM") - base}))
+"""
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def convert_in_child(gguf_path: Path, dest: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(gguf_path), str(dest)], env=env,
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def size_row(name: str, gguf_path: Path, store: Path, child: dict | None = None) -> dict:
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    types: dict[str, int] = {}
+    largest = 0
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        largest = max(largest, int(t.n_elements) * 4)
+    row = {"model": name, "gguf_bytes": gguf_path.stat().st_size,
+           "store_bytes": folder_bytes(store), "tensor_types": types,
+           "largest_tensor_float32_bytes": largest, "goal": GOALS.get(name)}
+    row["ratio"] = row["store_bytes"] / row["gguf_bytes"]
+    if child:
+        row.update(child)
+    return row
+
+
+# --- an 8B Q4_K_M-shaped file -------------------------------------------------------------
+
+def _more_bits(i: int, n: int) -> bool:
+    """Layers whose attn_v / ffn_down a Q4_K_M file keeps in Q6_K (the first and last
+    eighth, and every third one between)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def write_8b(path: Path, layers: int = 32) -> None:
+    """Llama-3-8B shapes, Q4_K_M's mix of Q4_K and Q6_K, random codes (float16 factors
+    normal-sized), F32 norms; one tensor in memory at a time."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    hidden, inter, vocab, heads, kv = 4096, 14336, 128256, 32, 8
+    f16_at = {T.Q4_K: [0, 2], T.Q6_K: [208]}
+    tensors = [("token_embd.weight", (vocab, hidden), T.Q4_K)]
+    for i in range(layers):
+        v_down = T.Q6_K if _more_bits(i, layers) else T.Q4_K
+        tensors += [(f"blk.{i}.attn_norm.weight", (hidden,), None),
+                    (f"blk.{i}.attn_q.weight", (hidden, hidden), T.Q4_K),
+                    (f"blk.{i}.attn_k.weight", (kv * 128, hidden), T.Q4_K),
+                    (f"blk.{i}.attn_v.weight", (kv * 128, hidden), v_down),
+                    (f"blk.{i}.attn_output.weight", (hidden, hidden), T.Q4_K),
+                    (f"blk.{i}.ffn_norm.weight", (hidden,), None),
+                    (f"blk.{i}.ffn_gate.weight", (inter, hidden), T.Q4_K),
+                    (f"blk.{i}.ffn_up.weight", (inter, hidden), T.Q4_K),
+                    (f"blk.{i}.ffn_down.weight", (hidden, inter), v_down)]
+    tensors += [("output_norm.weight", (hidden,), None),
+                ("output.weight", (vocab, hidden), T.Q6_K)]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    for name, shape, qtype in tensors:
+        if qtype is None:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            per, size = gguf.GGML_QUANT_SIZES[qtype]
+            row = shape[1] // per * size
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row,
+                              raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for _name, shape, qtype in tensors:
+        if qtype is None:
+            w.write_tensor_data(np.ones(shape, np.float32))
+            continue
+        per, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (shape[0], shape[1] // per, size), dtype=np.uint8)
+        for at in f16_at[qtype]:
+            f = (rng.standard_normal(raw.shape[:2]) * 1e-3).astype(np.float16)
+            raw[..., at:at + 2] = f.view(np.uint8).reshape(*raw.shape[:2], 2)
+        w.write_tensor_data(raw.reshape(shape[0], -1))
+        del raw
+    w.close()
+
+
+# --- decode speed and perplexity ----------------------------------------------------------
+
+def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -> dict:
+    import torch
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
+
+    text = WIKI.read_text(encoding="utf-8")
+    lms = {name: OffloadedLM.load(path=path, policy=Policy(compress_weight=cw),
+                                  progress=False)
+           for name, (path, cw) in stores.items()}
+    tok = load_tokenizer(stores["codes (Q4_1)"][0], next(iter(lms.values())).cfg)
+    prompt = tok.encode(text[:20000])[:prompt_tokens]
+    runs: dict[str, list] = {name: [] for name in lms}
+    for lm in lms.values():  # warm-up: kernels built, pages touched
+        lm.generate([prompt[:64]], 4, stop_token_id=None)
+    for _ in range(repeats):
+        for name, lm in lms.items():  # side by side, in turn
+            out = lm.generate([prompt], gen_len, stop_token_id=None)
+            runs[name].append({"decode_tokens_per_s": (gen_len - 1) / out.decode_latency_s,
+                               "prefill_s": out.prefill_latency_s})
+    for lm in lms.values():
+        lm.close()
+    rates = {n: [r["decode_tokens_per_s"] for r in rs] for n, rs in runs.items()}
+    return {"prompt_tokens": len(prompt), "gen_len": gen_len, "repeats": repeats,
+            "threads": torch.get_num_threads(), "runs": runs,
+            "median_tokens_per_s": {n: float(np.median(r)) for n, r in rates.items()}}
+
+
+def perplexity(path: Path, compress: bool, windows: int, seq: int, prefill: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, "-m", "flexgen_infinigen.eval", "perplexity", "--path",
+               str(path), "--text", str(WIKI), "--seq-len", str(seq), "--prefill-len",
+               str(prefill), "--max-windows", str(windows), "--json", f.name]
+        if compress:
+            cmd.append("--compress-weight")
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = json.loads(Path(f.name).read_text())
+    return {"perplexity": out["perplexity"], "tokens_scored": out["tokens_scored"],
+            "command": " ".join(cmd[1:-2])}
+
+
+# --- report -------------------------------------------------------------------------------
+
+def markdown(r: dict) -> str:
+    lines = ["# Quantized GGUF files kept as their codes", "",
+             f"`{r['command']}` ({r['date']}, {r['machine']})", "",
+             "## Store size on disk", "",
+             "| model | tensor types | GGUF MiB | store MiB | store / file | goal |",
+             "|---|---|---|---|---|---|"]
+    for row in r["sizes"]:
+        types = ", ".join(f"{n} {k}" for k, n in sorted(row["tensor_types"].items()))
+        lines.append(f"| {row['model']} | {types} | {row['gguf_bytes'] / 2**20:.0f} | "
+                     f"{row['store_bytes'] / 2**20:.0f} | {row['ratio']:.3f}x | "
+                     f"<= {row['goal']}x |")
+    for row in r["sizes"]:
+        if "peak_growth_bytes" in row:
+            lines += ["", f"{row['model']}: converted in {row['seconds']:.0f} s; the "
+                      f"converter's peak resident memory above its imports "
+                      f"{row['peak_growth_bytes'] / 2**20:.0f} MiB, against "
+                      f"{row['largest_tensor_float32_bytes'] / 2**20:.0f} MiB for its largest "
+                      "tensor in float32 (no tensor is expanded to floats)."]
+    d = r.get("decode")
+    if d:
+        base = d["median_tokens_per_s"]["float32 store"]
+        lines += ["", "## Decode speed, the default model", "",
+                  f"Batch 1, a {d['prompt_tokens']}-token WikiText-2 prompt, {d['gen_len']} "
+                  f"tokens, {d['threads']} threads; the three loaded at once and run in turn, "
+                  f"{d['repeats']} times (median, and the range).", "",
+                  "| weights | decode tokens/s | range | vs float32 store | prefill s (median) |",
+                  "|---|---|---|---|---|"]
+        for name, rs in d["runs"].items():
+            rates = [x["decode_tokens_per_s"] for x in rs]
+            med = d["median_tokens_per_s"][name]
+            prefill = float(np.median([x["prefill_s"] for x in rs]))
+            lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
+                         f"{med / base:.2f}x | {prefill:.2f} |")
+    p = r.get("perplexity")
+    if p and "float32 store" in p:
+        ref = p["float32 store"]["perplexity"]
+        lines += ["", "## WikiText-2 perplexity, the default model", "",
+                  f"`{p['float32 store']['command']}`, {p['float32 store']['tokens_scored']} "
+                  "tokens scored.", "", "| weights | perplexity | vs float32 store |",
+                  "|---|---|---|"]
+        for name, row in p.items():
+            lines.append(f"| {name} | {row['perplexity']:.4f} | "
+                         f"{100 * (row['perplexity'] / ref - 1):+.3f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = 1 + bool(r.get("decode")) + bool(r.get("perplexity"))
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
+    axes = np.atleast_1d(axes)
+    names = [row["model"] for row in r["sizes"]]
+    axes[0].bar(names, [row["ratio"] for row in r["sizes"]], color="tab:blue")
+    axes[0].scatter(names, [row["goal"] for row in r["sizes"]], marker="_", s=600,
+                    color="tab:red", label="goal")
+    axes[0].set_ylabel("store / GGUF size")
+    axes[0].legend()
+    axes[0].tick_params(axis="x", labelrotation=15)
+    i = 1
+    if r.get("decode"):
+        med = r["decode"]["median_tokens_per_s"]
+        axes[i].bar(list(med), list(med.values()), color="tab:green")
+        axes[i].set_ylabel("decode tokens/s (median)")
+        axes[i].tick_params(axis="x", labelrotation=15)
+        i += 1
+    if r.get("perplexity") and "float32 store" in r["perplexity"]:
+        ppl = {k: v["perplexity"] for k, v in r["perplexity"].items()}
+        axes[i].bar(list(ppl), list(ppl.values()), color="tab:orange")
+        low = min(ppl.values())
+        axes[i].set_ylim(low * 0.99, max(ppl.values()) * 1.005)
+        axes[i].set_ylabel("WikiText-2 perplexity")
+        axes[i].tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--qwen", type=Path, default=QWEN, help="the Qwen2.5-Coder-0.5B GGUF")
+    p.add_argument("--skip-8b", action="store_true")
+    p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--prompt-tokens", type=int, default=900)
+    p.add_argument("--gen-len", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ppl-windows", type=int, default=4)
+    p.add_argument("--out", type=Path, default=RESULTS / "gguf_store.json")
+    p.add_argument("--render", action="store_true",
+                   help="only rewrite the .md and .png from the JSON at --out")
+    a = p.parse_args()
+    if a.render:
+        r = json.loads(a.out.read_text())
+        a.out.with_suffix(".md").write_text(markdown(r))
+        plot(r, a.out.with_suffix(".png"))
+        return
+    sys.path.insert(0, str(ROOT))
+    from flexgen_infinigen.config import default_cache_dir
+    from flexgen_infinigen.weights.embedded import default_gguf, default_model_store
+
+    codes = default_model_store(progress=False)
+    work = Path(tempfile.mkdtemp(prefix="gguf_store-", dir=a.tmp))
+    r = {"command": "python benchmarks/gguf_store.py " + " ".join(sys.argv[1:]),
+         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+         "sizes": [size_row("smollm2-135m Q4_1", default_gguf(default_cache_dir()), codes)]}
+    if a.qwen.is_file():
+        r["sizes"].append(size_row("qwen2.5-coder-0.5b", a.qwen, work / "qwen",
+                                   convert_in_child(a.qwen, work / "qwen")))
+    else:
+        print(f"note: no {a.qwen}; the Qwen2.5 row is skipped", file=sys.stderr)
+    if not a.skip_8b:
+        big = work / "llama-8b-q4_k_m-shaped.gguf"
+        write_8b(big)
+        child = convert_in_child(big, work / "8b")
+        r["sizes"].append(size_row("8B Q4_K_M-shaped", big, work / "8b", child))
+        big.unlink()
+        subprocess.run(["rm", "-rf", str(work / "8b")], check=True)
+    from flexgen_infinigen.weights.hf_reference import float_store
+
+    floats = float_store(codes, work / "smollm2-float32")
+    stores = {"codes (Q4_1)": (codes, False), "float32 store": (floats, False),
+              "float32 + --compress-weight": (floats, True)}
+    save(r, a.out)  # after each part: a long run cut short keeps what it measured
+    if a.repeats:
+        r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
+        save(r, a.out)
+    if a.ppl_windows:
+        r["perplexity"] = {}
+        for name, (path, cw) in stores.items():
+            r["perplexity"][name] = perplexity(path, cw, a.ppl_windows, 512, 256)
+            save(r, a.out)
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    print(markdown(r))
+
+
+def save(r: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=1))
+    out.with_suffix(".md").write_text(markdown(r))
+    plot(r, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
