@@ -18,7 +18,8 @@ from .base import CacheSpec
 from .full import attend_selected, to_rows
 from .pool import KVPool
 from .selection import select
-from .selective import SelectiveCache, attend_packed_rows, fetch_selected, gather_on_device
+from .selective import (SelectiveCache, attend_packed_rows, fetch_selected, gather_mapped,
+                        gather_on_device)
 from .spec_keys import SpeculationKeys
 from .spec_pages import PAGE_KINDS
 from .spec_pages import SpeculationPages as PageSummaries
@@ -29,6 +30,7 @@ SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fa
 PENDING_KEYS = 256
 READ_ALL = "read all"  # a step's selection when the layer is read whole
 PACKED = "packed"  # a step's chosen rows, to be read as 4-bit codes where they are
+MAPPED = "mapped"  # a step's chosen rows, already being read from host memory by the device
 
 
 class InfiniGenCache(SelectiveCache):
@@ -52,6 +54,10 @@ class InfiniGenCache(SelectiveCache):
         self.attend_in_place = (self.selecting and self.k.addressable and not spec.tiers.is_cuda
                                 and spec.dtype == torch.float32 and spec.head_dim % 8 == 0
                                 and cpu_kernels.library() is not None)
+        # the chosen rows are read by the compute device from (pinned) host memory, issued as
+        # soon as speculation has ranked them: no index crosses to the host (mapped_rows)
+        self.maps_rows = (self.selecting and self.k.mapped and not self.cpu_compute
+                          and not self.packed_here)
         self.pool = None
         if self.selecting and opts.kv_pool_capacity < 1:
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
@@ -151,8 +157,16 @@ class InfiniGenCache(SelectiveCache):
         return select(scores, seen, opts.selection, opts.alpha, opts.budget, allowed)
 
     def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
-        """Give the ranking to the load lane. Unless the cache is on the device, its copy to
-        the host starts here, without a wait."""
+        """Give the ranking to the load lane. A cache in host memory the device maps has its
+        rows read now, on a side stream; otherwise, unless the cache is on the device, the
+        ranking's copy to the host starts here, without a wait."""
+        if self.maps_rows and self.spec.tiers.maps_host:
+            rows, done = self.spec.tiers.on_row_stream(
+                lambda: gather_mapped(self, order, counts), order, counts)
+            if rows is not None:
+                self.selection = (MAPPED, rows, counts, order, done)
+                self.ready.set()
+                return
         if self.k.addressable:
             done = torch.cuda.current_stream().record_event() if order.is_cuda else None
             self.selection = (order, counts, done)
@@ -179,6 +193,13 @@ class InfiniGenCache(SelectiveCache):
             self.count_full_read(length)
             in_place = self.attend_in_place or self.packed_here
             return READ_ALL, None if in_place else super().load(length)
+        if self.selection[0] is MAPPED:  # read since speculation: the device waits for it
+            _, (k_sel, v_sel), counts, order, done = self.selection
+            self.selection = None
+            self.spec.tiers.wait_rows(done)
+            used = counts.sum()
+            self.count(used, used, length)
+            return k_sel, v_sel, counts, order
         order, counts, pending = self.selection
         self.selection = None
         if self.packed_here:  # 4-bit codes attended where they are (order is on the CPU)

@@ -28,6 +28,7 @@ class SelectiveCache(FullCache):
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
             spec.max_len * spec.batch_size * spec.kv_heads)
+        self.column_offsets = None  # where each KV head column starts (gather_mapped)
 
     def count(self, moved, selected, length: int) -> None:
         """A selecting step: ``moved`` rows crossed, ``selected`` were used (device counts are
@@ -116,4 +117,28 @@ def gather_on_device(cache: FullCache, order: torch.Tensor):
         flat = order.reshape(cols, n).t() * token + \
             torch.arange(cols, device=order.device) * column
         torch.index_select(rows, 0, flat.reshape(-1), out=buf[:n].view(-1, d))
+    return buffers
+
+
+def gather_mapped(cache: SelectiveCache, order: torch.Tensor, counts: torch.Tensor):
+    """A cache in host memory that the compute device reads by index (``TieredTensor.mapped``):
+    the ranked rows read by the device itself (:mod:`..runtime.mapped_rows`), the indices
+    never on the host. Buffers ``[n + 1, b*KV, d]`` laid out as :func:`gather_on_device`'s;
+    the bytes of the ``counts`` rows are counted (the device reads only those). None where
+    the device cannot read them (the caller gathers on the host)."""
+    b, kv, n = order.shape
+    cols, d = b * kv, cache.spec.head_dim
+    tiers = cache.spec.tiers
+    rows_k, token, column = cache.k.flat_rows()
+    if cache.column_offsets is None or cache.column_offsets.device != order.device:
+        cache.column_offsets = torch.arange(cols, device=order.device) * column
+    # output row rank * cols + c holds column c's rank-th choice (K and V share one layout)
+    flat = torch.add(cache.column_offsets, order.reshape(cols, n).t(), alpha=token).reshape(-1)
+    buffers = row_buffers(cache.spec, n + 1, "selected")
+    per_col = counts.view(cols)
+    for tensor, buf in zip((cache.k, cache.v), buffers):
+        src = rows_k if tensor is cache.k else tensor.flat_rows()[0]
+        if not tiers.gather_mapped(src, flat, per_col, cols, buf[:n].view(-1, d)):
+            return None
+    tiers.count_deferred("host->device", "kv_cache", per_col.sum(), cache.row_bytes)
     return buffers

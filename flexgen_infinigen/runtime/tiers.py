@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import mapped_rows
 from .disk_io import ALIGN, DiskFiles
 from .huge_pages import advise_huge_pages
 from .offload_dir import DIR_PREFIX, OWNER_FILE, offload_root, remove_stale_folders
@@ -51,6 +52,14 @@ class Tiers:
         # read where it is (nothing crosses a link); False copies it as a GPU's link would
         self.host_in_place = host_in_place and not self.is_cuda
         self.pin_host = self.is_cuda if pin_host is None else (pin_host and self.is_cuda)
+        # the compute device reads chosen rows of a host tensor by index itself (mapped_rows):
+        # a GPU from pinned host memory, a CPU standing in for one (host_in_place false)
+        self.maps_host = mapped_rows.enabled() and (
+            (self.pin_host and mapped_rows.kernel_available()) if self.is_cuda
+            else not self.host_in_place)
+        self._mapped_checked = False  # the first GPU read is checked against a host gather
+        self._row_stream = None
+        self._deferred: list[tuple[str, str, torch.Tensor, float]] = []
         self._offload_root = offload_dir
         self._disk_dir: str | None = None
         self.bytes_moved: dict[str, dict[str, int]] = {
@@ -114,6 +123,77 @@ class Tiers:
             return index
         staged = self.host_empty(index.shape, index.dtype, staging=True).copy_(index)
         return staged.to(self.device, non_blocking=True)
+
+    def count_deferred(self, link: str, kind: str, rows: torch.Tensor, row_bytes: float) -> None:
+        """Count ``rows`` (a device tensor: reading it now would be a host sync) times
+        ``row_bytes`` once the step has synchronized (:meth:`settle`)."""
+        if not rows.is_cuda:
+            self.count(link, kind, round(int(rows) * row_bytes))
+            return
+        with self._lock:
+            self._deferred.append((link, kind, rows, row_bytes))
+
+    def settle(self) -> None:
+        """Add the deferred counts (after a synchronization: reading them waits for nothing)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for link, kind, rows, row_bytes in deferred:
+            self.count(link, kind, round(int(rows) * row_bytes))
+
+    def on_row_stream(self, fn, *inputs: torch.Tensor):
+        """``fn()`` issued at once on a side stream that waits only for what the compute
+        stream issued so far (on a CPU: run here). Returns ``(value, done)``: ``done`` is the
+        event a user of ``value`` waits on (:meth:`wait_rows`), None on a CPU."""
+        if not self.is_cuda:
+            return fn(), None
+        from .streams import _record_on
+        compute = torch.cuda.current_stream()
+        if self._row_stream is None:
+            self._row_stream = torch.cuda.Stream(self.device)
+        stream = self._row_stream
+        stream.wait_event(compute.record_event())
+        _record_on(list(inputs), stream)  # not reused before the row reads are done
+        with torch.cuda.stream(stream):
+            value = fn()
+            done = stream.record_event()
+        _record_on(value, compute)  # nor the rows before the compute stream has used them
+        return value, done
+
+    @staticmethod
+    def wait_rows(done) -> None:
+        """The current stream waits (on the device, not the host) for :meth:`on_row_stream`'s
+        work."""
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+    def gather_mapped(self, src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor,
+                      cols: int, out: torch.Tensor) -> bool:
+        """Rows ``src[index]`` of a host tensor read by the compute device into ``out`` (see
+        :mod:`.mapped_rows`); the caller counts the bytes. False where the device cannot
+        (the first GPU read is compared against a host gather; a mismatch or an error turns
+        the mapped reads off for this run, and the caller gathers on the host)."""
+        if not self.maps_host:
+            return False
+        try:
+            mapped_rows.gather(src, index, counts, cols, out)
+        except Exception as e:  # noqa: BLE001 (any failure: the host gather still works)
+            self._mapping_failed(f"the mapped row read failed ({e!r})")
+            return False
+        if self.is_cuda and not self._mapped_checked:
+            self._mapped_checked = True
+            rank = torch.arange(out.shape[0], device=out.device) // cols
+            keep = (rank < counts.repeat(out.shape[0] // cols)).cpu()
+            expect = src.index_select(0, index.cpu()[keep])
+            if not torch.equal(out[keep.to(out.device)].cpu(), expect):
+                self._mapping_failed("the mapped row read disagreed with a host gather")
+                return False
+        return True
+
+    def _mapping_failed(self, why: str) -> None:
+        import warnings
+        self.maps_host = False
+        warnings.warn(f"{why}: chosen KV rows are gathered on the host from now on "
+                      f"(set {mapped_rows.ENV}=0 to skip trying)", RuntimeWarning, stacklevel=3)
 
     def count_sync(self) -> None:
         """A synchronization made elsewhere (an event wait, a device synchronize)."""
