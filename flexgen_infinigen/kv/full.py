@@ -30,14 +30,30 @@ def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bo
     the new token (written here); for KV head column c only the first ``counts[c]`` rows are
     its own (the rest belong to a neighbour, or are zero, and are masked). ``counts``: [b, KV].
     """
-    top = k_rows.shape[0] - 1
-    k_rows[top] = to_rows(k_new)[0]
-    v_rows[top] = to_rows(v_new)[0]
-    rank = torch.arange(top + 1, device=q.device)
-    keep = (rank < counts[..., None]) | (rank == top)  # [b, KV, n + 1]
-    bias = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
-    bias = bias.masked_fill(~keep, torch.finfo(torch.float32).min)[:, :, None, :]
+    top, d = k_rows.shape[0] - 1, k_rows.shape[-1]
+    k_rows.select(0, top).copy_(k_new.reshape(-1, d))  # [b, 1, KV, d]: b*KV rows, in order
+    v_rows.select(0, top).copy_(v_new.reshape(-1, d))
+    # masked: each column's rows past its count; the new token's row (rank -1) never is
+    skip = _ranks(top, q.device) >= counts.unsqueeze(-1)  # [b, KV, n + 1]
+    bias = skip.to(torch.float32).mul_(torch.finfo(torch.float32).min).unsqueeze(2)
     return attend_rows(q, k_rows, v_rows, bias, return_key_mass=return_key_mass)
+
+
+_RANKS: dict = {}
+
+
+def _ranks(top: int, device) -> torch.Tensor:
+    """``[0, 1, ..., top - 1, -1]`` on ``device``, made once per size (a decode step's
+    selected rows then cost no op to rank)."""
+    key = (top, str(device))
+    ranks = _RANKS.get(key)
+    if ranks is None:
+        ranks = torch.arange(top + 1, device=device)
+        ranks[top] = -1
+        if len(_RANKS) > 256:
+            _RANKS.clear()
+        _RANKS[key] = ranks
+    return ranks
 
 
 def row_buffers(spec: CacheSpec, rows: int, tag: str, to: str = DEVICE):

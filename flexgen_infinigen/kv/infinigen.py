@@ -17,6 +17,7 @@ The KV cache holds the model's own keys: only the speculation is skewed.
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
@@ -190,8 +191,10 @@ class InfiniGenPolicy(SelectivePolicy):
         n_valid = seen.sum(-1)
         caps = torch.minimum(self.options.budget.caps(n_valid), n_valid)
         counts = caps[:, None].expand(-1, kv).contiguous()
+        bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device)
+        bias = bias.masked_fill_(~seen, -math.inf)[:, None, None, :]
         self._step_caps = StepCaps(weakref.ref(visible), visible._version, length, kv,
-                                   seen.to(torch.uint8).contiguous(), caps, counts)
+                                   seen.to(torch.uint8).contiguous(), caps, counts, bias)
         return self._step_caps
 
     # ---- running ----------------------------------------------------------------------------

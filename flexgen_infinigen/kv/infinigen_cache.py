@@ -17,7 +17,7 @@ from ..runtime.attention import attend_rows
 from .base import CacheSpec
 from .full import attend_selected, to_rows
 from .pool import KVPool
-from .selection import select
+from .selection import mass_order, select
 from .selective import (SelectiveCache, attend_packed_rows, fetch_selected, gather_mapped,
                         gather_on_device)
 from .spec_keys import SpeculationKeys
@@ -38,6 +38,7 @@ class InfiniGenCache(SelectiveCache):
         super().__init__(spec, policy, spec.layer >= policy.options.first_layer)
         opts = policy.options
         self.projection = None  # [b, KV, d, r]: set from the prompt (or the calibration)
+        self.query_projection = None  # the same times 1/sqrt(d), for the query
         self.keys = None
         if self.selecting:
             kind = PageSummaries if opts.speculation_keys in PAGE_KINDS else SpeculationKeys
@@ -99,6 +100,7 @@ class InfiniGenCache(SelectiveCache):
             # in the runtime dtype once, not converted again at every decode step
             self.projection = self.policy.rehearsal.prompt_projection(
                 self.spec.layer, self.spec.kv_heads, q, valid).to(k.dtype)
+            self.query_projection = self.policy.rehearsal.query_projection(self.projection)
         self._write_keys(k, 0, valid)
         super().store_prompt(q, k, v, valid)
 
@@ -136,20 +138,24 @@ class InfiniGenCache(SelectiveCache):
 
     def _rank(self, x, pos_enc, valid, visible):
         spec, opts = self.spec, self.policy.options
-        b, kv, d = spec.batch_size, spec.kv_heads, spec.head_dim
-        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv, self.projection)
-        pq = pq * (1.0 / math.sqrt(d))  # scaled first: the product stays in fp16's range
+        b, kv = spec.batch_size, spec.kv_heads
+        # scaled by 1/sqrt(d) first (in its projection): the product stays in fp16's range
+        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv,
+                                                   self.query_projection)
         length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
-        seen = visible[:, :length]
         if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
                                                                   or opts.keep_recent):
             caps = self.policy.step_caps(visible, length, kv)
             width = min(opts.budget.most(length), length)
             if isinstance(self.keys, PageSummaries):  # whole pages, their own counts
-                return self.keys.select_mass(pq, seen, caps.rows, width)
-            order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
-            if order is not None:
-                return order, caps.counts
+                return self.keys.select_mass(pq, visible[:, :length], caps.rows, width)
+            order = None
+            if self.keys.fused_selection:  # (fetching the caps' views costs ops: not first)
+                order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
+            if order is None:  # the torch path: scores, one softmax, the top ``width``
+                order = mass_order(self.keys.scores(pq, length), caps.bias, width)
+            return order, caps.counts
+        seen = visible[:, :length]
         scores = self.keys.scores(pq, length)  # [b, KV, G, t]
         allowed = None
         if self.pool is not None:  # evicted tokens are never selected again
@@ -197,8 +203,7 @@ class InfiniGenCache(SelectiveCache):
             _, (k_sel, v_sel), counts, order, done = self.selection
             self.selection = None
             self.spec.tiers.wait_rows(done)
-            used = counts.sum()
-            self.count(used, used, length)
+            self.count(counts, counts, length)  # summed when the report reads it
             return k_sel, v_sel, counts, order
         order, counts, pending = self.selection
         self.selection = None
@@ -297,6 +302,7 @@ class StepCaps:
     seen: torch.Tensor  # [b, length] uint8: the tokens that may be chosen
     rows: torch.Tensor  # [b] int64: each row's cap
     counts: torch.Tensor  # [b, KV] int64: each KV head's cap, as the selection's counts
+    bias: torch.Tensor  # [b, 1, 1, length] float32: 0 where a token may be chosen, else -inf
 
     @property
     def per_column(self) -> torch.Tensor:

@@ -125,10 +125,10 @@ class Tiers:
         return staged.to(self.device, non_blocking=True)
 
     def count_deferred(self, link: str, kind: str, rows: torch.Tensor, row_bytes: float) -> None:
-        """Count ``rows`` (a device tensor: reading it now would be a host sync) times
-        ``row_bytes`` once the step has synchronized (:meth:`settle`)."""
+        """Count the sum of ``rows`` (a device tensor of row counts: reading it now would be
+        a host sync) times ``row_bytes`` once the step has synchronized (:meth:`settle`)."""
         if not rows.is_cuda:
-            self.count(link, kind, round(int(rows) * row_bytes))
+            self.count(link, kind, round(int(rows.sum()) * row_bytes))
             return
         with self._lock:
             self._deferred.append((link, kind, rows, row_bytes))
@@ -138,7 +138,7 @@ class Tiers:
         with self._lock:
             deferred, self._deferred = self._deferred, []
         for link, kind, rows, row_bytes in deferred:
-            self.count(link, kind, round(int(rows) * row_bytes))
+            self.count(link, kind, round(int(rows.sum()) * row_bytes))
 
     def on_row_stream(self, fn, *inputs: torch.Tensor):
         """``fn()`` issued at once on a side stream that waits only for what the compute
@@ -182,7 +182,7 @@ class Tiers:
         if self.is_cuda and not self._mapped_checked:
             self._mapped_checked = True
             rank = torch.arange(out.shape[0], device=out.device) // cols
-            keep = (rank < counts.repeat(out.shape[0] // cols)).cpu()
+            keep = (rank < counts.reshape(-1).repeat(out.shape[0] // cols)).cpu()
             expect = src.index_select(0, index.cpu()[keep])
             if not torch.equal(out[keep.to(out.device)].cpu(), expect):
                 self._mapping_failed("the mapped row read disagreed with a host gather")
