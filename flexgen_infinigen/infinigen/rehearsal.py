@@ -131,6 +131,8 @@ class Rehearsal:
         q = q.view(b, kv_heads, group, cfg.head_dim)
         if (projection.stride(0) == 0 or b == 1) and (q.is_cuda or cpu_kernels.library() is None):
             # one projection per KV head, in few ops (each a kernel launch on a GPU)
+            if b == 1:
+                return torch.bmm(q[0], projection[0]).unsqueeze(0)
             rows = q.transpose(0, 1).reshape(kv_heads, b * group, cfg.head_dim)
             out = torch.bmm(rows, projection[0]).view(kv_heads, b, group, -1)
             return out.transpose(0, 1)

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from .base import CacheSpec, DecodeWork
+from .full import selected_bias
 from .infinigen_cache import PENDING_KEYS, InfiniGenCache, StepCaps
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .selective import SelectivePolicy
@@ -50,6 +51,7 @@ class InfiniGenPolicy(SelectivePolicy):
         self.options = (options or InfiniGenOptions(**kw)).validate()
         self.rehearsal = None
         self._step_caps: StepCaps | None = None
+        self._rows_bias = None  # (counts, version, top, bias) of the last rows_bias
 
     # ---- command line -----------------------------------------------------------------------
     @classmethod
@@ -192,10 +194,22 @@ class InfiniGenPolicy(SelectivePolicy):
         caps = torch.minimum(self.options.budget.caps(n_valid), n_valid)
         counts = caps[:, None].expand(-1, kv).contiguous()
         bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device)
-        bias = bias.masked_fill_(~seen, -math.inf)[:, None, None, :]
+        bias = bias.masked_fill_(~seen, -math.inf)[:, None, :]  # [b, 1, length]
         self._step_caps = StepCaps(weakref.ref(visible), visible._version, length, kv,
-                                   seen.to(torch.uint8).contiguous(), caps, counts, bias)
+                                   seen.to(torch.uint8).contiguous(), caps, counts,
+                                   bias.unsqueeze(2), bias)
         return self._step_caps
+
+    def rows_bias(self, counts: torch.Tensor, top: int) -> torch.Tensor:
+        """:func:`~.full.selected_bias` of ``counts``, computed once while the same counts
+        come back (the mass rule's are the step's caps, shared by its layers)."""
+        memo = self._rows_bias
+        if (memo is not None and memo[0]() is counts and memo[1] == counts._version
+                and memo[2] == top):
+            return memo[3]
+        bias = selected_bias(counts, top)
+        self._rows_bias = (weakref.ref(counts), counts._version, top, bias)
+        return bias
 
     # ---- running ----------------------------------------------------------------------------
     def prepare(self, lm) -> None:

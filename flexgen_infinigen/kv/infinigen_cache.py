@@ -87,6 +87,18 @@ class InfiniGenCache(SelectiveCache):
         (page summaries also take ``valid`` ``[b, s]``: padding widens no page)."""
         if self.keys is None:
             return
+        b, s, kv, d = k.shape
+        if (s == 1 and isinstance(self.keys, SpeculationKeys)
+                and (self.projection.stride(0) == 0 or b == 1)
+                and (k.is_cuda or cpu_kernels.library() is None)):
+            # a decode step's key, in few ops (each a launch on a GPU): [KV, b, r] products
+            if b == 1:  # already KV head after KV head
+                self.keys.write_columns(torch.bmm(k.reshape(kv, 1, d), self.projection[0]),
+                                        start)
+                return
+            cols = torch.bmm(k.reshape(b, kv, d).transpose(0, 1), self.projection[0])
+            self.keys.write_columns(cols.transpose(0, 1).reshape(b * kv, 1, -1), start)
+            return
         rows = project_per_head(k, self.projection).transpose(0, 1)  # [s, b, KV, r]
         rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
         if isinstance(self.keys, PageSummaries):
@@ -153,7 +165,8 @@ class InfiniGenCache(SelectiveCache):
             if self.keys.fused_selection:  # (fetching the caps' views costs ops: not first)
                 order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
             if order is None:  # the torch path: scores, one softmax, the top ``width``
-                order = mass_order(self.keys.scores(pq, length), caps.bias, width)
+                order = mass_order(self.keys.scores(pq, length), caps.bias, caps.token_bias,
+                                   width)
             return order, caps.counts
         seen = visible[:, :length]
         scores = self.keys.scores(pq, length)  # [b, KV, G, t]
@@ -246,7 +259,8 @@ class InfiniGenCache(SelectiveCache):
             k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them
         elif k_sel is None:
             return self._attend_in_place(q, k_new, v_new, index, counts)
-        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
+        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts,
+                               bias=self.policy.rows_bias(counts, k_sel.shape[0] - 1))
 
     def store_token(self, k_new, v_new, position: int) -> None:
         if self.stored_at == position:  # written in place before attention read it
@@ -303,6 +317,7 @@ class StepCaps:
     rows: torch.Tensor  # [b] int64: each row's cap
     counts: torch.Tensor  # [b, KV] int64: each KV head's cap, as the selection's counts
     bias: torch.Tensor  # [b, 1, 1, length] float32: 0 where a token may be chosen, else -inf
+    token_bias: torch.Tensor  # the same, [b, 1, length]
 
     @property
     def per_column(self) -> torch.Tensor:

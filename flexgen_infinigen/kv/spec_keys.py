@@ -61,12 +61,24 @@ class SpeculationKeys:
         if self.use_kernel and spec_write(rows, self.codes, self.lo, self.scale, start,
                                           self.bits):
             return
+        self._quantize(rows.float().transpose(0, 1), start)
+
+    def write_columns(self, x: torch.Tensor, start: int) -> None:
+        """Projected keys ``[columns, s, width]`` for positions ``start..start+s`` (the
+        torch path, no kernel)."""
+        if self.bits is None:
+            self.data[:, start:start + x.shape[1]] = x
+            return
+        self._quantize(x.float(), start)
+
+    def _quantize(self, x: torch.Tensor, start: int) -> None:
+        """Keys ``[columns, s, width]`` (float32) quantized into place, in few ops."""
+        end = start + x.shape[1]
         levels = (1 << self.bits) - 1
-        x = rows.float().transpose(0, 1)  # [columns, s, width]
         lo, hi = torch.aminmax(x, dim=-1)
         scale = hi.sub_(lo).div_(levels).clamp_(min=1e-8)
-        q = (x - lo.unsqueeze(-1)).div_(scale.unsqueeze(-1)).round_().clamp_(0, levels)
-        q = q.to(torch.uint8)
+        # in [0, levels] already: x >= lo, and (x - lo) / scale <= levels to rounding
+        q = (x - lo.unsqueeze(-1)).div_(scale.unsqueeze(-1)).round_().to(torch.uint8)
         pad = (-q.shape[-1]) % self.per_byte
         if pad:
             q = torch.nn.functional.pad(q, (0, pad))

@@ -34,6 +34,7 @@ PAGE = 4096
 # place; smaller ones come from PyTorch's caching host allocator (which rounds up to a power
 # of two: a few bytes here, 1.7x the plan for the large segments of a big model)
 EXACT_PIN_BYTES = 1 << 20
+DEFERRED_MAX = 4096  # deferred byte counts kept before they are added up (on a CPU)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -62,7 +63,7 @@ class Tiers:
         self._deferred: list[tuple[str, str, torch.Tensor, float]] = []
         self._offload_root = offload_dir
         self._disk_dir: str | None = None
-        self.bytes_moved: dict[str, dict[str, int]] = {
+        self._moved: dict[str, dict[str, int]] = {
             link: {kind: 0 for kind in KINDS} for link in LINKS}
         self.held = defaultdict(int)
         self.peak = defaultdict(int)
@@ -76,7 +77,13 @@ class Tiers:
     # ---- accounting -------------------------------------------------------------------------
     def count(self, link: str, kind: str, n: int) -> None:
         with self._lock:
-            self.bytes_moved[link][kind] += n
+            self._moved[link][kind] += n
+
+    @property
+    def bytes_moved(self) -> dict[str, dict[str, int]]:
+        """Bytes moved by link and kind (the deferred counts added first)."""
+        self.settle()
+        return self._moved
 
     def _hold(self, tier: str, n: int) -> None:
         with self._lock:
@@ -127,17 +134,23 @@ class Tiers:
     def count_deferred(self, link: str, kind: str, rows: torch.Tensor, row_bytes: float) -> None:
         """Count the sum of ``rows`` (a device tensor of row counts: reading it now would be
         a host sync) times ``row_bytes`` once the step has synchronized (:meth:`settle`)."""
-        if not rows.is_cuda:
-            self.count(link, kind, round(int(rows.sum()) * row_bytes))
-            return
         with self._lock:
             self._deferred.append((link, kind, rows, row_bytes))
+            fold = len(self._deferred) >= DEFERRED_MAX and not rows.is_cuda
+        if fold:  # on a CPU reading them waits for nothing
+            self.settle()
 
     def settle(self) -> None:
         """Add the deferred counts (after a synchronization: reading them waits for nothing)."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
+        # the same counts come back for every layer of a step (the mass rule's caps): each
+        # tensor is summed once
+        totals: dict[tuple, list] = {}
         for link, kind, rows, row_bytes in deferred:
+            entry = totals.setdefault((link, kind, id(rows)), [rows, 0.0])
+            entry[1] += row_bytes
+        for (link, kind, _), (rows, row_bytes) in totals.items():
             self.count(link, kind, round(int(rows.sum()) * row_bytes))
 
     def on_row_stream(self, fn, *inputs: torch.Tensor):
@@ -208,7 +221,9 @@ class Tiers:
         return t
 
     def reset_counters(self) -> None:
-        for per_kind in self.bytes_moved.values():
+        with self._lock:
+            self._deferred = []
+        for per_kind in self._moved.values():
             for kind in per_kind:
                 per_kind[kind] = 0
 
