@@ -33,9 +33,16 @@ from .spec_keys import KINDS, bytes_per_key
 __all__ = ["InfiniGenCache", "InfiniGenPolicy", "StepCaps"]
 
 # --select-from-mb by device: on a CPU a layer's speculation (~0.2 ms of kernels and Python)
-# costs more than the rows it spares below about 12 MB of KV (SmolLM2: 4K tokens x batch 2);
-# over a GPU's link every spared row pays (the paper's regime)
-SELECT_FROM_MB = {"cpu": 12.0, "cuda": 0.0}
+# costs more than the rows it spares below about 12 MB of KV (SmolLM2: 4K tokens x batch 2).
+# On a GPU, until a measured crossover replaces it (gpu_check's long-context steps): choosing
+# pays when the link time of the rows it spares, (1 - fraction) x KV / link bandwidth, beats
+# what speculation adds, at small sizes its launches (tens of kernels a layer, each a few
+# microseconds to issue, with the rows read by the device: no host round trip). With the
+# rates a PCIe 4 or 5 x16 link is specified for (about 25-50 GB/s pinned) and a fifth of the
+# rows kept, that crossover is 10-20 MB of KV per layer and batch; 16 MB is its middle
+# (Llama-3.1-8B in bf16: 4K tokens at batch 1; OPT-13B in fp16 at batch 20: 40 tokens, so
+# the paper's setting always selects)
+SELECT_FROM_MB = {"cpu": 12.0, "cuda": 16.0}
 SELECT_FROM_ENV = "FLEXGEN_INFINIGEN_SELECT_FROM_MB"  # the default's default, for the tests
 
 
@@ -83,7 +90,7 @@ class InfiniGenPolicy(SelectivePolicy):
         g.add_argument("--select-from-mb", type=float, default=None,
                        help="read a layer whole while its KV for the batch is under this many "
                             "MB, where choosing rows costs more than it spares (default 12 on "
-                            "a CPU, 0 on a GPU); 0 always selects")
+                            "a CPU, 16 on a GPU until measured); 0 always selects")
 
     @classmethod
     def from_args(cls, a) -> "InfiniGenPolicy":
