@@ -61,6 +61,10 @@ class Tiers:
         self._mapped_checked = False  # the first GPU read is checked against a host gather
         self._row_stream = None
         self._deferred: list[tuple[str, str, torch.Tensor, float]] = []
+        # freed exact-pinned blocks, still registered, for the next buffer of their size
+        self.keep_pinned = True
+        self._kept: list = []
+        weakref.finalize(self, Tiers._unregister_kept, self._kept)
         self._offload_root = offload_dir
         self._disk_dir: str | None = None
         self._moved: dict[str, dict[str, int]] = {
@@ -271,23 +275,53 @@ class Tiers:
         return self._pinned_exact(shape, dtype, n)
 
     def _pinned_exact(self, shape, dtype: torch.dtype, n: int) -> torch.Tensor:
-        raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
-        offset = -raw.data_ptr() % PAGE
         size = -(-n // PAGE) * PAGE  # whole pages, all inside ``raw``: no page is shared
         cudart = torch.cuda.cudart()
-        ptr = raw.data_ptr() + offset
-        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        block = self._kept_block(size, cudart)
+        if block is None:
+            raw = torch.empty(size + 2 * PAGE, dtype=torch.uint8)
+            offset = -raw.data_ptr() % PAGE
+            ptr = raw.data_ptr() + offset
+            if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            block = (raw, offset, ptr, size)
+        raw, offset, ptr, size = block
         t = raw[offset:offset + n].view(dtype).view(shape)
         with self._lock:
             self.pinned_bytes += size
-        weakref.finalize(t, self._unpin, cudart, ptr, size)
+        weakref.finalize(t, self._unpin, cudart, block, self._kept)
         return t
 
-    def _unpin(self, cudart, ptr: int, size: int) -> None:
-        cudart.cudaHostUnregister(ptr)
+    def _kept_block(self, size: int, cudart):
+        """A registered block kept from a freed buffer of this exact size (the KV cache of
+        the next generation with the same shapes: registering tens of GB again costs as much
+        as copying them). A miss unregisters what is kept, so nothing is held twice."""
         with self._lock:
-            self.pinned_bytes -= size
+            for i, block in enumerate(self._kept):
+                if block[3] == size:
+                    return self._kept.pop(i)
+            kept, self._kept[:] = list(self._kept), []
+        for block in kept:
+            cudart.cudaHostUnregister(block[2])
+        return None
+
+    def _unpin(self, cudart, block, kept: list) -> None:
+        """A pinned buffer was freed: its block stays registered, kept for the next buffer
+        of its size, until :meth:`close` (or a miss) unregisters it."""
+        with self._lock:
+            self.pinned_bytes -= block[3]
+            if self.keep_pinned:
+                kept.append(block)
+                return
+        cudart.cudaHostUnregister(block[2])
+
+    @staticmethod
+    def _unregister_kept(kept: list) -> None:
+        if kept:
+            cudart = torch.cuda.cudart()
+            for block in kept:
+                cudart.cudaHostUnregister(block[2])
+            kept.clear()
 
     SCRATCH_SLOTS = 3  # buffers in flight per tag: the one computing, the next load, a spare
 
@@ -316,6 +350,10 @@ class Tiers:
         return buf[:numel].view(shape)
 
     def close(self) -> None:
+        self.keep_pinned = False
+        with self._lock:
+            kept, self._kept[:] = list(self._kept), []
+        self._unregister_kept(kept)
         self.disk.close()
         if self._disk_dir is not None:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
