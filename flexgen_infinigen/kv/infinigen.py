@@ -7,9 +7,12 @@ Flow per decode step, for each layer i+1 >= ``first_layer`` and GPU batch:
    attention input, projected on the kept skewed columns (:mod:`..infinigen.rehearsal`),
    scored against layer i+1's speculation keys (on the compute device); a selection rule
    (:mod:`.selection`) turns the scores into ranked rows and a count per KV head.
-2. ``load`` (cache-load lane, overlapped with layer i): waits for that selection, gathers
-   exactly the selected rows on the host into a pinned buffer and copies them to the device,
-   where they are laid out per KV head for attention.
+2. The row load. A KV cache in (pinned) host memory that the device maps: issued right
+   after the ranking, on a side stream, the device reading the chosen rows itself
+   (:mod:`..runtime.mapped_rows`; the indices never reach the host); ``load`` (cache-load
+   lane) hands them over. Otherwise ``load`` waits for the selection, gathers exactly the
+   selected rows on the host into a pinned buffer and copies them to the device. Either way
+   they are laid out per KV head for attention.
 3. ``attend``: attention over the fetched rows (rows past a head's own count are masked) plus
    the new token.
 
