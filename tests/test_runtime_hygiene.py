@@ -69,16 +69,21 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
 
 @pytest.mark.parametrize("kv,percent,batches,per_layer", [
     ("full", CACHE_ON_HOST, 2, 0),
-    ("infinigen", CACHE_ON_HOST, 2, 1),  # one wait for the selection's indices
+    ("infinigen", CACHE_ON_HOST, 2, 0),  # rows read by the device by index: no wait
+    ("infinigen-host-gather", CACHE_ON_HOST, 2, 1),  # one wait for the selection's indices
     ("infinigen", [100, 0, 100, 0, 100, 0], 1, 0),  # cache on the device: gathered there
     ("h2o", CACHE_ON_HOST, 2, 1),  # one read of the kept-token mask
     ("h2o", [100, 0, 100, 0, 100, 0], 1, 0),
 ])
-def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer):
+def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer, monkeypatch):
     """The engine counts every read of device values by the host; a decode step makes one per
     GPU batch for sampling plus ``per_layer`` per selecting layer and batch (none in the KV
     pool's eviction)."""
     _, store = tiny_llama
+    if kv == "infinigen-host-gather":  # the fallback: rows gathered on the host
+        from flexgen_infinigen.runtime import mapped_rows
+        monkeypatch.setenv(mapped_rows.ENV, "0")
+        kv = "infinigen"
     opts = {"kv_pool_capacity": 0.5} if kv == "infinigen" else None
     prompts = PROMPTS * batches
     # the cache "on the host" copied over a link, as with a GPU
