@@ -154,8 +154,8 @@ def test_device_plan_counts_what_infinigen_allocates(fixture, request):
 
 def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatch):
     """Without the compiled kernel (no C compiler, or a GPU) 4-bit speculation keys are
-    unpacked for scoring into one reused buffer per step; the plan's term is its size at the
-    longest context (an upper bound where the kernel scores them in place)."""
+    scored one code slot at a time, each slot's codes expanded in the runtime dtype; the
+    plan's term bounds all slots together at the longest context."""
     from flexgen_infinigen.kv import spec_keys
 
     monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)  # the torch path
@@ -166,11 +166,10 @@ def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatc
                gpu_batch_size=b) as lm:
         term = memory_plan.plan(lm.cfg, lm.policy, torch.float32, prompt, gen,
                                 kv=lm.engine.kv_policy)["kv_policy_device"]
-        lm.generate([[1] + list(range(5, 5 + prompt - 1))] * b, gen, stop_token_id=None)
-        ring = lm.tiers._scratch["speculation.unpacked"][1:]
-    used = max(_bytes(buf) for buf in ring if buf is not None)
-    # the last step scores prompt + gen - 2 cached tokens; the plan counts prompt + gen
-    assert used == term["speculation_unpacked"] * (prompt + gen - 2) // (prompt + gen)
+        out = lm.generate([[1] + list(range(5, 5 + prompt - 1))] * b, gen, stop_token_id=None)
+    assert len(out.token_ids[0]) == gen
+    cols, width, item = b * lm.cfg.num_kv_heads, lm.cfg.head_dim, 4  # int4: every column
+    assert term["speculation_unpacked"] == (prompt + gen) * cols * width * item
 
 
 def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama, monkeypatch):
