@@ -1,34 +1,64 @@
-"""One-call GPU check: the CUDA tests, host-to-device bandwidth, how much copy time hides
-under compute, planned against actual peak memory, and the paper's OPT-13B setting.
+"""The GPU check: the CUDA tests in shards, host-to-device bandwidth, how much copy time hides
+under compute, planned against actual peak memory, the paper's OPT-13B setting, Llama-3.1-8B
+shapes at 32K, and a profile of InfiniGen's decode steps.
 
-    scripts/gpu_check.sh                      # on a GPU machine, well under 10 minutes
-    scripts/gpu_check.sh --dry-run --out DIR  # on a CPU: every step at toy sizes
+    scripts/gpu_check.sh --list                   # the steps, one command each
+    scripts/gpu_check.sh --steps tests-core       # one step (each fits one 10-minute call)
+    scripts/gpu_check.sh                          # every step, each in its own process
+    scripts/gpu_check.sh --dry-run --out DIR      # on a CPU: every step at toy sizes
 
 Each step writes ``<step>.json`` under ``--out`` (default ``benchmarks/results/gpu_check``)
-with the machine (device name, driver, torch version); a step that fails records its error
-and the next one still runs. Needs torch and numpy only (no pulp, no gguf: dummy weights).
+with the machine, its status (``ok``, ``failed``: a command returned non-zero or ran past its
+limit, ``error``: the step raised), and for a command its stdout and stderr (whole, in
+``<step>.stdout.txt`` and ``<step>.stderr.txt``; their tails in the JSON). The exit status is
+non-zero when any step is not ``ok``. Needs torch and numpy only (no pulp, no gguf: dummy
+weights). The steps themselves are in ``gpu_check_steps.py``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
-from flexgen_infinigen.kv import make_kv_policy  # noqa: E402
-from flexgen_infinigen.runtime import memory_plan  # noqa: E402
+import torch  # noqa: E402
 
-GB = 1e9
+# a step must finish inside one call of the device tool (10 minutes), with room for starting
+# Python and CUDA and bringing the results back
+STEP_LIMIT_S = 480
+TAIL = 6000  # characters of stdout and stderr kept in the JSON (the files keep everything)
+
+# the CUDA tests, in shards that each run well inside STEP_LIMIT_S; the slow-stream matrix
+# (72 cases, two loads each) is split by family and dtype ("float16" is also in "bfloat16")
+MATRIX = "overlapped_equals_inline"
+TEST_SHARDS = {
+    "tests-core": ["tests/test_cuda.py", "tests/test_cuda_infinigen.py", "-k", f"not {MATRIX}"],
+    "tests-matrix-opt-fp16": ["tests/test_cuda.py", "-k",
+                              f"{MATRIX} and tiny_opt and not bfloat16"],
+    "tests-matrix-opt-bf16": ["tests/test_cuda.py", "-k", f"{MATRIX} and tiny_opt and bfloat16"],
+    "tests-matrix-llama-fp16": ["tests/test_cuda.py", "-k",
+                                f"{MATRIX} and tiny_llama and not bfloat16"],
+    "tests-matrix-llama-bf16": ["tests/test_cuda.py", "-k",
+                                f"{MATRIX} and tiny_llama and bfloat16"],
+}
+
+
+class StepFailed(Exception):
+    """A step's command returned non-zero or ran out of time; ``result`` keeps its output."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 def machine() -> dict:
@@ -48,156 +78,76 @@ def machine() -> dict:
     return info
 
 
-# ---- steps -----------------------------------------------------------------------------------
-def step_tests(a) -> dict:
-    args = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"]
-    if a.dry_run:
-        args.append("--collect-only")
+def run_command(a, name: str, args: list[str], limit: float | None = None) -> dict:
+    """Run ``args`` in the repository root, its stdout and stderr kept whole in files under
+    ``--out`` (so a timeout loses nothing). Raises :class:`StepFailed` on a non-zero exit or
+    on running past ``limit`` seconds (the whole process group is stopped)."""
+    limit = limit or a.step_limit
+    out = Path(a.out)
+    files = {s: out / f"{name}.{s}.txt" for s in ("stdout", "stderr")}
     start = time.perf_counter()
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=a.test_timeout)
-    return {"command": " ".join(args[1:]), "returncode": out.returncode,
-            "seconds": time.perf_counter() - start, "tail": out.stdout[-4000:]}
+    with open(files["stdout"], "w") as so, open(files["stderr"], "w") as se:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=so, stderr=se, start_new_session=True)
+        try:
+            code, timed_out = proc.wait(timeout=limit), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code, timed_out = proc.wait(), True
+    result = {"command": " ".join(args), "returncode": code, "timed_out": timed_out,
+              "limit_s": limit, "seconds": time.perf_counter() - start,
+              **{f"{s}_tail": files[s].read_text(errors="replace")[-TAIL:] for s in files},
+              "files": {s: str(p) for s, p in files.items()}}
+    if timed_out:
+        raise StepFailed(f"{name}: ran past its {limit:.0f} s limit", result)
+    if code != 0:
+        raise StepFailed(f"{name}: exit status {code}", result)
+    return result
 
 
-def step_bandwidth(a) -> dict:
-    size = (16 if a.dry_run else 1024) << 20
-    dev = a.device
-    results = {}
-    for pinned in (True, False):
-        src = torch.empty(size, dtype=torch.uint8, pin_memory=pinned and dev.type == "cuda")
-        dst = torch.empty(size, dtype=torch.uint8, device=dev)
-        times = []
-        for _ in range(5):
-            _sync(dev)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=pinned)
-            _sync(dev)
-            times.append(time.perf_counter() - start)
-        results["pinned" if pinned else "pageable"] = {"bytes": size,
-                                                       "gb_per_s": size / min(times) / GB}
-    return results
+def test_step(shard: str):
+    def step(a) -> dict:
+        args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                *TEST_SHARDS[shard]]
+        if a.dry_run:
+            args.append("--collect-only")
+        return run_command(a, shard, args)
+    step.__doc__ = f"pytest {' '.join(TEST_SHARDS[shard])}"
+    return step
 
 
-def step_overlap(a) -> dict:
-    """Share of host-to-device copy time that runs while a compute kernel runs."""
-    from torch.profiler import ProfilerActivity, profile
-    model, b, prompt, steps = ("opt-125m", 2, 32, 3) if a.dry_run else ("opt-1.3b", 8, 512, 8)
-    policy = Policy.from_percent([0, 100, 100, 0, 100, 0], gpu_batch_size=b)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.cuda else [])
-    with _load(a, model, policy) as lm:
-        prompts = _prompts(lm, b, prompt)
-        lm.generate(prompts, 2, stop_token_id=None)  # warm-up
-        with profile(activities=activities) as prof:
-            gen = lm.generate(prompts, steps, stop_token_id=None)
-    copies, kernels = [], []
-    for e in prof.events():
-        if a.cuda and e.device_type.name != "CUDA":
-            continue
-        span = (e.time_range.start, e.time_range.end)
-        if "memcpy" in e.name.lower() and "htod" in e.name.lower().replace(" ", ""):
-            copies.append(span)
-        elif not a.cuda and e.name.startswith("aten::copy_"):
-            copies.append(span)
-        elif "memcpy" not in e.name.lower() and "memset" not in e.name.lower():
-            kernels.append(span)
-    busy = _union(kernels)
-    copy_total = sum(end - start for start, end in copies)
-    hidden = sum(_overlap(c, busy) for c in copies)
-    return {"model": model, "policy": "--percent 0 100 100 0 100 0", "batch": b,
-            "prompt_len": prompt, "steps": steps, "copy_us": copy_total, "hidden_us": hidden,
-            "hidden_share": hidden / copy_total if copy_total else None,
-            "decode_latency_s": gen.decode_latency_s,
-            "note": "CUDA kernels and Memcpy HtoD from the profiler" if a.cuda else
-            "dry run: CPU ops only (no streams), so the share means nothing here"}
+def steps() -> dict:
+    """Every step by name, in the order ``gpu_check.sh`` runs them."""
+    import gpu_check_steps as s
+    table = {name: test_step(name) for name in TEST_SHARDS}
+    table.update({"bandwidth": s.step_bandwidth, "overlap": s.step_overlap,
+                  "memory": s.step_memory, "paper-full": s.paper("full"),
+                  "paper-infinigen": s.paper("infinigen"), "paper-no-kv-transfer": s.paper_no_kv,
+                  "long-full": s.long_context("full"),
+                  "long-infinigen": s.long_context("infinigen"), "profile": s.step_profile})
+    return table
 
 
-def step_memory(a) -> dict:
-    """Planned against actual peak device memory and pinned host bytes, three policies."""
-    model, b, prompt, gen = ("opt-125m", 2, 32, 4) if a.dry_run else ("opt-1.3b", 8, 512, 8)
-    rows = []
-    for name, percent, kv in [("all on GPU, full", [100, 0, 100, 0, 100, 0], "full"),
-                              ("weights + cache on CPU, full", [0, 100, 0, 100, 100, 0], "full"),
-                              ("cache on CPU, InfiniGen", [100, 0, 0, 100, 100, 0], "infinigen")]:
-        policy = Policy.from_percent(percent, gpu_batch_size=b)
-        with _load(a, model, policy, kv) as lm:
-            planned = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, prompt, gen,
-                                       kv=lm.engine.kv_policy)
-            lm.generate(_prompts(lm, b, prompt), gen, stop_token_id=None)
-            peak = (torch.cuda.max_memory_allocated() if a.cuda else lm.tiers.peak["device"])
-            rows.append({"policy": name, "planned_device": planned["total"]["device"],
-                         "actual_peak_device": peak,
-                         "planned_host": planned["total"]["host"],
-                         "pinned_host_exact": lm.tiers.pinned_bytes,
-                         "held_host": lm.tiers.peak["host"],
-                         "within_plan": peak <= planned["total"]["device"]})
-    return {"model": model, "batch": b, "prompt_len": prompt, "gen_len": gen, "runs": rows}
+STEPS = steps()
 
 
-def step_paper(a, bandwidth: dict | None) -> dict:
-    """OPT-13B shapes, dummy weights, batch 20, prompt 1,920, KV cache in CPU memory."""
-    model, b, prompt, gen, cut = (("opt-125m", 2, 64, 32, 3) if a.dry_run
-                                  else ("opt-13b", 20, 1920, 128, a.cut_gen_len))
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
-    rows = []
-    with _load(a, model, policy, "full") as lm:
-        prompts = _prompts(lm, b, prompt)
-        for kv in ("full", "infinigen"):
-            if kv != "full":  # same weights: swap the KV policy rather than load 26 GB again
-                lm.use_kv_policy(make_kv_policy(kv))
-            lm.tiers.reset_counters()
-            out = lm.generate(prompts, gen, stop_token_id=None, cut_gen_len=cut)
-            steps = len(out.step_times) - 1
-            decode_s = sum(out.step_times[1:])
-            h2d = sum(lm.tiers.bytes_moved["host->device"].values())
-            report = lm.engine.kv_policy.report()
-            rows.append({"kv_policy": kv, "decode_steps_run": steps,
-                         "decode_tokens_per_s": b * steps / decode_s,
-                         "prefill_s": out.step_times[0],
-                         "host_to_device_gb_per_s": h2d / decode_s / GB if steps else None,
-                         "relative_kv_size": report.get("relative_kv_size", 1.0),
-                         "speculation_time_s": report.get("speculation_time_s"),
-                         "host_syncs_per_step": lm.engine.debug["host_syncs_per_step"]})
-    peak = (bandwidth or {}).get("pinned", {}).get("gb_per_s")
-    for r in rows:
-        r["share_of_measured_pinned_peak"] = (r["host_to_device_gb_per_s"] / peak
-                                              if peak and r["host_to_device_gb_per_s"] else None)
-    speedup = rows[1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
-    return {"model": model, "batch": b, "prompt_len": prompt, "gen_len": gen,
-            "cut_gen_len": cut, "percent": "100 0 0 100 100 0", "runs": rows,
-            "infinigen_over_full": speedup}
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-def _load(a, model: str, policy: Policy, kv: str = "full") -> OffloadedLM:
-    return OffloadedLM.load(model=model, dummy=True, policy=policy, device=str(a.device),
-                            kv_policy=kv, progress=not a.dry_run)
-
-
-def _prompts(lm, b: int, length: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(10, lm.cfg.vocab_size, (b, length), generator=gen).tolist()
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [tuple(s) for s in out]
-
-
-def _overlap(span: tuple[float, float], busy: list[tuple[float, float]]) -> float:
-    return sum(max(0.0, min(span[1], e) - max(span[0], s)) for s, e in busy)
-
-
-STEPS = ("tests", "bandwidth", "overlap", "memory", "paper")
+def _record(a, info: dict, name: str) -> tuple[str, dict]:
+    """Run one step here; write and return its record."""
+    start = time.perf_counter()
+    print(f"== {name}", flush=True)
+    try:
+        result, status = STEPS[name](a), "ok"
+    except StepFailed as e:
+        result, status = {**e.result, "error": str(e)}, "failed"
+    except Exception as e:  # a step's own error is recorded; the exit status says it failed
+        result, status = {"error": repr(e), "traceback": traceback.format_exc()}, "error"
+    record = {"step": name, "status": status, "dry_run": a.dry_run, "machine": info,
+              "seconds": time.perf_counter() - start, "result": result}
+    (Path(a.out) / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
+    print(json.dumps({k: v for k, v in record.items() if k != "machine"}, default=str)[:1500],
+          flush=True)
+    if status != "ok":
+        print(f"error: step {name} {status}: {result.get('error')}", file=sys.stderr)
+    return status, record
 
 
 def main(argv=None) -> int:
@@ -206,11 +156,18 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true",
                    help="on a CPU, run every step at toy sizes (proves the script reaches them)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check"))
-    p.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
+    p.add_argument("--steps", nargs="+", default=None, choices=list(STEPS),
+                   help="steps to run (default: all, each in its own process)")
+    p.add_argument("--list", action="store_true", help="print each step's command and exit")
     p.add_argument("--cut-gen-len", type=int, default=8,
-                   help="decode steps run in the OPT-13B setting (projected to 128)")
-    p.add_argument("--test-timeout", type=int, default=240)
+                   help="decode steps measured in the OPT-13B setting (projected to 128)")
+    p.add_argument("--step-limit", type=float, default=STEP_LIMIT_S,
+                   help="seconds a step's command may run before it is stopped and failed")
     a = p.parse_args(argv)
+    if a.list:
+        for name in STEPS:
+            print(f"scripts/gpu_check.sh --steps {name}")
+        return 0
     a.cuda = torch.cuda.is_available() and not a.dry_run
     if not a.cuda and not a.dry_run:
         print("error: no CUDA device is visible; run with --dry-run on a CPU", file=sys.stderr)
@@ -218,23 +175,23 @@ def main(argv=None) -> int:
     a.device = torch.device("cuda" if a.cuda else "cpu")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    info, results, failed = machine(), {}, []
-    for name in a.steps:
-        start = time.perf_counter()
-        print(f"== {name}", flush=True)
-        try:
-            fn = globals()[f"step_{name}"]
-            result = fn(a, results.get("bandwidth")) if name == "paper" else fn(a)
-            status = "ok"
-        except Exception as e:  # one failing step must not hide the others
-            result, status = {"error": repr(e), "traceback": traceback.format_exc()}, "error"
-            failed.append(name)
-        results[name] = result
-        record = {"step": name, "status": status, "dry_run": a.dry_run, "machine": info,
-                  "seconds": time.perf_counter() - start, "result": result}
-        (out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
-        print(json.dumps({k: v for k, v in record.items() if k != "machine"}, default=str)[:1500],
-              flush=True)
+    names = a.steps or list(STEPS)
+    failed = []
+    if len(names) == 1:
+        status, _ = _record(a, machine(), names[0])
+        failed = [] if status == "ok" else names
+    else:  # each step in its own process: a crash or a hang in one leaves the others' results
+        flags = ["--out", str(out), "--cut-gen-len", str(a.cut_gen_len),
+                 "--step-limit", str(a.step_limit)] + (["--dry-run"] if a.dry_run else [])
+        for name in names:
+            args = [sys.executable, str(Path(__file__).resolve()), "--steps", name, *flags]
+            try:
+                code = subprocess.run(args, cwd=ROOT, timeout=a.step_limit + 60).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+                print(f"error: step {name} ran past {a.step_limit + 60:.0f} s", file=sys.stderr)
+            if code != 0:
+                failed.append(name)
     print(f"steps failed: {', '.join(failed) or 'none'}; JSON under {out}")
     return 1 if failed else 0
 

@@ -34,3 +34,30 @@ def test_chunked_equals_whole_with_key_mass(monkeypatch):
     chunked, chunked_mass = attend(q, k, v, bias, return_key_mass=True)
     assert (chunked - whole).abs().max() < 1e-6
     assert (chunked_mass - whole_mass).abs().max() < 1e-5
+
+
+def test_masked_gqa_prompt_chunks_with_k_v_repeated_once_equal_the_broadcast(monkeypatch):
+    """Padded prompts of a GQA model: the masked chunks attend over K and V repeated once per
+    layer (what CUDA does, so that a fused kernel takes them) and give what the GQA broadcast
+    and an independent softmax reference give."""
+    from flexgen_infinigen.runtime.attention import attend_prompt
+
+    q, k, v, bias = _inputs(s=45)
+    valid = bias[:, 0, -1] == 0  # the last query sees every real key
+    group = q.shape[2] // k.shape[2]
+    kr, vr = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bshd,bthd->bhst", q, kr) / q.shape[-1] ** 0.5 + bias
+    ref = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), vr)
+    ref = ref * valid[:, :, None, None]  # padding queries give zeros
+    calls = []
+    real = attention._sdpa
+    monkeypatch.setattr(attention, "_sdpa", lambda q, k, v, *a, **kw: calls.append(
+        k.shape[1]) or real(q, k, v, *a, **kw))
+    broadcast = attend_prompt(q, k, v, valid, rows=8)
+    assert set(calls) == {k.shape[2]}  # KV heads: broadcast
+    calls.clear()
+    monkeypatch.setattr(attention, "EXPAND_GQA_ON", ("cpu", "cuda"))
+    expanded = attend_prompt(q, k, v, valid, rows=8)
+    assert set(calls) == {q.shape[2]} and len(calls) == 6  # every chunk, query heads
+    assert (expanded - broadcast).abs().max() < 1e-5
+    assert (expanded - ref.reshape(expanded.shape)).abs().max() < 1e-5

@@ -138,6 +138,9 @@ class ExactRehearsal:
     def prompt_projection(self, layer, kv_heads, q, valid):
         return torch.eye(D).expand(q.shape[0], kv_heads, D, D)
 
+    def query_projection(self, projection):  # the query comes out times 1/sqrt(d)
+        return projection * D ** -0.5
+
     def projected_query(self, layer, x, pos_enc, kv_heads, projection):
         qg = x.view(x.shape[0], kv_heads, H // kv_heads, D)
         return torch.einsum("bkgd,bkdr->bkgr", qg, projection)

@@ -18,7 +18,7 @@ FLOORS = [
     ("kernels and files", ["runtime", "runtime.compression", "runtime.cpu_kernels",
                            "runtime.huge_pages", "runtime.disk_io", "runtime.offload_dir",
                            "runtime.streams",
-                           "runtime.guards"]),
+                           "runtime.guards", "runtime.mapped_rows"]),
     ("tiers", ["runtime.tiers", "runtime.tiered", "runtime.attention",
                "runtime.prefill_cache"]),
     ("model families", ["models"]),

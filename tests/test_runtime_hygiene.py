@@ -69,16 +69,21 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
 
 @pytest.mark.parametrize("kv,percent,batches,per_layer", [
     ("full", CACHE_ON_HOST, 2, 0),
-    ("infinigen", CACHE_ON_HOST, 2, 1),  # one wait for the selection's indices
+    ("infinigen", CACHE_ON_HOST, 2, 0),  # rows read by the device by index: no wait
+    ("infinigen-host-gather", CACHE_ON_HOST, 2, 1),  # one wait for the selection's indices
     ("infinigen", [100, 0, 100, 0, 100, 0], 1, 0),  # cache on the device: gathered there
     ("h2o", CACHE_ON_HOST, 2, 1),  # one read of the kept-token mask
     ("h2o", [100, 0, 100, 0, 100, 0], 1, 0),
 ])
-def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer):
+def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer, monkeypatch):
     """The engine counts every read of device values by the host; a decode step makes one per
     GPU batch for sampling plus ``per_layer`` per selecting layer and batch (none in the KV
     pool's eviction)."""
     _, store = tiny_llama
+    if kv == "infinigen-host-gather":  # the fallback: rows gathered on the host
+        from flexgen_infinigen.runtime import mapped_rows
+        monkeypatch.setenv(mapped_rows.ENV, "0")
+        kv = "infinigen"
     opts = {"kv_pool_capacity": 0.5} if kv == "infinigen" else None
     prompts = PROMPTS * batches
     # the cache "on the host" copied over a link, as with a GPU
@@ -149,8 +154,8 @@ def test_device_plan_counts_what_infinigen_allocates(fixture, request):
 
 def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatch):
     """Without the compiled kernel (no C compiler, or a GPU) 4-bit speculation keys are
-    unpacked for scoring into one reused buffer per step; the plan's term is its size at the
-    longest context (an upper bound where the kernel scores them in place)."""
+    scored one code slot at a time, each slot's codes expanded in the runtime dtype; the
+    plan's term bounds all slots together at the longest context."""
     from flexgen_infinigen.kv import spec_keys
 
     monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)  # the torch path
@@ -161,11 +166,10 @@ def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatc
                gpu_batch_size=b) as lm:
         term = memory_plan.plan(lm.cfg, lm.policy, torch.float32, prompt, gen,
                                 kv=lm.engine.kv_policy)["kv_policy_device"]
-        lm.generate([[1] + list(range(5, 5 + prompt - 1))] * b, gen, stop_token_id=None)
-        ring = lm.tiers._scratch["speculation.unpacked"][1:]
-    used = max(_bytes(buf) for buf in ring if buf is not None)
-    # the last step scores prompt + gen - 2 cached tokens; the plan counts prompt + gen
-    assert used == term["speculation_unpacked"] * (prompt + gen - 2) // (prompt + gen)
+        out = lm.generate([[1] + list(range(5, 5 + prompt - 1))] * b, gen, stop_token_id=None)
+    assert len(out.token_ids[0]) == gen
+    cols, width, item = b * lm.cfg.num_kv_heads, lm.cfg.head_dim, 4  # int4: every column
+    assert term["speculation_unpacked"] == (prompt + gen) * cols * width * item
 
 
 def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama, monkeypatch):

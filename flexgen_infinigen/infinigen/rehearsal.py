@@ -12,6 +12,7 @@ import torch
 
 from ..config import read_text
 from ..kv.options import InfiniGenOptions
+from ..runtime import cpu_kernels
 from ..runtime.compression import PackedWeight
 from ..runtime.cpu_layers import linear
 from .skew import (Skew, calibrate, calibration_key, keep_calibration, kept_calibration,
@@ -74,7 +75,8 @@ class Rehearsal:
         if not self.folded:  # the whole W_Q: rotary models need the full rotated query
             return {n: self._whole(engine.weights[f"layers.{layer}.{n}"]) for n in names}
         w = {n: engine.weights[f"layers.{layer}.{n}"].read().clone() for n in names}
-        p = self.projections[layer].to(w["q_proj.weight"].dtype)  # [H, d, r] (OPT: KV == H)
+        # [H, d, r] (OPT: KV == H), with attention's 1/sqrt(d): the query comes out scaled
+        p = self.projections[layer].to(w["q_proj.weight"].dtype) * cfg.head_dim ** -0.5
         heads = w["q_proj.weight"].view(cfg.num_heads, cfg.head_dim, -1)
         out = {"q_proj.weight": torch.einsum("kdr,kdi->kri", p, heads).reshape(-1, heads.shape[-1])}
         if "q_proj.bias" in w:
@@ -107,18 +109,34 @@ class Rehearsal:
         return projection(blended, self.gram_k[layer], self.options.ratio,
                           self.options.column_score)
 
+    def query_projection(self, projection: torch.Tensor) -> torch.Tensor:
+        """What :meth:`projected_query` takes for ``projection [b, KV, d, r]``: it times
+        attention's 1/sqrt(d) (one shared by the batch stays shared: stride 0)."""
+        scale = self.cfg.head_dim ** -0.5
+        if projection.stride(0) == 0:
+            return (projection[:1] * scale).expand_as(projection)
+        return projection * scale
+
     def projected_query(self, layer: int, x: torch.Tensor, pos_enc, kv_heads: int,
                         projection: torch.Tensor) -> torch.Tensor:
         """``[b, KV, G, r]``: layer ``layer``'s query of input ``x`` ``[b, 1, D]`` on the kept
-        columns of its KV head's skew (``projection`` ``[b, KV, d, r]``)."""
+        columns of its KV head's skew, times 1/sqrt(d) (``projection`` ``[b, KV, d, r]``
+        from :meth:`query_projection`)."""
         cfg, w = self.cfg, self.weights[layer]
         b, group = x.shape[0], cfg.num_heads // kv_heads
         if self.folded:
             return linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
                                                                                group, -1)
         q = self.family.query(cfg, w, x, pos_enc)  # [b, 1, H, d]
-        q = q.view(b, kv_heads, group, cfg.head_dim).transpose(1, 2)  # [b, G, KV, d]
-        return project_per_head(q, projection).transpose(1, 2)
+        q = q.view(b, kv_heads, group, cfg.head_dim)
+        if (projection.stride(0) == 0 or b == 1) and (q.is_cuda or cpu_kernels.library() is None):
+            # one projection per KV head, in few ops (each a kernel launch on a GPU)
+            if b == 1:
+                return torch.bmm(q[0], projection[0]).unsqueeze(0)
+            rows = q.transpose(0, 1).reshape(kv_heads, b * group, cfg.head_dim)
+            out = torch.bmm(rows, projection[0]).view(kv_heads, b, group, -1)
+            return out.transpose(0, 1)
+        return project_per_head(q.transpose(1, 2), projection).transpose(1, 2)
 
     def meta(self) -> dict:
         return {"source": self.skew.meta.get("source"), "tokens": self.skew.meta.get("tokens"),

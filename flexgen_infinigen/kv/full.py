@@ -23,21 +23,45 @@ def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(s, batch, -1, d).permute(1, 0, 2, 3)
 
 
-def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bool = False):
+def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bool = False,
+                    bias: torch.Tensor | None = None):
     """Attention over per-KV-head selected rows plus the new token.
 
     ``k_rows``/``v_rows``: [n + 1, b*KV, d] buffers of fetched rows with the last row free for
     the new token (written here); for KV head column c only the first ``counts[c]`` rows are
     its own (the rest belong to a neighbour, or are zero, and are masked). ``counts``: [b, KV].
+    ``bias``: :func:`selected_bias` of these counts, when the caller has it already.
     """
-    top = k_rows.shape[0] - 1
-    k_rows[top] = to_rows(k_new)[0]
-    v_rows[top] = to_rows(v_new)[0]
-    rank = torch.arange(top + 1, device=q.device)
-    keep = (rank < counts[..., None]) | (rank == top)  # [b, KV, n + 1]
-    bias = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
-    bias = bias.masked_fill(~keep, torch.finfo(torch.float32).min)[:, :, None, :]
+    top, d = k_rows.shape[0] - 1, k_rows.shape[-1]
+    k_rows.select(0, top).copy_(k_new.reshape(-1, d))  # [b, 1, KV, d]: b*KV rows, in order
+    v_rows.select(0, top).copy_(v_new.reshape(-1, d))
+    if bias is None:
+        bias = selected_bias(counts, top)
     return attend_rows(q, k_rows, v_rows, bias, return_key_mass=return_key_mass)
+
+
+def selected_bias(counts: torch.Tensor, top: int) -> torch.Tensor:
+    """``[b, KV, 1, top + 1]`` float32: 0 for each column's first ``counts`` rows and the new
+    token's row (the last), the most negative float elsewhere."""
+    skip = _ranks(top, counts.device) >= counts.unsqueeze(-1)  # the new row's rank is -1
+    return skip.to(torch.float32).mul_(torch.finfo(torch.float32).min).unsqueeze(2)
+
+
+_RANKS: dict = {}
+
+
+def _ranks(top: int, device) -> torch.Tensor:
+    """``[0, 1, ..., top - 1, -1]`` on ``device``, made once per size (a decode step's
+    selected rows then cost no op to rank)."""
+    key = (top, str(device))
+    ranks = _RANKS.get(key)
+    if ranks is None:
+        ranks = torch.arange(top + 1, device=device)
+        ranks[top] = -1
+        if len(_RANKS) > 256:
+            _RANKS.clear()
+        _RANKS[key] = ranks
+    return ranks
 
 
 def row_buffers(spec: CacheSpec, rows: int, tag: str, to: str = DEVICE):

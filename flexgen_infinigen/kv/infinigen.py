@@ -7,9 +7,12 @@ Flow per decode step, for each layer i+1 >= ``first_layer`` and GPU batch:
    attention input, projected on the kept skewed columns (:mod:`..infinigen.rehearsal`),
    scored against layer i+1's speculation keys (on the compute device); a selection rule
    (:mod:`.selection`) turns the scores into ranked rows and a count per KV head.
-2. ``load`` (cache-load lane, overlapped with layer i): waits for that selection, gathers
-   exactly the selected rows on the host into a pinned buffer and copies them to the device,
-   where they are laid out per KV head for attention.
+2. The row load. A KV cache in (pinned) host memory that the device maps: issued right
+   after the ranking, on a side stream, the device reading the chosen rows itself
+   (:mod:`..runtime.mapped_rows`; the indices never reach the host); ``load`` (cache-load
+   lane) hands them over. Otherwise ``load`` waits for the selection, gathers exactly the
+   selected rows on the host into a pinned buffer and copies them to the device. Either way
+   they are laid out per KV head for attention.
 3. ``attend``: attention over the fetched rows (rows past a head's own count are masked) plus
    the new token.
 
@@ -17,12 +20,14 @@ The KV cache holds the model's own keys: only the speculation is skewed.
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
 import torch
 
 from .base import CacheSpec, DecodeWork
+from .full import selected_bias
 from .infinigen_cache import PENDING_KEYS, InfiniGenCache, StepCaps
 from .options import InfiniGenOptions, add_selection_args, selection_from_args
 from .selective import SelectivePolicy
@@ -30,11 +35,17 @@ from .spec_keys import KINDS, bytes_per_key
 
 __all__ = ["InfiniGenCache", "InfiniGenPolicy", "StepCaps"]
 
-# --select-from-mb by device: on a CPU a layer's speculation has a fixed cost (kernel calls
+# --select-from-mb by device. On a CPU a layer's speculation has a fixed cost (kernel calls
 # and Python) that exceeds what reading the spared rows costs while the layer's KV is small
-# (12 MB: SmolLM2 at 4K tokens x batch 2); over a GPU's link every spared row pays (the
-# paper's regime)
-SELECT_FROM_MB = {"cpu": 12.0, "cuda": 0.0}
+# (12 MB: SmolLM2 at 4K tokens x batch 2). On a GPU, until a measured crossover replaces it
+# (gpu_check's long-context steps), choosing pays when the link time of the rows it spares,
+# (1 - fraction) x KV / link bandwidth, beats what speculation adds: at small sizes, its
+# launches (tens of kernels a layer; the device reads the rows, no host round trip). At the
+# rates PCIe 4 and 5 x16 links are specified for, with a fifth of the rows kept, that
+# crossover is 10-20 MB of KV per layer and batch; 16 MB is its middle (Llama-3.1-8B in
+# bf16: 4K tokens at batch 1; OPT-13B in fp16 at batch 20: 40 tokens, so the paper's
+# setting always selects)
+SELECT_FROM_MB = {"cpu": 12.0, "cuda": 16.0}
 SELECT_FROM_ENV = "FLEXGEN_INFINIGEN_SELECT_FROM_MB"  # the default's default, for the tests
 
 
@@ -50,6 +61,7 @@ class InfiniGenPolicy(SelectivePolicy):
         self.options = (options or InfiniGenOptions(**kw)).validate()
         self.rehearsal = None
         self._step_caps: StepCaps | None = None
+        self._rows_bias = None  # (counts, version, top, bias) of the last rows_bias
 
     # ---- command line -----------------------------------------------------------------------
     @classmethod
@@ -82,7 +94,7 @@ class InfiniGenPolicy(SelectivePolicy):
         g.add_argument("--select-from-mb", type=float, default=None,
                        help="read a layer whole while its KV for the batch is under this many "
                             "MB, where choosing rows costs more than it spares (default 12 on "
-                            "a CPU, 0 on a GPU); 0 always selects")
+                            "a CPU, 16 on a GPU until measured); 0 always selects")
 
     @classmethod
     def from_args(cls, a) -> "InfiniGenPolicy":
@@ -192,9 +204,23 @@ class InfiniGenPolicy(SelectivePolicy):
         n_valid = seen.sum(-1)
         caps = torch.minimum(self.options.budget.caps(n_valid), n_valid)
         counts = caps[:, None].expand(-1, kv).contiguous()
+        bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device)
+        bias = bias.masked_fill_(~seen, -math.inf)[:, None, :]  # [b, 1, length]
         self._step_caps = StepCaps(weakref.ref(visible), visible._version, length, kv,
-                                   seen.to(torch.uint8).contiguous(), caps, counts)
+                                   seen.to(torch.uint8).contiguous(), caps, counts,
+                                   bias.unsqueeze(2), bias)
         return self._step_caps
+
+    def rows_bias(self, counts: torch.Tensor, top: int) -> torch.Tensor:
+        """:func:`~.full.selected_bias` of ``counts``, computed once while the same counts
+        come back (the mass rule's are the step's caps, shared by its layers)."""
+        memo = self._rows_bias
+        if (memo is not None and memo[0]() is counts and memo[1] == counts._version
+                and memo[2] == top):
+            return memo[3]
+        bias = selected_bias(counts, top)
+        self._rows_bias = (weakref.ref(counts), counts._version, top, bias)
+        return bias
 
     # ---- running ----------------------------------------------------------------------------
     def prepare(self, lm) -> None:

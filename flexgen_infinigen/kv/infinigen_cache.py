@@ -17,8 +17,9 @@ from ..runtime.attention import attend_rows
 from .base import CacheSpec
 from .full import attend_selected, to_rows
 from .pool import KVPool
-from .selection import select
-from .selective import SelectiveCache, attend_packed_rows, fetch_selected, gather_on_device
+from .selection import mass_order, select
+from .selective import (SelectiveCache, attend_packed_rows, fetch_selected, gather_mapped,
+                        gather_on_device)
 from .spec_keys import SpeculationKeys
 from .spec_pages import PAGE_KINDS
 from .spec_pages import SpeculationPages as PageSummaries
@@ -29,6 +30,7 @@ SELECTION_TIMEOUT_S = 600  # a load waits this long for its speculation, then fa
 PENDING_KEYS = 256
 READ_ALL = "read all"  # a step's selection when the layer is read whole
 PACKED = "packed"  # a step's chosen rows, to be read as 4-bit codes where they are
+MAPPED = "mapped"  # a step's chosen rows, already being read from host memory by the device
 
 
 class InfiniGenCache(SelectiveCache):
@@ -36,6 +38,7 @@ class InfiniGenCache(SelectiveCache):
         super().__init__(spec, policy, spec.layer >= policy.options.first_layer)
         opts = policy.options
         self.projection = None  # [b, KV, d, r]: set from the prompt (or the calibration)
+        self.query_projection = None  # the same times 1/sqrt(d), for the query
         self.keys = None
         if self.selecting:
             kind = PageSummaries if opts.speculation_keys in PAGE_KINDS else SpeculationKeys
@@ -52,6 +55,10 @@ class InfiniGenCache(SelectiveCache):
         self.attend_in_place = (self.selecting and self.k.addressable and not spec.tiers.is_cuda
                                 and spec.dtype == torch.float32 and spec.head_dim % 8 == 0
                                 and cpu_kernels.library() is not None)
+        # the chosen rows are read by the compute device from (pinned) host memory, issued as
+        # soon as speculation has ranked them: no index crosses to the host (mapped_rows)
+        self.maps_rows = (self.selecting and self.k.mapped and not self.cpu_compute
+                          and not self.packed_here)
         self.pool = None
         if self.selecting and opts.kv_pool_capacity < 1:
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
@@ -80,6 +87,18 @@ class InfiniGenCache(SelectiveCache):
         (page summaries also take ``valid`` ``[b, s]``: padding widens no page)."""
         if self.keys is None:
             return
+        b, s, kv, d = k.shape
+        if (s == 1 and isinstance(self.keys, SpeculationKeys)
+                and (self.projection.stride(0) == 0 or b == 1)
+                and (k.is_cuda or cpu_kernels.library() is None)):
+            # a decode step's key, in few ops (each a launch on a GPU): [KV, b, r] products
+            if b == 1:  # already KV head after KV head
+                self.keys.write_columns(torch.bmm(k.reshape(kv, 1, d), self.projection[0]),
+                                        start)
+                return
+            cols = torch.bmm(k.reshape(b, kv, d).transpose(0, 1), self.projection[0])
+            self.keys.write_columns(cols.transpose(0, 1).reshape(b * kv, 1, -1), start)
+            return
         rows = project_per_head(k, self.projection).transpose(0, 1)  # [s, b, KV, r]
         rows = rows.reshape(rows.shape[0], -1, rows.shape[-1])
         if isinstance(self.keys, PageSummaries):
@@ -93,6 +112,7 @@ class InfiniGenCache(SelectiveCache):
             # in the runtime dtype once, not converted again at every decode step
             self.projection = self.policy.rehearsal.prompt_projection(
                 self.spec.layer, self.spec.kv_heads, q, valid).to(k.dtype)
+            self.query_projection = self.policy.rehearsal.query_projection(self.projection)
         self._write_keys(k, 0, valid)
         super().store_prompt(q, k, v, valid)
 
@@ -130,20 +150,25 @@ class InfiniGenCache(SelectiveCache):
 
     def _rank(self, x, pos_enc, valid, visible):
         spec, opts = self.spec, self.policy.options
-        b, kv, d = spec.batch_size, spec.kv_heads, spec.head_dim
-        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv, self.projection)
-        pq = pq * (1.0 / math.sqrt(d))  # scaled first: the product stays in fp16's range
+        b, kv = spec.batch_size, spec.kv_heads
+        # scaled by 1/sqrt(d) first (in its projection): the product stays in fp16's range
+        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv,
+                                                   self.query_projection)
         length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
-        seen = visible[:, :length]
         if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
                                                                   or opts.keep_recent):
             caps = self.policy.step_caps(visible, length, kv)
             width = min(opts.budget.most(length), length)
             if isinstance(self.keys, PageSummaries):  # whole pages, their own counts
-                return self.keys.select_mass(pq, seen, caps.rows, width)
-            order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
-            if order is not None:
-                return order, caps.counts
+                return self.keys.select_mass(pq, visible[:, :length], caps.rows, width)
+            order = None
+            if self.keys.fused_selection:  # (fetching the caps' views costs ops: not first)
+                order = self.keys.select_mass(pq, caps.seen, caps.per_column, width)
+            if order is None:  # the torch path: scores, one softmax, the top ``width``
+                order = mass_order(self.keys.scores(pq, length), caps.bias, caps.token_bias,
+                                   width)
+            return order, caps.counts
+        seen = visible[:, :length]
         scores = self.keys.scores(pq, length)  # [b, KV, G, t]
         allowed = None
         if self.pool is not None:  # evicted tokens are never selected again
@@ -151,8 +176,16 @@ class InfiniGenCache(SelectiveCache):
         return select(scores, seen, opts.selection, opts.alpha, opts.budget, allowed)
 
     def _hand_over(self, order: torch.Tensor, counts: torch.Tensor) -> None:
-        """Give the ranking to the load lane. Unless the cache is on the device, its copy to
-        the host starts here, without a wait."""
+        """Give the ranking to the load lane. A cache in host memory the device maps has its
+        rows read now, on a side stream; otherwise, unless the cache is on the device, the
+        ranking's copy to the host starts here, without a wait."""
+        if self.maps_rows and self.spec.tiers.maps_host:
+            rows, done = self.spec.tiers.on_row_stream(
+                lambda: gather_mapped(self, order, counts), order, counts)
+            if rows is not None:
+                self.selection = (MAPPED, rows, counts, order, done)
+                self.ready.set()
+                return
         if self.k.addressable:
             done = torch.cuda.current_stream().record_event() if order.is_cuda else None
             self.selection = (order, counts, done)
@@ -179,6 +212,12 @@ class InfiniGenCache(SelectiveCache):
             self.count_full_read(length)
             in_place = self.attend_in_place or self.packed_here
             return READ_ALL, None if in_place else super().load(length)
+        if self.selection[0] is MAPPED:  # read since speculation: the device waits for it
+            _, (k_sel, v_sel), counts, order, done = self.selection
+            self.selection = None
+            self.spec.tiers.wait_rows(done)
+            self.count(counts, counts, length)  # summed when the report reads it
+            return k_sel, v_sel, counts, order
         order, counts, pending = self.selection
         self.selection = None
         if self.packed_here:  # 4-bit codes attended where they are (order is on the CPU)
@@ -220,7 +259,8 @@ class InfiniGenCache(SelectiveCache):
             k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them
         elif k_sel is None:
             return self._attend_in_place(q, k_new, v_new, index, counts)
-        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts)
+        return attend_selected(q, k_sel, v_sel, k_new, v_new, counts,
+                               bias=self.policy.rows_bias(counts, k_sel.shape[0] - 1))
 
     def store_token(self, k_new, v_new, position: int) -> None:
         if self.stored_at == position:  # written in place before attention read it
@@ -276,6 +316,8 @@ class StepCaps:
     seen: torch.Tensor  # [b, length] uint8: the tokens that may be chosen
     rows: torch.Tensor  # [b] int64: each row's cap
     counts: torch.Tensor  # [b, KV] int64: each KV head's cap, as the selection's counts
+    bias: torch.Tensor  # [b, 1, 1, length] float32: 0 where a token may be chosen, else -inf
+    token_bias: torch.Tensor  # the same, [b, 1, length]
 
     @property
     def per_column(self) -> torch.Tensor:

@@ -99,6 +99,19 @@ def select(scores: torch.Tensor, valid: torch.Tensor, rule: str, alpha: float,
     return _finish(priority, counts, ok, valid, budget, most, t)
 
 
+def mass_order(scores: torch.Tensor, bias: torch.Tensor, token_bias: torch.Tensor,
+               width: int) -> torch.Tensor:
+    """The ``mass`` rule's ranking in few ops (each a kernel launch on a GPU), for scores
+    ``[b, KV, G, t]`` and ``bias [b, 1, 1, t]`` (0 where a token may be chosen, -inf where
+    not; ``token_bias`` the same ``[b, 1, t]``): softmax over the allowed tokens, summed over
+    the group, the top ``width``. A token
+    that may not be chosen ranks below every one that may (its priority is -inf, not 0: an
+    allowed token's mass may underflow to 0). The counts are the step's caps (``select``'s
+    for this rule)."""
+    priority = torch.softmax(scores + bias, -1).sum(2).add_(token_bias)
+    return priority.topk(width, dim=-1, sorted=True).indices
+
+
 def _finish(priority, counts, ok, valid, budget: Budget, most: int, t: int):
     """Sink and recent tokens forced in, counts capped by what a head may choose, ranked."""
     forced = forced_mask(valid, budget)

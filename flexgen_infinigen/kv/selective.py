@@ -28,6 +28,7 @@ class SelectiveCache(FullCache):
         # bytes of one token's K and V for one KV head column, as stored (compressed or not)
         self.row_bytes = sum(self.bytes_by_tier().values()) / (
             spec.max_len * spec.batch_size * spec.kv_heads)
+        self.mapped_layout = None  # gather_mapped's view of the cache, made at its first use
 
     def count(self, moved, selected, length: int) -> None:
         """A selecting step: ``moved`` rows crossed, ``selected`` were used (device counts are
@@ -116,4 +117,29 @@ def gather_on_device(cache: FullCache, order: torch.Tensor):
         flat = order.reshape(cols, n).t() * token + \
             torch.arange(cols, device=order.device) * column
         torch.index_select(rows, 0, flat.reshape(-1), out=buf[:n].view(-1, d))
+    return buffers
+
+
+def gather_mapped(cache: SelectiveCache, order: torch.Tensor, counts: torch.Tensor):
+    """A cache in host memory that the compute device reads by index (``TieredTensor.mapped``):
+    the ranked rows read by the device itself (:mod:`..runtime.mapped_rows`), the indices
+    never on the host. Buffers ``[n + 1, b*KV, d]`` laid out as :func:`gather_on_device`'s;
+    the bytes of the ``counts`` rows are counted (the device reads only those; summed when
+    the step has synchronized). None where
+    the device cannot read them (the caller gathers on the host)."""
+    b, kv, n = order.shape
+    cols, d = b * kv, cache.spec.head_dim
+    tiers = cache.spec.tiers
+    if cache.mapped_layout is None or cache.mapped_layout[0].device != order.device:
+        (rows_k, token, column), rows_v = cache.k.flat_rows(), cache.v.flat_rows()[0]
+        offsets = torch.arange(cols, device=order.device) * column
+        cache.mapped_layout = (offsets, token, rows_k, rows_v)  # the same every step
+    offsets, token, rows_k, rows_v = cache.mapped_layout
+    # output row rank * cols + c holds column c's rank-th choice (K and V share one layout)
+    flat = torch.add(offsets, order.view(cols, n).t(), alpha=token).reshape(-1)
+    buffers = row_buffers(cache.spec, n + 1, "selected")
+    for src, buf in zip((rows_k, rows_v), buffers):  # counts [b, KV]: one per column
+        if not tiers.gather_mapped(src, flat, counts, cols, buf.view(-1, d)[:n * cols]):
+            return None
+    tiers.count_deferred("host->device", "kv_cache", counts, cache.row_bytes)
     return buffers

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .spec_pages import PAGE_KINDS
-from ..runtime.cpu_kernels import score_packed, spec_write, speculate_mass
+from ..runtime.cpu_kernels import library, score_packed, spec_write, speculate_mass
 
 KINDS = {"partial": None, "int4": 4, "int2": 2}
 
@@ -43,6 +43,7 @@ class SpeculationKeys:
                                                 device=dev), "device")
             return
         self.per_byte = 8 // self.bits
+        self.shifts = None  # each code slot's shift in its byte, made at the first write
         self.use_kernel = not tiers.is_cuda and dtype == torch.float32
         packed = -(-width // self.per_byte)
         self.codes = tiers.track(torch.zeros(columns, max_len, packed, dtype=torch.uint8,
@@ -60,19 +61,35 @@ class SpeculationKeys:
         if self.use_kernel and spec_write(rows, self.codes, self.lo, self.scale, start,
                                           self.bits):
             return
+        self._quantize(rows.float().transpose(0, 1), start)
+
+    def write_columns(self, x: torch.Tensor, start: int) -> None:
+        """Projected keys ``[columns, s, width]`` for positions ``start..start+s`` (the
+        torch path, no kernel)."""
+        if self.bits is None:
+            self.data[:, start:start + x.shape[1]] = x
+            return
+        self._quantize(x.float(), start)
+
+    def _quantize(self, x: torch.Tensor, start: int) -> None:
+        """Keys ``[columns, s, width]`` (float32) quantized into place, in few ops."""
+        end = start + x.shape[1]
         levels = (1 << self.bits) - 1
-        x = rows.float().transpose(0, 1)  # [columns, s, width]
-        lo, hi = x.amin(-1), x.amax(-1)
-        scale = ((hi - lo) / levels).clamp(min=1e-8)
-        q = torch.round((x - lo[..., None]) / scale[..., None]).clamp(0, levels).to(torch.uint8)
+        lo, hi = torch.aminmax(x, dim=-1)
+        scale = hi.sub_(lo).div_(levels).clamp_(min=1e-8)
+        # in [0, levels] already: x >= lo, and (x - lo) / scale <= levels to rounding
+        q = (x - lo.unsqueeze(-1)).div_(scale.unsqueeze(-1)).round_().to(torch.uint8)
         pad = (-q.shape[-1]) % self.per_byte
         if pad:
             q = torch.nn.functional.pad(q, (0, pad))
         q = q.view(*q.shape[:-1], -1, self.per_byte)
-        shifts = torch.arange(self.per_byte, device=q.device, dtype=torch.uint8) * self.bits
-        self.codes[:, start:end] = (q << shifts).sum(-1, dtype=torch.uint8)
-        self.lo[:, start:end] = lo.to(self.dtype)
-        self.scale[:, start:end] = scale.to(self.dtype)
+        if self.shifts is None:
+            self.shifts = torch.arange(self.per_byte, device=q.device,
+                                       dtype=torch.uint8) * self.bits
+        torch.sum(q << self.shifts, -1, dtype=torch.uint8,
+                  out=self.codes.narrow(1, start, end - start))
+        self.lo.narrow(1, start, end - start).copy_(lo)
+        self.scale.narrow(1, start, end - start).copy_(scale)
 
     def keys(self, length: int) -> torch.Tensor:
         """The first ``length`` rows ``[length, columns, width]`` in the runtime dtype."""
@@ -97,9 +114,8 @@ class SpeculationKeys:
         """Approximate logits ``[b, KV, G, length]`` of partial queries ``pq [b, KV, G, w]``.
 
         Quantized keys are not dequantized: q.k = scale (q.codes) + min (sum of q). On a CPU
-        a kernel reads the codes once (see cpu_kernels); the torch path unpacks them into a
-        reused buffer, one code slot of every byte after the other (the query's columns
-        reordered to match), and scores them with one batched product."""
+        a kernel reads the codes once (see cpu_kernels); the torch path takes each code slot
+        of every byte in turn, against the query's columns of that slot."""
         b, kv, g, w = pq.shape
         if self.bits is None:
             pk = self.data[:, :length].transpose(1, 2)  # [columns, w, length]
@@ -110,26 +126,33 @@ class SpeculationKeys:
                                length)
             if out is not None:
                 return out.view(b, kv, g, length)
-        codes = self.codes[:, :length]  # [columns, t, packed]
-        cols, packed = codes.shape[0], codes.shape[2]
-        width, mask = packed * self.per_byte, (1 << self.bits) - 1
-        unpacked = self.tiers.scratch("speculation.unpacked", (cols, length, width), self.dtype)
-        planes = unpacked.view(cols, length, self.per_byte, packed)
-        for slot in range(self.per_byte):  # column j * per_byte + slot of the key
-            planes[:, :, slot].copy_((codes >> (slot * self.bits)) & mask)
+        # key column j * per_byte + slot is in byte j's slot: each slot's codes, shifted out
+        # of the bytes, take the query's matching columns (one product per slot; the codes
+        # are never written out whole, so a step issues few ops: each is a GPU launch)
+        codes = self.codes.narrow(1, 0, length).transpose(1, 2)  # [columns, packed, t]
+        mask = (1 << self.bits) - 1
         q = self._query(pq).to(self.dtype)
-        q = torch.cat([q[..., slot::self.per_byte] for slot in range(self.per_byte)], -1)
-        dot = torch.bmm(q, unpacked.transpose(1, 2))  # [columns, G, t]
-        out = dot * self.scale[:, None, :length] + q.sum(-1, keepdim=True) * \
-            self.lo[:, None, :length]
+        dot = None
+        for slot in range(self.per_byte):
+            plane = codes if slot == self.per_byte - 1 else codes & (mask << slot * self.bits)
+            plane = (plane >> slot * self.bits if slot else plane).to(self.dtype)
+            part = q[..., slot::self.per_byte]
+            dot = torch.bmm(part, plane) if dot is None else dot.baddbmm_(part, plane)
+        dot = dot.mul_(self.scale.narrow(1, 0, length).unsqueeze(1))
+        out = dot.addcmul_(q.sum(-1, keepdim=True), self.lo.narrow(1, 0, length).unsqueeze(1))
         return out.view(b, kv, g, length).float()
+
+    @property
+    def fused_selection(self) -> bool:
+        """Whether :meth:`select_mass` can score and select in one kernel call here."""
+        return self.bits is not None and self.use_kernel and library() is not None
 
     def select_mass(self, pq: torch.Tensor, visible: torch.Tensor, caps: torch.Tensor,
                     width: int) -> torch.Tensor | None:
         """The ``mass`` rule on the scores of ``pq [b, KV, G, w]`` over the first
         ``visible.shape[1]`` rows, scored and selected in one pass per column by a CPU kernel:
         ``order [b, KV, width]``, or None where the kernel does not apply."""
-        if self.bits is None or not self.use_kernel:
+        if not self.fused_selection:
             return None
         b, kv = pq.shape[:2]
         order = speculate_mass(self.codes, self.scale, self.lo, self._query(pq), self.bits,

@@ -4,6 +4,11 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+import torch
+
+
+FOLD_AT = 4096  # deferred device counts added together past this many
+
 
 class FetchStats:
     """Thread-safe counters, summed over decode steps, GPU batches and KV head columns.
@@ -24,20 +29,42 @@ class FetchStats:
         self.evicted = 0
         self.bytes_moved = 0.0  # K and V bytes fetched for attention
         self.bytes_full = 0.0  # what fetching every cached row would have moved
+        # (layer, moved, selected, row_bytes) with device counts: added up when read, so
+        # that a decode step issues no op (a kernel launch on a GPU) to count
+        self.deferred: list = []
 
-    def add(self, layer: int, moved: int, selected: int, cached: int, row_bytes: float,
+    def add(self, layer: int, moved, selected, cached: int, row_bytes: float,
             speculative: bool = True) -> None:
+        """``moved`` and ``selected``: numbers, or device tensors of row counts (summed
+        later, when the report reads them: no op, and no sync, in a decode step)."""
         with self.lock:
-            self.bytes_moved += moved * row_bytes
             self.bytes_full += cached * row_bytes
-            self.moved[layer] += moved
-            self.selected[layer] += selected
             self.cached[layer] += cached
             if speculative:
                 self.speculative.add(layer)
+            if not isinstance(moved, int) or not isinstance(selected, int):
+                self.deferred.append((layer, moved, selected, row_bytes))
+                if len(self.deferred) >= FOLD_AT:
+                    self._fold()
+                return
+            self.bytes_moved += moved * row_bytes
+            self.moved[layer] += moved
+            self.selected[layer] += selected
+
+    def _fold(self) -> None:
+        """The deferred counts added into the tables (still device tensors: no sync)."""
+        deferred, self.deferred = self.deferred, []
+        for layer, moved, selected, row_bytes in deferred:
+            moved = moved.sum() if isinstance(moved, torch.Tensor) else moved
+            selected = selected.sum() if isinstance(selected, torch.Tensor) else selected
+            self.bytes_moved += moved * row_bytes
+            self.moved[layer] += moved
+            self.selected[layer] += selected
 
     def _settle(self) -> None:
         """Counts kept on the device (no sync while decoding) become numbers."""
+        with self.lock:
+            self._fold()
         for table in (self.moved, self.selected, self.cached):
             for layer, n in table.items():
                 table[layer] = int(n)

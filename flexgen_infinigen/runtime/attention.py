@@ -117,6 +117,9 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 # fewer times)
 FUSED_MASK_BYTES = 64 << 20
 FUSED_ROWS = 512
+# devices where masked prompt chunks of a GQA model attend over K and V repeated per query
+# head (once a layer): CUDA's fused kernels that take a mask take no GQA broadcast
+EXPAND_GQA_ON = ("cuda",)
 
 
 def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
@@ -131,6 +134,12 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
         # masked blocks itself and needs no mask; equal to the chunks)
         return _sdpa(qt, kt, vt, None, causal=True).transpose(1, 2).reshape(b, s, heads * d)
     rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
+    if kt.shape[1] != heads and q.device.type in EXPAND_GQA_ON:
+        # a mask rules out the flash kernel, and the other fused kernels take no GQA
+        # broadcast: without this, every chunk would fall to the math kernel (scores
+        # materialized, K and V repeated per chunk). Repeated once for the layer instead.
+        group = heads // kt.shape[1]
+        kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
     out = torch.empty(b, s, heads, d, dtype=q.dtype, device=q.device)
     for start in range(0, s, rows):
         stop = min(s, start + rows)
@@ -146,6 +155,8 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
 def _sdpa(q, k, v, mask, causal: bool = False):
     """Fused attention of [b, H, n, d] queries over [b, KV, t, d] keys (GQA)."""
     import torch.nn.functional as F
+    if k.shape[1] == q.shape[1]:  # no broadcast asked for: every fused kernel may take it
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     try:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=True)

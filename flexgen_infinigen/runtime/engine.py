@@ -186,6 +186,7 @@ class Engine:
         if self.tiers.is_cuda:
             torch.cuda.synchronize()
             self.tiers.count_sync()
+            self.tiers.settle()  # byte counts kept on the device until now: nothing to wait
         self.debug["host_syncs_per_step"].append(self.tiers.host_syncs - syncs_before)
 
     def run_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,

@@ -61,6 +61,11 @@ class TieredTensor:
         one_place = len(sizes) == 1 and (
             sizes[0][0] == DEVICE or (sizes[0][0] == HOST and tiers.host_in_place))
         self.addressable = not self.compressed and one_place
+        # one uncompressed segment in host memory the compute device reads rows of by index
+        # (:mod:`.mapped_rows`), pinned where the device is a GPU
+        self.mapped = (not self.compressed and len(sizes) == 1 and sizes[0][0] == HOST
+                       and not self.addressable and tiers.maps_host
+                       and (pin or not tiers.is_cuda))
         # 4-bit codes a CPU reads where they are (a kernel expands them in its registers)
         self.packed_in_place = self.compressed and one_place and not tiers.is_cuda
         self.head_major = (head_major and (self.addressable or self.packed_in_place)
@@ -161,9 +166,9 @@ class TieredTensor:
         return self.segments[0].data
 
     def flat_rows(self) -> tuple[torch.Tensor, int, int]:
-        """An ``addressable`` tensor's rows as one ``[n, d]`` view of its storage, and where
-        row (t, c) is in it: ``t * token_stride + c * column_stride``."""
-        data = self.view()
+        """An ``addressable`` (or ``mapped``) tensor's rows as one ``[n, d]`` view of its
+        storage, and where row (t, c) is in it: ``t * token_stride + c * column_stride``."""
+        data = self.segments[0].data if self.mapped else self.view()
         d = data.shape[-1]
         flat = data.as_strided((data.shape[0] * data.shape[1], d), (d, 1))
         return flat, data.stride(0) // d, data.stride(1) // d

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import mapped_rows
 from .disk_io import ALIGN, DiskFiles
 from .huge_pages import advise_huge_pages
 from .offload_dir import DIR_PREFIX, OWNER_FILE, offload_root, remove_stale_folders
@@ -34,6 +35,7 @@ PAGE = 4096
 # place; smaller ones come from PyTorch's caching host allocator (which rounds up to a power
 # of two: a few bytes here, 1.7x the plan for the large segments of a big model)
 EXACT_PIN_BYTES = 1 << 20
+DEFERRED_MAX = 4096  # deferred byte counts kept before they are added up (on a CPU)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -52,9 +54,21 @@ class Tiers:
         # read where it is (nothing crosses a link); False copies it as a GPU's link would
         self.host_in_place = host_in_place and not self.is_cuda
         self.pin_host = self.is_cuda if pin_host is None else (pin_host and self.is_cuda)
+        # the compute device reads chosen rows of a host tensor by index itself (mapped_rows):
+        # a GPU from pinned host memory, a CPU standing in for one (host_in_place false)
+        self.maps_host = mapped_rows.enabled() and (
+            (self.pin_host and mapped_rows.kernel_available()) if self.is_cuda
+            else not self.host_in_place)
+        self._mapped_checked = False  # the first GPU read is checked against a host gather
+        self._row_stream = None
+        self._deferred: list[tuple[str, str, torch.Tensor, float]] = []
+        # freed exact-pinned blocks, still registered, for the next buffer of their size
+        self.keep_pinned = True
+        self._kept: list = []
+        weakref.finalize(self, Tiers._unregister_kept, self._kept)
         self._offload_root = offload_dir
         self._disk_dir: str | None = None
-        self.bytes_moved: dict[str, dict[str, int]] = {
+        self._moved: dict[str, dict[str, int]] = {
             link: {kind: 0 for kind in KINDS} for link in LINKS}
         self.held = defaultdict(int)
         self.peak = defaultdict(int)
@@ -68,7 +82,13 @@ class Tiers:
     # ---- accounting -------------------------------------------------------------------------
     def count(self, link: str, kind: str, n: int) -> None:
         with self._lock:
-            self.bytes_moved[link][kind] += n
+            self._moved[link][kind] += n
+
+    @property
+    def bytes_moved(self) -> dict[str, dict[str, int]]:
+        """Bytes moved by link and kind (the deferred counts added first)."""
+        self.settle()
+        return self._moved
 
     def _hold(self, tier: str, n: int) -> None:
         with self._lock:
@@ -116,6 +136,83 @@ class Tiers:
         staged = self.host_empty(index.shape, index.dtype, staging=True).copy_(index)
         return staged.to(self.device, non_blocking=True)
 
+    def count_deferred(self, link: str, kind: str, rows: torch.Tensor, row_bytes: float) -> None:
+        """Count the sum of ``rows`` (a device tensor of row counts: reading it now would be
+        a host sync) times ``row_bytes`` once the step has synchronized (:meth:`settle`)."""
+        with self._lock:
+            self._deferred.append((link, kind, rows, row_bytes))
+            fold = len(self._deferred) >= DEFERRED_MAX and not rows.is_cuda
+        if fold:  # on a CPU reading them waits for nothing
+            self.settle()
+
+    def settle(self) -> None:
+        """Add the deferred counts (after a synchronization: reading them waits for nothing)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        # the same counts come back for every layer of a step (the mass rule's caps): each
+        # tensor is summed once
+        totals: dict[tuple, list] = {}
+        for link, kind, rows, row_bytes in deferred:
+            entry = totals.setdefault((link, kind, id(rows)), [rows, 0.0])
+            entry[1] += row_bytes
+        for (link, kind, _), (rows, row_bytes) in totals.items():
+            self.count(link, kind, round(int(rows.sum()) * row_bytes))
+
+    def on_row_stream(self, fn, *inputs: torch.Tensor):
+        """``fn()`` issued at once on a side stream that waits only for what the compute
+        stream issued so far (on a CPU: run here). Returns ``(value, done)``: ``done`` is the
+        event a user of ``value`` waits on (:meth:`wait_rows`), None on a CPU."""
+        if not self.is_cuda:
+            return fn(), None
+        from .streams import _record_on
+        compute = torch.cuda.current_stream()
+        if self._row_stream is None:
+            self._row_stream = torch.cuda.Stream(self.device)
+        stream = self._row_stream
+        stream.wait_event(compute.record_event())
+        _record_on(list(inputs), stream)  # not reused before the row reads are done
+        with torch.cuda.stream(stream):
+            value = fn()
+            done = stream.record_event()
+        _record_on(value, compute)  # nor the rows before the compute stream has used them
+        return value, done
+
+    @staticmethod
+    def wait_rows(done) -> None:
+        """The current stream waits (on the device, not the host) for :meth:`on_row_stream`'s
+        work."""
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+    def gather_mapped(self, src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor,
+                      cols: int, out: torch.Tensor) -> bool:
+        """Rows ``src[index]`` of a host tensor read by the compute device into ``out`` (see
+        :mod:`.mapped_rows`); the caller counts the bytes. False where the device cannot
+        (the first GPU read is compared against a host gather; a mismatch or an error turns
+        the mapped reads off for this run, and the caller gathers on the host)."""
+        if not self.maps_host:
+            return False
+        try:
+            mapped_rows.gather(src, index, counts, cols, out)
+        except Exception as e:  # noqa: BLE001 (any failure: the host gather still works)
+            self._mapping_failed(f"the mapped row read failed ({e!r})")
+            return False
+        if self.is_cuda and not self._mapped_checked:
+            self._mapped_checked = True
+            rank = torch.arange(out.shape[0], device=out.device) // cols
+            keep = (rank < counts.reshape(-1).repeat(out.shape[0] // cols)).cpu()
+            expect = src.index_select(0, index.cpu()[keep])
+            if not torch.equal(out[keep.to(out.device)].cpu(), expect):
+                self._mapping_failed("the mapped row read disagreed with a host gather")
+                return False
+        return True
+
+    def _mapping_failed(self, why: str) -> None:
+        import warnings
+        self.maps_host = False
+        warnings.warn(f"{why}: chosen KV rows are gathered on the host from now on "
+                      f"(set {mapped_rows.ENV}=0 to skip trying)", RuntimeWarning, stacklevel=3)
+
     def count_sync(self) -> None:
         """A synchronization made elsewhere (an event wait, a device synchronize)."""
         with self._lock:
@@ -129,7 +226,9 @@ class Tiers:
         return t
 
     def reset_counters(self) -> None:
-        for per_kind in self.bytes_moved.values():
+        with self._lock:
+            self._deferred = []
+        for per_kind in self._moved.values():
             for kind in per_kind:
                 per_kind[kind] = 0
 
@@ -177,23 +276,53 @@ class Tiers:
         return self._pinned_exact(shape, dtype, n)
 
     def _pinned_exact(self, shape, dtype: torch.dtype, n: int) -> torch.Tensor:
-        raw = torch.empty(n + 2 * PAGE, dtype=torch.uint8)
-        offset = -raw.data_ptr() % PAGE
         size = -(-n // PAGE) * PAGE  # whole pages, all inside ``raw``: no page is shared
         cudart = torch.cuda.cudart()
-        ptr = raw.data_ptr() + offset
-        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        block = self._kept_block(size, cudart)
+        if block is None:
+            raw = torch.empty(size + 2 * PAGE, dtype=torch.uint8)
+            offset = -raw.data_ptr() % PAGE
+            ptr = raw.data_ptr() + offset
+            if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            block = (raw, offset, ptr, size)
+        raw, offset, ptr, size = block
         t = raw[offset:offset + n].view(dtype).view(shape)
         with self._lock:
             self.pinned_bytes += size
-        weakref.finalize(t, self._unpin, cudart, ptr, size)
+        weakref.finalize(t, self._unpin, cudart, block, self._kept)
         return t
 
-    def _unpin(self, cudart, ptr: int, size: int) -> None:
-        cudart.cudaHostUnregister(ptr)
+    def _kept_block(self, size: int, cudart):
+        """A registered block kept from a freed buffer of this exact size (the KV cache of
+        the next generation with the same shapes: registering tens of GB again costs as much
+        as copying them). A miss unregisters what is kept, so nothing is held twice."""
         with self._lock:
-            self.pinned_bytes -= size
+            for i, block in enumerate(self._kept):
+                if block[3] == size:
+                    return self._kept.pop(i)
+            kept, self._kept[:] = list(self._kept), []
+        for block in kept:
+            cudart.cudaHostUnregister(block[2])
+        return None
+
+    def _unpin(self, cudart, block, kept: list) -> None:
+        """A pinned buffer was freed: its block stays registered, kept for the next buffer
+        of its size, until :meth:`close` (or a miss) unregisters it."""
+        with self._lock:
+            self.pinned_bytes -= block[3]
+            if self.keep_pinned:
+                kept.append(block)
+                return
+        cudart.cudaHostUnregister(block[2])
+
+    @staticmethod
+    def _unregister_kept(kept: list) -> None:
+        if kept:
+            cudart = torch.cuda.cudart()
+            for block in kept:
+                cudart.cudaHostUnregister(block[2])
+            kept.clear()
 
     SCRATCH_SLOTS = 3  # buffers in flight per tag: the one computing, the next load, a spare
 
@@ -222,6 +351,10 @@ class Tiers:
         return buf[:numel].view(shape)
 
     def close(self) -> None:
+        self.keep_pinned = False
+        with self._lock:
+            kept, self._kept[:] = list(self._kept), []
+        self._unregister_kept(kept)
         self.disk.close()
         if self._disk_dir is not None:
             shutil.rmtree(self._disk_dir, ignore_errors=True)
