@@ -67,12 +67,20 @@ def _client():
     return huggingface_hub
 
 
-def _is_network_error(e: BaseException) -> bool:
-    """A connection that could not be made or was lost (the client's HTTP library varies)."""
+_NETWORK = ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException",
+            "NetworkError", "ConnectionError", "RemoteProtocolError", "ReadError", "ProxyError",
+            "PoolTimeout", "MaxRetryError", "NewConnectionError")
+
+
+def _is_network_error(e: BaseException | None) -> bool:
+    """A connection that could not be made or was lost (the client's HTTP library varies by
+    version, so its exceptions are known by name); an HTTP answer is never one."""
+    from huggingface_hub.errors import HfHubHTTPError
+
     while e is not None:
-        mod = type(e).__module__.split(".")[0]
-        if mod in ("httpx", "httpx2", "requests", "urllib3", "httpcore", "socket") \
-                or isinstance(e, (ConnectionError, TimeoutError)):
+        if isinstance(e, HfHubHTTPError):
+            return False
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in _NETWORK:
             return True
         e = e.__cause__ or e.__context__
     return False

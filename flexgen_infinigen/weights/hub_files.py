@@ -72,13 +72,13 @@ def choose_hf(label: str, listing: list[str]) -> tuple[list[str], str | None]:
 
 
 def quants_of(files: list[str]) -> list[str]:
-    """The quantizations the GGUF file names carry, upper-cased, in file order."""
+    """The quantizations the GGUF file names carry, upper-cased and sorted."""
     seen = []
     for f in files:
         m = _QUANT.search(_base(f))
         if m and m.group(1).upper() not in seen:
             seen.append(m.group(1).upper())
-    return seen
+    return sorted(seen)
 
 
 def _groups(files: list[str]) -> dict[tuple, list[str]]:
@@ -134,11 +134,11 @@ def choose_gguf(label: str, listing: list[str], quant: str | None,
         return shard_set(label, picked)
     if quant is not None:
         pattern = re.compile(rf"(?i)(?:^|[-.]){re.escape(quant)}(?=[-.])")
-        models = [f for f in models if pattern.search(_base(f))]
+        every, models = models, [f for f in models if pattern.search(_base(f))]
         if not models:
-            have = quants_of(ggufs)
+            have = quants_of(every)
             raise ConfigError(f"--model {label}: no GGUF file for quantization {quant}; the "
-                              f"repository has {_shown(have) if have else _shown(ggufs)}")
+                              f"repository has {_shown(have) if have else _shown(every)}")
     groups = list(_groups(models).values())
     if len(groups) > 1:
         names = [g[0] for g in groups]
