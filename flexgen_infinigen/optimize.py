@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
-    cfg = model_config(a.model)
+    cfg = model_config(a.model, shapes_only=True)  # planning needs shapes, no weights
     if a.hw is None:  # profiling this machine takes a minute: first what needs no profile
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)

@@ -250,3 +250,20 @@ def test_a_full_disk_mid_download_leaves_nothing_to_find(hub, tiny, tmp_path):
     assert not any(p.name.endswith(".incomplete") for p in blobs.iterdir())
     assert all(p.stat().st_size <= 20_000 for p in blobs.iterdir())
     assert _run("--model", "org/tiny") == 0
+
+
+def test_names_that_need_only_shapes(hub, tiny):
+    """A registry alias with --dummy or in planning stays the registry's (no request); a Hub
+    checkpoint that only needs shapes sends for its config.json and nothing else."""
+    from flexgen_infinigen import run
+    from flexgen_infinigen.runtime.loading import find_weights, model_config
+
+    assert model_config("facebook/opt-13b", shapes_only=True).name == "opt-13b"
+    assert find_weights("facebook/opt-125m", None, True)[0].name == "opt-125m"
+    assert hub.requests == []
+    cfg = model_config("org/tiny", shapes_only=True)  # what `optimize` plans with
+    assert (cfg.name, cfg.num_layers, cfg.hidden_size) == ("tiny", 2, 64)
+    assert run.main(["--dummy", "--model", "org/tiny", "--prompt-len", "4", "--gen-len",
+                     "1"]) == 0
+    files = {r[1].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r[1]}
+    assert files == {"config.json"}

@@ -37,11 +37,13 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def model_config(model: str | None, path: str | None = None, dummy: bool = False
+def model_config(model: str | None, path: str | None = None, shapes_only: bool = False
                  ) -> ModelConfig:
     """The config of what a command was pointed at (a store, a GGUF or HF path, a Hub name, a
     registry name, else the default model), without converting or reading any weight (a Hub
-    checkpoint fetches its config.json only; a Hub GGUF comes whole, its config is inside)."""
+    checkpoint fetches its config.json only; a Hub GGUF comes whole, its config is inside).
+    ``shapes_only`` (``--dummy``, planning): a registry alias (``facebook/opt-13b``) is the
+    registry's, not the Hub's."""
     from ..config import DEFAULT_MODEL
     from ..weights.local_model import is_model_path, source_config
 
@@ -50,7 +52,7 @@ def model_config(model: str | None, path: str | None = None, dummy: bool = False
             raise ConfigError(f"weight folder {path} does not exist; convert a checkpoint "
                               "with `python -m flexgen_infinigen.convert` or use --dummy")
         return WeightStore(path).config
-    if is_model_path(model, shapes_only=dummy):
+    if is_model_path(model, shapes_only=shapes_only):
         return source_config(model)
     return get_config(model or DEFAULT_MODEL)
 
@@ -64,7 +66,7 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
 
     if dummy and model is not None and path is None and is_model_path(model, shapes_only=True) \
             and not Path(model).expanduser().exists():
-        cfg = model_config(model, dummy=True)  # a Hub repo's shapes: its config.json only
+        cfg = model_config(model, shapes_only=True)  # a Hub repo's shapes: its config.json
         return cfg, DummySource(cfg, seed), None
     if is_model_path(model, shapes_only=dummy or path is not None):
         if path is not None or dummy:

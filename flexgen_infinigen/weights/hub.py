@@ -238,10 +238,17 @@ def _resolve(name: HubName, progress: bool, config_only: bool) -> Path:
         if cached is None:
             raise _not_cached(name)
         listing = _cached_files(cached)
-    files = _pick(name, listing, online)
+    wants_gguf = name.quant or name.file or not any(f.endswith((".safetensors", ".bin"))
+                                                    for f in listing)
+    try:  # config_only: the weights are not wanted yet (nor their index)
+        files = ["config.json"] if config_only and not wants_gguf and "config.json" in \
+            listing else _pick(name, listing, online)
+    except ConfigError as e:
+        if online:
+            raise
+        raise ConfigError(f"{e} (offline: the cache holds only what was fetched before; run "
+                          "once with the network for another file)") from None
     gguf = [f for f in files if f.endswith(".gguf")]
-    if config_only and not gguf:
-        files = [f for f in files if f == "config.json"] or files
     if online:
         folder = _download(name, files, progress)
     else:
