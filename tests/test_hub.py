@@ -267,3 +267,31 @@ def test_names_that_need_only_shapes(hub, tiny):
                      "1"]) == 0
     files = {r[1].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r[1]}
     assert files == {"config.json"}
+
+
+def test_every_command_takes_a_hub_name(hub, tiny, tmp_path, monkeypatch, capsys):
+    """One download, then batch, eval, skew and the lm-eval model all find it offline: the
+    name is resolved in one place below the commands."""
+    import json
+
+    from flexgen_infinigen import batch, eval as eval_cmd, skew
+
+    assert _run("--model", "org/tiny") == 0
+    seen = len(hub.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": PROMPT, "gen_len": 2}) + "\n")
+    assert batch.main(["--model", "org/tiny", "--input", str(prompts), "--output", str(out),
+                       "--no-chat"]) == 0
+    assert json.loads(out.read_text())["id"] == "a"
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS[i % 200 + 1] for i in range(64)))
+    assert eval_cmd.main(["perplexity", "--model", "org/tiny", "--text", str(text),
+                          "--seq-len", "16", "--prefill-len", "8", "--max-windows", "1"]) == 0
+    assert skew.main(["--model", "org/tiny", "--max-tokens", "16"]) == 0
+    pytest.importorskip("lm_eval")
+    from flexgen_infinigen.harness import OffloadedHarnessLM
+
+    assert OffloadedHarnessLM(model="org/tiny", offline="true").lm.cfg.name == "tiny"
+    assert len(hub.requests) == seen
+    assert "error" not in capsys.readouterr().err
