@@ -153,6 +153,9 @@ def test_download_layout_tokens_and_offline_reuse(hub, tiny, tmp_path, monkeypat
     assert len(hub.requests) == before
     os.environ.pop("HF_HUB_OFFLINE", None)  # what --offline set for this process
 
+    monkeypatch.setenv("HF_ENDPOINT", _dead_endpoint())  # the Hub unreachable: the cache serves
+    assert _tokens("org/tiny") == (ids, tokens)
+
 
 def test_a_cut_connection_resumes(hub, tiny, monkeypatch):
     """The server promises a shard whole and hangs up half-way: the client asks for the rest
@@ -214,11 +217,14 @@ def test_gated_repo_with_its_token(hub, tiny, monkeypatch, capsys):
     assert _run("--model", "org/gated") == 0
 
 
-def test_no_network_or_offline_and_not_cached(hub, monkeypatch, capsys):
+def _dead_endpoint() -> str:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_no_network_or_offline_and_not_cached(hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_ENDPOINT", _dead_endpoint())
     assert _run("--model", "org/tiny") == 2
     line = _one_error(capsys)
     assert "cannot be reached" in line and "not in the cache" in line
