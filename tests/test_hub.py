@@ -301,3 +301,34 @@ def test_every_command_takes_a_hub_name(hub, tiny, tmp_path, monkeypatch, capsys
     assert OffloadedHarnessLM(model="org/tiny", offline="true").lm.cfg.name == "tiny"
     assert len(hub.requests) == seen
     assert "error" not in capsys.readouterr().err
+
+
+def test_names_and_picks_without_a_hub(tmp_path, monkeypatch):
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.weights.hub_files import HubName, choose_gguf, parse_hub_name
+    from flexgen_infinigen.weights.local_model import is_model_path
+
+    assert parse_hub_name("Qwen/Qwen2.5-7B-Instruct") == HubName("Qwen/Qwen2.5-7B-Instruct")
+    assert parse_hub_name("org/m-GGUF@v1.0:q4_k_m") == HubName("org/m-GGUF", "v1.0", "q4_k_m")
+    assert parse_hub_name("org/m@refs/pr/3") == HubName("org/m", "refs/pr/3")
+    assert parse_hub_name("org/m/sub/x-Q8_0.gguf") == HubName("org/m", None, None,
+                                                              "sub/x-Q8_0.gguf")
+    for path in ("./org/m", "/abs/m", "~/m", "models/tiny.gguf", "opt-13b", "a/b/c"):
+        assert parse_hub_name(path) is None, path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "m").mkdir(parents=True)  # a local folder wins over the Hub
+    assert is_model_path("org/m") and parse_hub_name("org/m") is not None
+    assert not is_model_path("opt-13b") and not is_model_path("facebook/opt-13b", True)
+    assert is_model_path("facebook/opt-13b")
+
+    files = ["m-Q4_K.gguf", "m-Q4_K_M.gguf", "sub/m-IQ4_XS-00002-of-00002.gguf",
+             "sub/m-IQ4_XS-00001-of-00002.gguf", "mmproj-m-f16.gguf"]
+    assert choose_gguf("x", files, "q4_k", None) == ["m-Q4_K.gguf"]
+    assert choose_gguf("x", files, "Q4_K_M", None) == ["m-Q4_K_M.gguf"]
+    assert choose_gguf("x", files, "iq4_xs", None) == ["sub/m-IQ4_XS-00001-of-00002.gguf",
+                                                       "sub/m-IQ4_XS-00002-of-00002.gguf"]
+    assert choose_gguf("x", files, None, "sub/m-IQ4_XS-00002-of-00002.gguf")[0].endswith(
+        "00001-of-00002.gguf")
+    with pytest.raises(ConfigError, match="no GGUF file for quantization F16; the repository "
+                                          "has IQ4_XS, Q4_K, Q4_K_M"):
+        choose_gguf("x", files, "F16", None)

@@ -11,6 +11,7 @@ snapshot, so one per commit) and is reused while it exists.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -91,6 +92,12 @@ def joined_gguf(label: str, shards: list[Path], progress: bool = True) -> Path:
         w.write_tensors_to_file(progress=progress)
         w.close()
         os.replace(tmp, dest)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        raise ConfigError(f"--model {label}: no room to join its {len(shards)} shards in "
+                          f"{dest.parent} ({os.strerror(e.errno)}); free space or set "
+                          "FLEXGEN_INFINIGEN_CACHE to a bigger disk") from None
     finally:
         tmp.unlink(missing_ok=True)
     print(f"joined {len(shards)} GGUF shards into {dest}", file=sys.stderr, flush=True)

@@ -154,6 +154,12 @@ def _remote_files(name: HubName) -> list[str]:
     return sorted(s.rfilename for s in (info.siblings or []))
 
 
+class _Quiet(tqdm):
+    def __init__(self, *args, **kwargs):
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
 def _download(name: HubName, files: list[str], progress: bool) -> Path:
     """The snapshot folder with ``files`` in it: ``huggingface_hub`` fetches what is missing
     (a tqdm bar; a dropped connection resumes with a Range request; each file is written
@@ -165,12 +171,6 @@ def _download(name: HubName, files: list[str], progress: bool) -> Path:
                                    cache_dir=str(hub_cache_dir()), endpoint=_endpoint(),
                                    token=_token(), **extra)
     return Path(folder)
-
-
-class _Quiet(tqdm):
-    def __init__(self, *args, **kwargs):
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)
 
 
 def _index_shards(name: HubName, index: str, online: bool) -> list[str]:
@@ -191,10 +191,15 @@ def _index_shards(name: HubName, index: str, online: bool) -> list[str]:
     return sorted({f"{folder}/{f}" if folder else f for f in weight_map.values()})
 
 
+def _wants_gguf(name: HubName, listing: list[str]) -> bool:
+    """A GGUF is asked for by name, or the repo has no other weights."""
+    return bool(name.quant or name.file) or not any(f.endswith((".safetensors", ".bin"))
+                                                    for f in listing)
+
+
 def _pick(name: HubName, listing: list[str], online: bool) -> list[str]:
     """The repository files the name needs, from a listing of the repo or of its cache."""
-    if name.quant or name.file or not any(f.endswith((".safetensors", ".bin"))
-                                          for f in listing):
+    if _wants_gguf(name, listing):
         return choose_gguf(str(name), listing, name.quant, name.file)
     weights, index = choose_hf(str(name), listing)
     if index:
@@ -238,11 +243,9 @@ def _resolve(name: HubName, progress: bool, config_only: bool) -> Path:
         if cached is None:
             raise _not_cached(name)
         listing = _cached_files(cached)
-    wants_gguf = name.quant or name.file or not any(f.endswith((".safetensors", ".bin"))
-                                                    for f in listing)
     try:  # config_only: the weights are not wanted yet (nor their index)
-        files = ["config.json"] if config_only and not wants_gguf and "config.json" in \
-            listing else _pick(name, listing, online)
+        files = ["config.json"] if config_only and "config.json" in listing and \
+            not _wants_gguf(name, listing) else _pick(name, listing, online)
     except ConfigError as e:
         if online:
             raise
@@ -266,7 +269,3 @@ def _resolve(name: HubName, progress: bool, config_only: bool) -> Path:
     from .gguf_shards import joined_gguf
     return joined_gguf(str(name), [folder / f for f in shards], progress=progress)
 
-
-def store_stem(name: HubName) -> str:
-    """What a converted store of this name is called in the cache (readable, not unique)."""
-    return name.repo.replace("/", "--") + (f"-{name.quant}" if name.quant else "")
