@@ -144,6 +144,10 @@ def test_download_layout_tokens_and_offline_reuse(hub, tiny, tmp_path, monkeypat
     assert fetched == wanted  # config, tokenizer, index and shards; no README, .bin, original/
     assert [p for p in (repo / "blobs").iterdir() if p.name.endswith(".incomplete")] == []
 
+    before = len(hub.requests)  # online again: the commit is checked, no file is fetched
+    assert _tokens("org/tiny") == (ids, tokens)
+    assert not [r for r in hub.requests[before:] if r[0] == "GET" and "/resolve/" in r[1]]
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = len(hub.requests)
     assert _tokens("org/tiny") == (ids, tokens)
