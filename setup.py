@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     # PuLP 4 no longer bundles the CBC solver the optimizer uses
     install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",
-                      "gguf"],
+                      "gguf", "huggingface_hub"],
     extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5",
                              # tests/test_serve.py: the server, and the official client
                              "fastapi", "uvicorn", "httpx", "openai"],

@@ -184,8 +184,9 @@ def get_config(name: str) -> ModelConfig:
         key = key.split("/", 1)[1]
     if key not in KNOWN_MODELS:
         raise ConfigError(
-            f"unknown model {name!r}; pick one of: {', '.join(KNOWN_MODELS)} "
-            "(or pass --path to a converted weight store)")
+            f"unknown model {name!r}; give a Hugging Face Hub name (org/name, or "
+            "org/name:QUANT for a GGUF repo), a .gguf file, a checkpoint folder, or one of: "
+            f"{', '.join(KNOWN_MODELS)} (or pass --path to a converted weight store)")
     return KNOWN_MODELS[key]
 
 

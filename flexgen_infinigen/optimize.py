@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli.args import write_json
+from .cli.args import add_offline_arg, write_json
 from .config import DEFAULT_MODEL
 from .flags import int_or_auto
 from .kv import plannable_names
@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Choose --percent, --gpu-batch-size and --num-gpu-batches from a cost model "
                     "of the hardware (a linear program per batch shape, solved with PuLP).")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a registry name, a .gguf file or a Hugging Face checkpoint folder")
+                   help="a registry name, a Hub name (org/name; a checkpoint repo sends its "
+                        "config.json only), a .gguf file or a Hugging Face checkpoint folder")
+    add_offline_arg(p)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--hw", default=None,
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
-    cfg = model_config(a.model)
+    cfg = model_config(a.model, shapes_only=True)  # planning needs shapes, no weights
     if a.hw is None:  # profiling this machine takes a while: first what needs no profile
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)

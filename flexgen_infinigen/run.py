@@ -89,7 +89,7 @@ def check_args(a) -> list[str]:
         raise ConfigError("--dummy weights have no tokenizer; drop --prompt/--prompt-file and "
                           "use --prompt-len")
     if a.model is not None and not a.path:
-        cfg = model_config(a.model)
+        cfg = model_config(a.model, shapes_only=a.dummy)
         if not texts:
             check_lengths(cfg, a.prompt_len, a.gen_len)
     return texts

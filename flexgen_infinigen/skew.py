@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli.args import add_offline_arg
 from .config import ConfigError, read_text
 from .runtime.guards import run_command
 
@@ -24,7 +25,10 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.skew", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model name (default: the embedded default)")
+    p.add_argument("--model", default=None,
+                   help="a Hub name (org/name, org/name:QUANT), a .gguf file, a checkpoint "
+                        "folder or a registry name (default: the embedded default)")
+    add_offline_arg(p)
     p.add_argument("--path", default=None, help="the weight store to skew")
     p.add_argument("--calibration", default=None,
                    help="calibration text file (default: built-in English prose)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from ..config import DEFAULT_MODEL, ConfigError
 from ..flags import int_or_auto, str2bool
@@ -67,11 +68,29 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help=f"a registry name (default {DEFAULT_MODEL}), a .gguf file or a Hugging "
-                        "Face checkpoint folder (converted into the cache on first use)")
+                   help=f"a Hugging Face Hub name (org/name[@revision], org/name:QUANT or "
+                        "org/name/FILE.gguf for a GGUF repo), a .gguf file, a checkpoint folder "
+                        f"(each converted into the cache on first use) or a registry name "
+                        f"(default {DEFAULT_MODEL})")
+    add_offline_arg(g)
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
+
+
+class _Offline(argparse.Action):
+    """``--offline`` is ``HF_HUB_OFFLINE=1`` for this process (and the ranks it starts): a Hub
+    name is served from the cache, with no request."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        setattr(namespace, self.dest, True)
+
+
+def add_offline_arg(p) -> None:
+    p.add_argument("--offline", action=_Offline, nargs=0, default=False,
+                   help="use the Hugging Face cache only and make no request (as "
+                        "HF_HUB_OFFLINE=1)")
 
 
 def parse_percent(values: list[str]) -> list[float] | None:

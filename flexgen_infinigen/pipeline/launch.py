@@ -28,7 +28,7 @@ def model_config(a):
         from ..runtime.loading import find_weights
         return find_weights(a.model, a.path, False, progress=False)[0]
     from ..runtime.loading import model_config as config_of
-    return config_of(a.model)
+    return config_of(a.model, shapes_only=a.dummy)
 
 
 def run_pipeline(a, texts: list[str]) -> int:

@@ -38,9 +38,13 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def model_config(model: str | None, path: str | None = None) -> ModelConfig:
-    """The config of what a command was pointed at (a store, a GGUF or HF path, a registry
-    name, else the default model), without converting or reading any weight."""
+def model_config(model: str | None, path: str | None = None, shapes_only: bool = False
+                 ) -> ModelConfig:
+    """The config of what a command was pointed at (a store, a GGUF or HF path, a Hub name, a
+    registry name, else the default model), without converting or reading any weight (a Hub
+    checkpoint fetches its config.json only; a Hub GGUF comes whole, its config is inside).
+    ``shapes_only`` (``--dummy``, planning): a registry alias (``facebook/opt-13b``) is the
+    registry's, not the Hub's."""
     from ..config import DEFAULT_MODEL
     from ..weights.local_model import is_model_path, source_config
 
@@ -49,20 +53,25 @@ def model_config(model: str | None, path: str | None = None) -> ModelConfig:
             raise ConfigError(f"weight folder {path} does not exist; convert a checkpoint "
                               "with `python -m flexgen_infinigen.convert` or use --dummy")
         return WeightStore(path).config
-    if is_model_path(model):
+    if is_model_path(model, shapes_only=shapes_only):
         return source_config(model)
     return get_config(model or DEFAULT_MODEL)
 
 
 def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0,
                  progress: bool = True):
-    """(config, source, store or None) for a model name, a GGUF file or Hugging Face folder
-    (converted into the cache on first use), a store folder, or dummy weights."""
+    """(config, source, store or None) for a model name, a GGUF file, a Hugging Face folder or
+    Hub name (converted into the cache on first use), a store folder, or dummy weights (in a
+    registry model's shapes, or a Hub repo's from its config.json)."""
     from ..weights.local_model import is_model_path, store_for
 
-    if is_model_path(model):
+    if dummy and model is not None and path is None and is_model_path(model, shapes_only=True) \
+            and not Path(model).expanduser().exists():
+        cfg = model_config(model, shapes_only=True)  # a Hub repo's shapes: its config.json
+        return cfg, DummySource(cfg, seed), None
+    if is_model_path(model, shapes_only=dummy or path is not None):
         if path is not None or dummy:
-            raise ConfigError(f"--model {model} is a path to weights; drop "
+            raise ConfigError(f"--model {model} names weights (a file, folder or Hub repo); drop "
                               f"{'--path' if path is not None else '--dummy'}")
         model, path = None, str(store_for(model, progress=progress))
     if dummy:

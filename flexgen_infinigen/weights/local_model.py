@@ -1,4 +1,11 @@
-"""``--model`` given as a path: a GGUF file or a Hugging Face checkpoint folder.
+"""``--model`` given as a path (a GGUF file or a Hugging Face checkpoint folder) or as a
+Hub name (``org/name``, ``org/name:QUANT``, ``org/name/FILE.gguf``), which :mod:`.hub`
+first turns into such a path in the Hugging Face cache.
+
+Precedence: a registry name (``opt-13b``) is the registry's; an existing file or folder is
+local; any other ``org/name`` is the Hub's, except that a registry alias such as
+``facebook/opt-13b`` keeps naming the registry's shapes where only shapes are wanted
+(``--dummy``, ``--path``).
 
 The first use converts the source into a weight store in the cache
 (``$FLEXGEN_INFINIGEN_CACHE/stores/<name>-<hash of the source's absolute path>``); later
@@ -18,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
+from .hub_files import parse_hub_name
 from .store import MANIFEST
 
 # bump when a conversion would now write something different (a tokenizer fix, say)
@@ -25,15 +33,35 @@ CONVERTER_VERSION = 3  # 3: GGUF tensors kept as the file's codes (store format 
 _CHECKPOINT_FILES = ("*.safetensors", "*.bin", "*.json", "merges.txt", "tokenizer.model")
 
 
-def is_model_path(model: str | None) -> bool:
-    """True when ``--model`` names a file or folder rather than a registry name."""
+def is_registry_alias(model: str | None) -> bool:
+    """A registry name spelled as its Hub repo (``facebook/opt-13b``)."""
+    return bool(model) and model.lower().startswith("facebook/") and \
+        model.lower().split("/", 1)[1] in KNOWN_MODELS
+
+
+def is_model_path(model: str | None, shapes_only: bool = False) -> bool:
+    """True when ``--model`` names weights (a file, a folder or a Hub repo) rather than a
+    registry name. ``shapes_only``: the command brings its own weights or none (``--path``,
+    ``--dummy``), so a registry alias stays the registry's."""
     if not model or model.lower() in KNOWN_MODELS:
         return False
-    return model.endswith(".gguf") or Path(model).expanduser().exists()
+    if model.endswith(".gguf") and parse_hub_name(model) is None:
+        return True
+    if Path(model).expanduser().exists():
+        return True
+    if parse_hub_name(model) is not None:
+        return not (shapes_only and is_registry_alias(model))
+    return model.endswith(".gguf")
 
 
-def _source(model: str) -> tuple[Path, str]:
-    """(absolute source path, "gguf" or "hf"), or one error saying what a path must be."""
+def _source(model: str, config_only: bool = False, progress: bool = True
+            ) -> tuple[Path, str]:
+    """(absolute source path, "gguf" or "hf"), or one error saying what a path must be. A
+    Hub name is fetched first (``config_only``: what the config needs)."""
+    if not Path(model).expanduser().exists() and parse_hub_name(model) is not None:
+        from .hub import resolve
+        path = resolve(model, progress, config_only).absolute()  # a snapshot's links kept
+        return path, ("gguf" if path.suffix == ".gguf" else "hf")
     path = Path(model).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
         return path, "gguf"
@@ -56,10 +84,15 @@ def identity(path: Path, kind: str) -> dict:
     return {"path": str(path), "files": stats, "converter": CONVERTER_VERSION}
 
 
-def cache_store_path(path: Path, cache_dir: Path | None = None) -> Path:
+def cache_store_path(path: Path, cache_dir: Path | None = None, model: str | None = None
+                     ) -> Path:
     from .embedded import default_cache_dir
 
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem if path.is_file() else path.name)
+    hub = parse_hub_name(model) if model and not Path(model).expanduser().exists() else None
+    stem = path.stem if path.is_file() else path.name
+    if hub is not None and path.suffix != ".gguf":  # a snapshot folder is named by its commit
+        stem = hub.repo.replace("/", "--")
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
     # a GGUF's store holds its codes (store format 2): its own folder, so that a version
     # reading only format 1 (floats) never finds it, nor converts over it
@@ -76,7 +109,7 @@ def _stored_identity(store: Path) -> dict | None:
 
 def source_config(model: str) -> ModelConfig:
     """The model's config read from the source's metadata, converting nothing."""
-    path, kind = _source(model)
+    path, kind = _source(model, config_only=True)
     if kind == "gguf":
         from .gguf_convert import config_from_gguf, open_model
         return config_from_gguf(open_model(path), None, str(path))
@@ -85,15 +118,15 @@ def source_config(model: str) -> ModelConfig:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {path / 'config.json'} ({e}); fix the folder") from None
-    return config_from_hf(hf, path.name)
+    return config_from_hf(hf, _display_name(model, path))
 
 
 def store_for(model: str, progress: bool = True, cache_dir: Path | None = None,
               pre_tokenizer: str | None = None) -> Path:
     """The weight store of ``--model PATH``: found in the cache, or converted now."""
-    path, kind = _source(model)
+    path, kind = _source(model, progress=progress)
     ident = identity(path, kind)
-    store = cache_store_path(path, cache_dir)
+    store = cache_store_path(path, cache_dir, model)
     if _stored_identity(store) == ident:
         return store
     why = "first use" if not store.exists() else "the source changed"
@@ -105,5 +138,11 @@ def store_for(model: str, progress: bool = True, cache_dir: Path | None = None,
         return convert_gguf(path, store, progress=progress, pre_tokenizer=pre_tokenizer,
                             extra=extra)
     from .hf_convert import convert_hf
-    return convert_hf(path, store, None, progress=progress, extra=extra)
+    return convert_hf(path, store, _display_name(model, path), progress=progress, extra=extra)
+
+
+def _display_name(model: str, path: Path) -> str:
+    """A checkpoint's name: its folder's, or a Hub repo's (its snapshot folder is a commit)."""
+    hub = parse_hub_name(model) if not Path(model).expanduser().exists() else None
+    return hub.repo.split("/")[-1] if hub is not None else path.name
 
