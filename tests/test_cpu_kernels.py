@@ -242,6 +242,24 @@ def test_linear_hands_other_cases_to_torch():
     assert layers.linear(half, w.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("rows,out_f,in_f", [(20, 768, 3072), (60, 576, 1536), (512, 768, 3072)])
+def test_prefill_products_do_not_depend_on_the_thread_count(rows, out_f, in_f):
+    """The prefill's BLAS products give the same bits on one thread as on several (MKL splits
+    these shapes' sums between threads on AVX-512 CPUs unless the package's strict mode is on),
+    so that pipeline ranks on one thread each reproduce one process."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, in_f), torch.randn(out_f, in_f)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layers.linear(x, w)
+        torch.set_num_threads(max(threads, 2))
+        several = layers.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, several)
+
+
 @pytest.mark.parametrize("b,kv,group,length,d", [(1, 3, 3, 4096, 64), (2, 2, 7, 2500, 64),
                                                   (3, 1, 1, 2049, 128), (1, 4, 2, 5000, 32)])
 def test_attention_kernel_equals_torch(b, kv, group, length, d):
