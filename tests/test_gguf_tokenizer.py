@@ -33,6 +33,12 @@ def store() -> WeightStore:
 
 
 @pytest.fixture(scope="module")
+def floats(smollm2_store) -> WeightStore:
+    """The same weights expanded to float32 by ``gguf``'s own dequantizer (conftest)."""
+    return WeightStore(smollm2_store)
+
+
+@pytest.fixture(scope="module")
 def gguf_path(store):
     return embedded.default_gguf(embedded.default_cache_dir())
 
@@ -62,7 +68,14 @@ def test_store_matches_known_config(store):
 
     assert store.config == KNOWN_MODELS["smollm2-135m"]
     store.check(llama.weight_shapes(store.config))
-    assert all(info["dtype"] == "float32" for info in store.tensors.values())
+    # each tensor is kept as the file holds it: F32 as float32, quantized ones as their blocks
+    reader = gguf.GGUFReader(embedded.default_gguf(embedded.default_cache_dir()))
+    in_file = {t.tensor_type.name for t in reader.tensors}
+    kept = {info.get("gguf_type", info["dtype"].upper().replace("FLOAT", "F"))
+            for info in store.tensors.values()}
+    assert kept == in_file, (kept, in_file)
+    for info in store.tensors.values():
+        assert info["dtype"] == ("uint8" if "gguf_type" in info else "float32"), info
 
 
 def test_config_from_metadata(reader):
@@ -76,7 +89,8 @@ def test_config_from_metadata(reader):
         gguf_convert.config_from_gguf(reader, "llama-2-7b")
 
 
-def test_unpermute_is_exact_inverse(store, reader):
+def test_unpermute_is_exact_inverse(floats, reader):
+    store = floats
     cfg = store.config
     rng = np.random.default_rng(0)
     x = rng.standard_normal((cfg.hidden_size, 8)).astype(np.float32)
@@ -92,11 +106,12 @@ def test_unpermute_is_exact_inverse(store, reader):
     assert np.array_equal(v, _raw(reader, "blk.0.attn_v.weight"))  # v is never permuted
 
 
-def test_unpermute_matches_hf_rotate_half(store):
+def test_unpermute_matches_hf_rotate_half(floats):
     """HF LlamaForCausalLM (rotate_half RoPE) with the store weights knows that Paris is in
     France, and it predicts English far better than with llama.cpp's interleaved layout."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    store = floats
     cfg, tok = store.config, load_tokenizer(store)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
