@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
+from gguf_header import add_model_metadata
 
 from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.config import ConfigError
@@ -121,20 +122,7 @@ def write_quantized_gguf(model, arch: str, path, kinds=TYPES, shards: int = 0) -
     c = model.config
     # ``shards``: at most that many tensors a file (``path``-0000i-of-0000n.gguf)
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=shards)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    if arch == "qwen3":
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_scores([-float(i) for i in range(c.vocab_size)])
+    add_model_metadata(w, c, arch, "llama")
     state = model.state_dict()
     for seed, (name, t) in enumerate(state.items()):
         out, part = _gguf_name(name)

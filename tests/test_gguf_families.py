@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
+from gguf_header import add_model_metadata
 
 from flexgen_infinigen import OffloadedLM, Policy
 
@@ -28,18 +29,7 @@ def _write_gguf(model, arch: str, path, vocab_model: str = "gpt2") -> None:
 
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_tokenizer_model(vocab_model)
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    if vocab_model == "llama":  # SentencePiece vocabularies carry a score per token
-        w.add_token_scores([-float(i) for i in range(c.vocab_size)])
+    add_model_metadata(w, c, arch, vocab_model)
     for name, t in model.state_dict().items():
         t = t.float().numpy()
         name = name.removeprefix("model.")

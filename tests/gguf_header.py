@@ -1,0 +1,23 @@
+"""The metadata llama.cpp's converter writes for a small transformers model, shared by the
+tests that write GGUF files (float ones in test_gguf_families, quantized in test_gguf_codes)."""
+from __future__ import annotations
+
+
+def add_model_metadata(w, c, arch: str, vocab_model: str) -> None:
+    """Shapes, norm and rotary settings of config ``c``, and a placeholder vocabulary (a score
+    per token for SentencePiece ones), into ``gguf.GGUFWriter`` ``w``."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "qwen3":  # its head size is not hidden / heads
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_tokenizer_model(vocab_model)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    if vocab_model == "llama":
+        w.add_token_scores([-float(i) for i in range(c.vocab_size)])
