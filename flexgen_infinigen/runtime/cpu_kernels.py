@@ -37,9 +37,25 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def _machine() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and instruction-set flags. A cache
+    folder shared by machines with different instruction sets (AVX-512 on one, AVX2 only on
+    another) must never hand one machine's library to the other, where it would stop on an
+    illegal instruction."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines()
+             if line.split(":", 1)[0].strip() in wanted}
+    return "\n".join(sorted(lines.values()))
+
+
 def _build(folder: Path) -> Path | None:
-    """The shared library for this source and these flags, compiled if missing."""
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    """The shared library for this source, these flags and this machine, compiled if missing."""
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _machine()).encode()).hexdigest()[:16]
     lib = folder / f"cpu_kernels-{digest}.so"
     if lib.is_file():
         return lib
