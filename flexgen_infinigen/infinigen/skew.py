@@ -165,13 +165,13 @@ def keep_calibration(skew: Skew, store_path, key: str) -> bool:
 def calibrate(lm, text: str | None = None, max_tokens: int = CALIBRATION_TOKENS) -> Skew:
     """Run the model's prefill on calibration text and compute the skew (weights unchanged)."""
     cfg = lm.cfg
-    if lm.tokenizer is not None:
-        ids = lm.tokenizer.encode(text or DEFAULT_CALIBRATION)
-        source = "built-in text" if text is None else "calibration file"
-    else:  # dummy weights have no tokenizer: seeded random tokens in the vocabulary
+    ids = lm.tokenizer.encode(text or DEFAULT_CALIBRATION) if lm.tokenizer is not None else []
+    source = "built-in text" if text is None else "calibration file"
+    if len(ids) < 2:  # dummy weights have no tokenizer, and a vocabulary without words makes
+        # nothing of the text: seeded random tokens in the vocabulary
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(10, cfg.vocab_size, (512,), generator=gen).tolist()
-        source = "random tokens (no tokenizer)"
+        source = "random tokens (no tokenizer, or no tokens in the text)"
     ids = ids[:min(max_tokens, cfg.max_positions - 1)]
     records: dict[int, list] = {}
 

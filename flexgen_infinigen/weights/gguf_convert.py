@@ -1,4 +1,6 @@
-"""Convert a llama-, qwen2- or qwen3-architecture GGUF file into a weight store.
+"""Convert a GGUF file into a weight store: the llama, qwen2 and qwen3 architectures, and
+the mixture-of-experts qwen3moe, qwen2moe, olmoe and llama with experts (Mixtral), whose
+fused expert tensors are cut into one store tensor per expert matrix (:mod:`.gguf_moe`).
 
 Every tensor is kept as the file stores it, renamed to the store's canonical names:
 quantized ones as their blocks (the runtime reads their codes, :mod:`.gguf_codes`), float
@@ -9,7 +11,8 @@ before anything is written. For the llama architecture, llama.cpp stores
 undo that (moving whole rows, codes unchanged) so the store matches Hugging Face's layout
 (the ``rotate_half`` convention that :func:`flexgen_infinigen.models.llama.rotary`
 implements). qwen2 files keep Hugging Face's order (llama.cpp rotates them the NeoX way)
-and carry q/k/v biases; qwen3 files keep it too and add per-head q/k RMSNorm weights. The
+and carry q/k/v biases; qwen3 files keep it too and add per-head q/k RMSNorm weights (the
+MoE types likewise: qwen3moe as qwen3, qwen2moe as qwen2, olmoe's q/k norms span all heads). The
 vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
 (:mod:`.gguf_tokenizer`: byte-level BPE by its pre-tokenizer type, or SentencePiece).
 """
@@ -28,7 +31,7 @@ from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from ..models import llama
 from ..runtime.guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE
-from . import gguf_codes
+from . import gguf_codes, gguf_moe
 from .gguf_shards import JoinedReader, shard_paths
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
@@ -47,13 +50,23 @@ _LAYER_NAMES = {
     "attn_k_norm": "k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe")
 # rotary rows interleaved by llama.cpp (undone on conversion) per architecture
-PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
+PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
+            "qwen2moe": False, "olmoe": False}
+
+
+def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
+    """The store names of a GGUF tensor (one per expert for a fused MoE tensor);
+    ConfigError for tensors we cannot use."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    moe = m and cfg is not None and m.group(3) == "weight" and gguf_moe.store_names(
+        int(m.group(1)), m.group(2), cfg)
+    return moe or [store_name(gguf_name)]
 
 
 def store_name(gguf_name: str) -> str:
-    """The store name of a GGUF tensor name; ConfigError for tensors we cannot use."""
+    """The store name of a dense model's GGUF tensor; ConfigError for tensors we cannot use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
@@ -63,8 +76,9 @@ def store_name(gguf_name: str) -> str:
         raise ConfigError("this GGUF carries Llama 3.1-style RoPE frequency factors "
                           "(rope_freqs), which the GGUF path does not read; convert the "
                           "Hugging Face checkpoint with --checkpoint instead")
-    raise ConfigError(f"GGUF tensor {gguf_name!r} is not supported by the llama model; "
-                      "use a plain llama-, qwen2- or qwen3-architecture GGUF")
+    raise ConfigError(f"GGUF tensor {gguf_name!r} is not computed by this runtime; it reads "
+                      f"GGUF architectures {', '.join(ARCHITECTURES)} (llama with or without "
+                      "experts)")
 
 
 def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -140,12 +154,14 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     elif scaling not in (None, "none"):
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
                           "does not read; convert the Hugging Face checkpoint instead")
+    moe = gguf_moe.experts_from_gguf(reader, arch, source)
     meta = ModelConfig(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family="llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field_value(reader, p + "feed_forward_length")),
+        intermediate_size=int(field_value(reader, p + "feed_forward_length", 0)
+                              or moe.get("expert_intermediate_size", 0)),
         num_layers=int(field_value(reader, p + "block_count")),
         num_heads=heads,
         num_kv_heads=int(field_value(reader, p + "attention.head_count_kv", heads)),
@@ -157,8 +173,9 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
         pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
-        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope, model_type=arch,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
+        **{"model_type": arch, **moe},
     )
     if name is None or name not in KNOWN_MODELS:
         return meta
@@ -219,6 +236,44 @@ def tokenizer_json_from_gguf(reader, pre_tokenizer: str | None = None) -> str | 
     return None if tok is None else tok.to_str(pretty=True)
 
 
+def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
+    """(tensor, store names, each one's shape) for every tensor of the file, all names and
+    shapes checked against the config before anything is written; one error for a tensor
+    the model does not have, a shape (or expert count) the metadata does not imply, or a
+    tensor the file lacks."""
+    expected = llama.weight_shapes(cfg)
+    plan, seen = [], set()
+    for t in reader.tensors:
+        keys = store_names(t.name, cfg)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        for key in keys:
+            if key not in expected:
+                raise ConfigError(f"GGUF tensor {t.name!r} is not part of {cfg.name}; "
+                                  "the file does not match the model config")
+        if gguf_moe.is_moe_key(keys[0]):
+            shape = gguf_moe.check_shape(t.name, shape, keys, expected, cfg, str(src))
+        elif shape != expected[keys[0]]:
+            raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
+                              f"wants {expected[keys[0]]}; the file does not match the model")
+        plan.append((t, keys, shape))
+        seen.update(keys)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ConfigError(f"GGUF {src} lacks {len(missing)} tensors (e.g. {missing[0]!r}); "
+                          "the file is incomplete, re-download it")
+    return plan
+
+
+def _write(writer: StoreWriter, key: str, w: np.ndarray, shape: tuple[int, ...],
+           kind: str) -> None:
+    if kind in gguf_codes.BLOCKS:
+        writer.add_blocks(key, w, shape, kind)
+    elif kind == "BF16":
+        writer.add(key, w.reshape(shape), dtype="bfloat16")
+    else:
+        writer.add(key, w.reshape(shape))
+
+
 def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
                  name: str | None = None, progress: bool = True,
                  pre_tokenizer: str | None = None, extra: dict | None = None) -> Path:
@@ -231,48 +286,33 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     src, dest = Path(gguf_path), Path(dest)
     reader = open_model(src)
     cfg = config_from_gguf(reader, name, str(src))
-    expected = llama.weight_shapes(cfg)
     permuted = PERMUTED[field_value(reader, "general.architecture")]
     for t in reader.tensors:  # every type checked before anything is written
         gguf_codes.check_kept(t.tensor_type.name, t.name, str(src))
+    plan = _plan(reader, cfg, src)  # every name and shape too
     tokenizer = tokenizer_json_from_gguf(reader, pre_tokenizer)  # refused before any tensor
     if tokenizer is None:
         print("note: the GGUF has no tokenizer; the store has none: run it with --prompt-len",
               file=sys.stderr)
     info = {"special_ids": special_ids(reader), **(extra or {})}
-    seen = set()
     with StoreWriter(dest, cfg, source=f"gguf:{src.name}", extra=info) as writer:
-        for t in tqdm(reader.tensors, desc=f"converting {src.name}", unit="tensor",
-                      disable=not progress):
+        for t, keys, shape in tqdm(plan, desc=f"converting {src.name}", unit="tensor",
+                                   disable=not progress):
             raise_if_interrupted()
-            key = store_name(t.name)
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-            if key not in expected:
-                raise ConfigError(f"GGUF tensor {t.name!r} is not part of {cfg.name}; "
-                                  "the file does not match the model config")
-            if shape != expected[key]:
-                raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
-                                  f"wants {expected[key]}; the file does not match the model")
             kind = t.tensor_type.name
-            w = _tensor_rows(t, kind, shape, src)
+            whole = (len(keys), *shape) if len(keys) > 1 else shape
+            w = _tensor_rows(t, kind, whole, src)
+            key = keys[0]
             # whole rows move: a row's blocks (or values) stay together, codes unchanged
             if permuted and (key.endswith("q_proj.weight") or key.endswith("q_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_heads)
             elif permuted and (key.endswith("k_proj.weight") or key.endswith("k_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_kv_heads)
-            if kind in gguf_codes.BLOCKS:
-                writer.add_blocks(key, w, shape, kind)
-            elif kind == "BF16":
-                writer.add(key, w, dtype="bfloat16")
-            else:
-                writer.add(key, w)
+            for e, key in enumerate(keys):  # a fused tensor: expert e is its e-th run of rows
+                part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
+                _write(writer, key, part, shape, kind)
             del w
             _release(reader, t)
-            seen.add(key)
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise ConfigError(f"GGUF {src} lacks {len(missing)} tensors (e.g. {missing[0]!r}); "
-                              "the file is incomplete, re-download it")
         template = field_value(reader, "tokenizer.chat_template")
         if template:
             writer.add_text(CHAT_FILE, template)

@@ -1,0 +1,180 @@
+"""Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with
+experts (Mixtral), read into the same per-expert store tensors a Hugging Face folder gives.
+
+llama.cpp writes a MoE layer's routed experts as three fused 3-D tensors,
+``blk.N.ffn_{gate,up,down}_exps.weight``, each ``[experts, out, in]`` (GGUF lists the dims
+the other way round). Expert ``e`` is rows ``e * out`` to ``(e + 1) * out`` of the tensor
+seen as a matrix, and a quantized row is a whole number of blocks, so cutting the tensor
+along its expert axis hands each expert exactly its own codes: nothing is requantized.
+The router is ``ffn_gate_inp``; Qwen2-MoE's shared expert is ``ffn_{gate,up,down}_shexp``
+behind the sigmoid gate ``ffn_gate_inp_shexp`` (one row, written 1-D or ``[1, hidden]``).
+
+The config comes from the metadata, read as llama.cpp reads it (``{arch}.`` prefixed):
+``expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` (else the dense
+width, divided by the top-k for the Qwen MoE types as llama.cpp does),
+``expert_shared_feed_forward_length`` (else the dense width), ``expert_weights_norm``
+(else the architecture's rule: Qwen3-MoE and Mixtral renormalise the top-k weights,
+Qwen2-MoE and OLMoE do not) and ``leading_dense_block_count``. A block with a dense
+``ffn_gate`` and no router is a dense layer. Any other expert or MoE field, a non-softmax
+router, a weight scale and a tensor count or shape that disagrees with the metadata are
+each one error naming it, before anything is written.
+"""
+from __future__ import annotations
+
+import re
+
+from ..config import ConfigError, ModelConfig
+
+# GGUF architecture -> (our model_type, top-k weights renormalised when the file is silent)
+MOE_ARCHITECTURES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False),
+                     "olmoe": ("olmoe", False), "llama": ("mixtral", True)}
+# what llama.cpp divides the dense width by when a Qwen MoE file has no expert width
+_WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
+# metadata read here (after the ``{arch}.`` prefix); any other key naming experts or MoE
+# layers changes the math in a way this runtime does not compute, and is refused by name
+READ = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
+                  "expert_shared_feed_forward_length", "expert_shared_count",
+                  "expert_weights_norm", "expert_weights_scale", "expert_gating_func",
+                  "leading_dense_block_count"})
+HINTS = ("expert", "moe", "dense", "sparse")
+SOFTMAX = 1  # llama.cpp's gating function number for a softmax router (0: unset)
+
+FUSED = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+LAYER_NAMES = {"ffn_gate_inp": "router", "ffn_gate_inp_shexp": "shared_expert_gate",
+               "ffn_gate_shexp": "shared_expert.gate_proj",
+               "ffn_up_shexp": "shared_expert.up_proj",
+               "ffn_down_shexp": "shared_expert.down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def has_experts(reader, arch: str) -> bool:
+    """Whether the file is a MoE model (an expert count, or fused expert tensors)."""
+    return bool(_field(reader, f"{arch}.expert_count")) or any(
+        (m := _BLOCK_RE.fullmatch(t.name)) and m.group(2) in FUSED for t in reader.tensors)
+
+
+def _refuse_unread(reader, arch: str, source: str) -> None:
+    prefix = arch + "."
+    for key in reader.fields:
+        rest = key[len(prefix):] if key.startswith(prefix) else ""
+        if rest and rest not in READ and any(h in rest for h in HINTS):
+            raise ConfigError(f"GGUF {source}: metadata field {key!r} is not computed by this "
+                              f"runtime (its MoE GGUF types: {', '.join(MOE_ARCHITECTURES)}, "
+                              "with a softmax top-k router)")
+
+
+def _top_k(reader, arch: str, experts: int, source: str) -> int:
+    key = f"{arch}.expert_used_count"
+    used = _field(reader, key, 0)
+    if isinstance(used, list):  # one per layer: this runtime takes one top-k for all
+        if len(set(used) - {0}) > 1:
+            raise ConfigError(f"GGUF {source}: {key} differs between layers ({sorted(set(used))})"
+                              ", which this runtime does not compute")
+        used = max(used, default=0)
+    if not 0 < int(used) <= experts:
+        raise ConfigError(f"GGUF {source}: {key} = {used}, {arch}.expert_count = {experts}; "
+                          "the file needs a top-k between 1 and the number of experts")
+    return int(used)
+
+
+def _dense_layers(reader, arch: str, layers: int, source: str) -> tuple[int, ...]:
+    """Blocks without a router: dense MLPs. ``leading_dense_block_count`` must agree."""
+    routed = {int(m.group(1)) for t in reader.tensors
+              if (m := _BLOCK_RE.fullmatch(t.name)) and m.group(2) == "ffn_gate_inp"}
+    dense = tuple(i for i in range(layers) if i not in routed)
+    if len(dense) == layers:
+        raise ConfigError(f"GGUF {source} says it has experts, but no block has a router "
+                          "(ffn_gate_inp); the file is incomplete or not a MoE model")
+    leading = _field(reader, f"{arch}.leading_dense_block_count")
+    if leading is not None and dense[:int(leading)] != tuple(range(int(leading))):
+        raise ConfigError(f"GGUF {source}: {arch}.leading_dense_block_count = {leading}, but "
+                          f"blocks {list(range(int(leading)))} are not all dense; the file "
+                          "disagrees with its metadata")
+    return dense
+
+
+def experts_from_gguf(reader, arch: str, source: str) -> dict:
+    """The mixture-of-experts fields of our config (none for a file without experts); one
+    error for a field the runtime does not compute or metadata that cannot be right."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    p = arch + "."
+    _refuse_unread(reader, arch, source)
+    if arch == "llama" and not has_experts(reader, arch):
+        return {}
+    experts = int(_field(reader, p + "expert_count", 0))
+    if experts <= 0:
+        raise ConfigError(f"GGUF {source} holds fused expert tensors but no {p}expert_count "
+                          "> 0; the file disagrees with its metadata")
+    top_k = _top_k(reader, arch, experts, source)
+    gating = _field(reader, p + "expert_gating_func")
+    if gating not in (None, 0, SOFTMAX):
+        raise ConfigError(f"GGUF {source}: {p}expert_gating_func = {gating} is not computed by "
+                          "this runtime (it computes softmax routers only)")
+    scale = _field(reader, p + "expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ConfigError(f"GGUF {source}: {p}expert_weights_scale = {scale} is not computed "
+                          "by this runtime (it computes unscaled router weights only)")
+    model_type, renormalise = MOE_ARCHITECTURES[arch]
+    dense_width = int(_field(reader, p + "feed_forward_length", 0))
+    width = int(_field(reader, p + "expert_feed_forward_length", 0)) or (
+        dense_width // top_k if arch in _WIDTH_BY_TOP_K else dense_width)
+    out = dict(model_type=model_type, num_experts=experts, experts_per_token=top_k,
+               expert_intermediate_size=width,
+               norm_topk_prob=bool(_field(reader, p + "expert_weights_norm", renormalise)),
+               dense_layers=_dense_layers(reader, arch, int(_field(reader, p + "block_count")),
+                                          source))
+    shared = _field(reader, p + "expert_shared_count")
+    if arch == "qwen2moe":
+        if shared not in (None, 1):
+            raise ConfigError(f"GGUF {source}: {p}expert_shared_count = {shared}; this "
+                              "runtime computes Qwen2-MoE with one shared expert")
+        out["shared_expert_size"] = int(
+            _field(reader, p + "expert_shared_feed_forward_length", 0)) or dense_width
+    elif shared or _field(reader, p + "expert_shared_feed_forward_length"):
+        raise ConfigError(f"GGUF {source}: {p}expert_shared_* (a shared expert) is not "
+                          f"computed by this runtime for {arch}; only qwen2moe has one")
+    return out
+
+
+def store_names(block: int, part: str, cfg: ModelConfig) -> list[str] | None:
+    """The store names a MoE tensor ``blk.{block}.{part}.weight`` becomes (one per expert
+    for a fused tensor), or None when ``part`` is not a MoE tensor."""
+    if cfg.num_experts and part in FUSED:
+        return [f"layers.{block}.experts.{e}.{FUSED[part]}.weight"
+                for e in range(cfg.num_experts)]
+    if cfg.num_experts and part in LAYER_NAMES:
+        return [f"layers.{block}.{LAYER_NAMES[part]}.weight"]
+    return None
+
+
+def is_moe_key(key: str) -> bool:
+    """A store tensor of a MoE layer's MLP other than its norm (router, experts, shared)."""
+    return any(f".{part}" in key for part in ("router.", "experts.", "shared_expert"))
+
+
+def check_shape(name: str, shape: tuple[int, ...], keys: list[str], expected: dict,
+                cfg: ModelConfig, source: str) -> tuple[int, ...]:
+    """The shape each store tensor of GGUF tensor ``name`` gets; one error when the file's
+    shape disagrees with the metadata (an expert count or width)."""
+    want = expected[keys[0]]
+    if len(keys) > 1:  # a fused tensor: [experts, out, in]
+        if len(shape) != 3 or shape[0] != len(keys):
+            count = shape[0] if len(shape) == 3 else "no expert axis"
+            raise ConfigError(f"GGUF {source}: tensor {name!r} holds {count} experts, but its "
+                              f"metadata says expert_count = {cfg.num_experts}; the file "
+                              "disagrees with its metadata")
+        shape = shape[1:]
+    elif keys[0].endswith("shared_expert_gate.weight") and shape == want[1:]:
+        shape = want  # written 1-D ([hidden]) by llama.cpp: one row
+    if shape != want:
+        raise ConfigError(f"GGUF {source}: tensor {name!r} has {'experts of ' * (len(keys) > 1)}"
+                          f"shape {shape}, its metadata implies {want} (from expert_count, the "
+                          "expert and shared feed_forward_lengths, embedding_length); the "
+                          "file disagrees with its metadata")
+    return shape

@@ -1,0 +1,274 @@
+"""Mixture-of-experts GGUF files (qwen3moe, qwen2moe, olmoe, and llama with experts, i.e.
+Mixtral): tiny random transformers models written the way llama.cpp lays them out (routed
+experts fused into 3-D ``ffn_*_exps`` tensors, Qwen2-MoE's shared expert and its gate), as
+float32 and with quantized experts. Converted, each expert is its own store tensor holding
+exactly its rows of the file (quantized ones as their blocks), and the model gives
+transformers' greedy tokens and logits (on the dequantized weights for the quantized file)
+with the experts in CPU memory or on disk, with the full cache and with InfiniGen keeping
+everything. Files whose expert tensors disagree with their metadata, and MoE fields the
+runtime does not compute, are one error each before anything is written."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+from gguf_header import add_model_metadata
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.config import ConfigError
+from flexgen_infinigen.kv import InfiniGenOptions
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+STEPS = 5
+PROMPTS = [[1] + [(7 * i + 3) % 200 + 2 for i in range(13)],
+           [1] + [(11 * i + 5) % 200 + 2 for i in range(9)]]
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, intermediate_size=96,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              tie_word_embeddings=False, num_experts_per_tok=2, rms_norm_eps=1e-6)
+QWEN3 = dict(num_experts=8, moe_intermediate_size=32, head_dim=32)
+# name: (GGUF architecture, transformers config and model class, config fields, metadata
+# the file adds beyond llama.cpp's usual keys)
+FAMILIES = {
+    # a dense block among MoE blocks; the top-k renormalised (qwen3moe's rule)
+    "qwen3moe": ("qwen3moe", "Qwen3Moe", dict(QWEN3, norm_topk_prob=True, mlp_only_layers=[1]),
+                 {}),
+    # the file says so: top-k not renormalised, block 0 dense
+    "qwen3moe-unnormalised": ("qwen3moe", "Qwen3Moe",
+                              dict(QWEN3, norm_topk_prob=False, mlp_only_layers=[0]),
+                              {"expert_weights_norm": False, "leading_dense_block_count": 1}),
+    "qwen2moe": ("qwen2moe", "Qwen2Moe",
+                 dict(num_experts=6, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False), {}),
+    "olmoe": ("olmoe", "Olmoe", dict(num_experts=8, intermediate_size=32, num_key_value_heads=4,
+                                     norm_topk_prob=False), {}),
+    "mixtral": ("llama", "Mixtral", dict(num_local_experts=8, intermediate_size=64), {}),
+}
+EXPERT_TYPE = {"qwen3moe": "Q8_0", "qwen3moe-unnormalised": "Q4_0", "qwen2moe": "Q4_0",
+               "olmoe": "Q8_0", "mixtral": "Q4_0"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+                                 expert_cpu_percent=100)
+ON_DISK = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+                              expert_cpu_percent=0)
+KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
+
+
+def _tiny(name: str):
+    import transformers
+
+    _, cls, extra, _ = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls}ForCausalLM")(
+        getattr(transformers, f"{cls}Config")(**{**COMMON, **extra})).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "bias" in pname or "norm" in pname:  # start at 0 and 1: make them count
+                p.copy_(torch.randn_like(p) * 0.5 + ("norm" in pname))
+            elif pname.endswith("mlp.gate.weight"):  # routes far apart (no near-ties)
+                p.copy_(torch.randn_like(p))
+    return model
+
+
+def _fused(state: dict) -> dict:
+    """transformers' tensors under llama.cpp's names; experts as ``[experts, out, in]``."""
+    out = {}
+    for name, t in state.items():
+        name = name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            out[{"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]] = t
+            continue
+        _, i, rest = name.split(".", 2)
+        if rest == "mlp.experts.gate_up_proj":  # [experts, 2 * width, hidden]: gate, then up
+            width = t.shape[1] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"] = t[:, :width]
+            out[f"blk.{i}.ffn_up_exps.weight"] = t[:, width:]
+        elif rest == "mlp.experts.down_proj":
+            out[f"blk.{i}.ffn_down_exps.weight"] = t
+        else:
+            part, kind = rest.rsplit(".", 1)
+            out[f"blk.{i}.{_LAYER[part]}.{kind}"] = t
+    return out
+
+
+def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
+                   meta: dict | None = None, drop: tuple = ()) -> None:
+    """``model`` as llama.cpp's converter lays out a MoE GGUF of its architecture; with
+    ``expert_type``, the routed experts quantized by ``gguf``'s quantizer and the model's
+    expert weights replaced by what the file encodes. ``meta`` overrides metadata keys
+    (under the architecture's prefix), ``drop`` leaves keys out."""
+    from flexgen_infinigen.weights.gguf_convert import permute_rotary
+
+    arch, _, _, family_meta = FAMILIES[name]
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    add_model_metadata(w, c, arch, "llama")
+    keys = {"expert_count": getattr(c, "num_experts", None) or c.num_local_experts,
+            "expert_used_count": c.num_experts_per_tok, **family_meta}
+    if arch in ("qwen3moe", "qwen2moe"):
+        keys["expert_feed_forward_length"] = c.moe_intermediate_size
+    if arch == "qwen2moe":
+        keys["expert_shared_feed_forward_length"] = c.shared_expert_intermediate_size
+    for key, value in {**keys, **(meta or {})}.items():
+        if key in drop:
+            continue
+        add = {bool: w.add_bool, float: w.add_float32}.get(type(value), w.add_uint32)
+        add(f"{arch}.{key}", value)
+    state = model.state_dict()
+    for out, t in _fused(state).items():
+        values = t.float().numpy()
+        if arch == "llama" and out.split(".")[-2] in ("attn_q", "attn_k"):
+            values = permute_rotary(values, c.num_attention_heads if "attn_q" in out
+                                    else c.num_key_value_heads)
+        if out.endswith("ffn_gate_inp_shexp.weight"):
+            values = values.reshape(-1)  # llama.cpp's shape: one row, 1-D
+        if expert_type is None or "_exps" not in out:
+            w.add_tensor(out, np.ascontiguousarray(values))
+            continue
+        qtype = gguf.GGMLQuantizationType[expert_type]
+        raw = quantize(values.reshape(-1, values.shape[-1]), qtype)
+        w.add_tensor(out, raw.reshape(*values.shape[:-1], -1), raw_dtype=qtype)
+        with torch.no_grad():  # the reference computes what the file encodes
+            t.copy_(torch.from_numpy(dequantize(raw, qtype).reshape(values.shape)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, {format: (transformers model, GGUF path, converted store)})."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    built = {}
+    for fmt, kind in (("float", None), ("quantized", EXPERT_TYPE[name])):
+        model = _tiny(name)
+        path = folder / f"{fmt}.gguf"
+        write_moe_gguf(model, name, path, kind)
+        built[fmt] = (model, path, convert_gguf(path, folder / f"{fmt}-store", progress=False))
+    return name, built
+
+
+def _generate(store, policy, kv="full", kv_options=None):
+    with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=kv_options,
+                          progress=False) as lm:
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+        return out, lm.tiers.bytes_moved, lm.cfg
+
+
+def _assert_matches(out, model, quantized: bool):
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = hf_greedy(model, prompt, STEPS)
+        assert out.token_ids[row] == tokens
+        tol = 2e-3 * logits.abs().max().item() if quantized else 1e-4
+        assert (out.logits[row] - logits).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("fmt", ["float", "quantized"])
+@pytest.mark.parametrize("experts", ["cpu-memory", "disk"])
+def test_matches_transformers(family, fmt, experts):
+    """Greedy tokens and logits equal transformers', the experts read as routed from CPU
+    memory or from disk (the rest on the compute device)."""
+    name, built = family
+    model, _, store = built[fmt]
+    out, moved, cfg = _generate(store, CPU_MEMORY if experts == "cpu-memory" else ON_DISK)
+    assert cfg.num_experts == FAMILIES[name][2].get("num_experts", 8)
+    assert moved["host->device"]["weights"] == 0
+    # float experts are copied to the compute device as routed; quantized ones in CPU memory
+    # are multiplied where they are (the CPU kernels read the codes), so none move there
+    in_place = fmt == "quantized" and experts == "cpu-memory"
+    assert (moved["host->device"]["experts"] > 0) != in_place
+    assert (moved["disk->host"]["experts"] > 0) == (experts == "disk")
+    _assert_matches(out, model, fmt == "quantized")
+
+
+@pytest.mark.parametrize("fmt", ["float", "quantized"])
+def test_infinigen_keeping_everything_matches(family, fmt):
+    name, built = family
+    model, _, store = built[fmt]
+    out, _, _ = _generate(store, CPU_MEMORY, "infinigen", {"options": KEEP_ALL})
+    _assert_matches(out, model, fmt == "quantized")
+
+
+def test_config_and_expert_tensors(family):
+    """The config is the transformers model's; every expert is its own store tensor, and a
+    quantized expert holds exactly its rows of the file's blocks (codes unchanged)."""
+    from flexgen_infinigen.weights.store import WeightStore
+
+    name, built = family
+    model, path, store = built["quantized"]
+    hf, ws = model.config, WeightStore(store)
+    cfg = ws.config
+    assert cfg.model_type == hf.model_type
+    assert (cfg.experts_per_token, cfg.norm_topk_prob) == (2, bool(hf.norm_topk_prob)
+                                                           if hf.model_type != "mixtral"
+                                                           else True)
+    assert cfg.shared_expert_size == getattr(hf, "shared_expert_intermediate_size", 0)
+    assert set(cfg.dense_layers) == set(getattr(hf, "mlp_only_layers", []))
+    assert cfg.qk_norm_full == (name == "olmoe")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    layer = 2  # an MoE layer in every family
+    for part, matrix in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
+        assert t.tensor_type.name == EXPERT_TYPE[name]
+        rows = np.asarray(t.data).reshape(cfg.num_experts, -1, np.asarray(t.data).shape[-1])
+        for e in range(cfg.num_experts):
+            key = f"layers.{layer}.experts.{e}.{matrix}.weight"
+            assert ws.format(key) == EXPERT_TYPE[name]
+            assert np.array_equal(ws.load(key).reshape(rows[e].shape), rows[e]), key
+    assert not any(f"layers.{i}.experts.0.up_proj.weight" in ws.tensors for i in cfg.dense_layers)
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+BAD = {
+    "count": (dict(meta={"expert_count": 6}), "holds 8 experts"),
+    "width": (dict(meta={"expert_feed_forward_length": 48}), "expert_feed_forward_length"),
+    "leading-dense": (dict(meta={"leading_dense_block_count": 2}),
+                      "leading_dense_block_count"),
+    "top-k": (dict(meta={"expert_used_count": 9}), "expert_used_count"),
+    "not-computed-field": (dict(meta={"expert_group_count": 2}), "qwen3moe.expert_group_count"),
+    "sigmoid-router": (dict(meta={"expert_gating_func": 2}), "expert_gating_func"),
+    "weight-scale": (dict(meta={"expert_weights_scale": 2.5}), "expert_weights_scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_file_is_one_error_before_writing(case, tmp_path):
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    kwargs, words = BAD[case]
+    path = tmp_path / "bad.gguf"
+    write_moe_gguf(_tiny("qwen3moe"), "qwen3moe", path, **kwargs)
+    with pytest.raises(ConfigError, match=words) as err:
+        convert_gguf(path, tmp_path / "store", progress=False)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "store").exists() and not list(tmp_path.glob(".store.partial-*"))
+
+
+def test_mixtral_without_expert_count_is_one_error(tmp_path):
+    """A llama file with fused expert tensors but no expert count says so."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    path = tmp_path / "mixtral.gguf"
+    write_moe_gguf(_tiny("mixtral"), "mixtral", path, drop=("expert_count",))
+    with pytest.raises(ConfigError, match="expert_count") as err:
+        convert_gguf(path, tmp_path / "store", progress=False)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "store").exists()
