@@ -153,6 +153,12 @@ def store_names(block: int, part: str, cfg: ModelConfig) -> list[str] | None:
     return None
 
 
+# the metadata that sizes each MoE tensor, for the error naming a disagreement
+_SIZED_BY = (("router.", "expert_count"), ("experts.", "expert_feed_forward_length"),
+             ("shared_expert_gate", "embedding_length"),
+             ("shared_expert.", "expert_shared_feed_forward_length"))
+
+
 def is_moe_key(key: str) -> bool:
     """A store tensor of a MoE layer's MLP other than its norm (router, experts, shared)."""
     return any(f".{part}" in key for part in ("router.", "experts.", "shared_expert"))
@@ -173,8 +179,9 @@ def check_shape(name: str, shape: tuple[int, ...], keys: list[str], expected: di
     elif keys[0].endswith("shared_expert_gate.weight") and shape == want[1:]:
         shape = want  # written 1-D ([hidden]) by llama.cpp: one row
     if shape != want:
+        field = next(f for part, f in _SIZED_BY if part in keys[0])
+        fields = field if field == "embedding_length" else f"{field}, embedding_length"
         raise ConfigError(f"GGUF {source}: tensor {name!r} has {'experts of ' * (len(keys) > 1)}"
-                          f"shape {shape}, its metadata implies {want} (from expert_count, the "
-                          "expert and shared feed_forward_lengths, embedding_length); the "
-                          "file disagrees with its metadata")
+                          f"shape {shape}, but its metadata ({fields}) "
+                          f"implies {want}; the file disagrees with its metadata")
     return shape
