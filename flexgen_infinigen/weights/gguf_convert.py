@@ -72,6 +72,10 @@ def store_name(gguf_name: str) -> str:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", gguf_name):
+        raise ConfigError(f"GGUF tensor {gguf_name!r} is one expert of an old Mixtral layout "
+                          "(one tensor per expert), which this runtime does not read; convert "
+                          "the model again with a current llama.cpp (fused ffn_*_exps)")
     if gguf_name == "rope_freqs.weight":
         raise ConfigError("this GGUF carries Llama 3.1-style RoPE frequency factors "
                           "(rope_freqs), which the GGUF path does not read; convert the "
