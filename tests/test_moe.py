@@ -129,6 +129,27 @@ def test_converted_config_and_layers(family):
     assert cfg.norm_topk_prob == bool(getattr(hf, "norm_topk_prob", True))
 
 
+def expert_reads(ref, prompts, token_ids, steps: int) -> int:
+    """How many expert reads a run of ``steps`` iterations over ``prompts`` (equal lengths,
+    one block) takes, counted from transformers' own router choices on the tokens the run
+    produced (``token_ids``): per MoE layer and iteration, the union of the experts every row
+    was routed to (each expert read once a stage, shared by the block's GPU batches)."""
+    routers = _routers(ref)
+    choices = {i: [] for i in routers}  # layer -> per prompt, the top-k indices per position
+    hooks = [r.register_forward_hook(lambda m, a, o, i=i: choices[i].append(o[2]))
+             for i, r in routers.items()]
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ref(torch.tensor([prompt + token_ids[row][:steps - 1]]))
+    for h in hooks:
+        h.remove()
+    length = len(prompts[0])
+    # iteration 0 routes every prompt token, iteration t the t-th fed token, of both rows
+    positions = [range(length)] + [[length + t - 1] for t in range(1, steps)]
+    return sum(len({int(e) for per_row in choices[i] for p in pos for e in per_row[p]})
+               for i in routers for pos in positions)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"], indirect=True)
 @pytest.mark.parametrize("tier", ["cpu-memory", "disk"])
 def test_expert_bytes_equal_the_routers_choices(family, tier):
@@ -140,22 +161,9 @@ def test_expert_bytes_equal_the_routers_choices(family, tier):
     percent = [0, 100, 0, 100, 100, 0] if tier == "cpu-memory" else [0, 0, 0, 100, 100, 0]
     policy = Policy.from_percent(percent, num_gpu_batches=2, overlap=True)
     out, _, moved, cfg = _run(store, policy, prompts=prompts)
-    routers = _routers(ref)
-    choices = {i: [] for i in routers}  # layer -> per prompt, the top-k indices per position
-    hooks = [r.register_forward_hook(lambda m, a, o, i=i: choices[i].append(o[2]))
-             for i, r in routers.items()]
-    with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            ref(torch.tensor([prompt + out.token_ids[row][:STEPS - 1]]))
-    for h in hooks:
-        h.remove()
-    length = len(prompts[0])
-    # iteration 0 routes every prompt token, iteration t the t-th fed token, of both rows
-    positions = [range(length)] + [[length + t - 1] for t in range(1, STEPS)]
-    used = sum(len({int(e) for per_row in choices[i] for p in pos for e in per_row[p]})
-               for i in routers for pos in positions)
+    used = expert_reads(ref, prompts, out.token_ids, STEPS)
     per_expert = 3 * cfg.expert_intermediate_size * cfg.hidden_size * 4  # float32
-    assert used < STEPS * len(routers) * cfg.num_experts  # some experts were not read
+    assert used < STEPS * len(_routers(ref)) * cfg.num_experts  # some experts were not read
     assert moved["host->device"]["experts"] == used * per_expert
     assert moved["disk->host"]["experts"] == (used * per_expert if tier == "disk" else 0)
     from flexgen_infinigen.models import family_of

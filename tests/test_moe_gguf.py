@@ -206,6 +206,37 @@ def test_infinigen_keeping_everything_matches(family, fmt):
     _assert_matches(out, model, fmt == "quantized")
 
 
+@pytest.mark.parametrize("family", ["qwen2moe", "mixtral"], indirect=True)
+@pytest.mark.parametrize("fmt", ["float", "quantized"])
+def test_expert_bytes_equal_the_routers_choices(family, fmt):
+    """Experts on disk, two GPU batches: the expert bytes read from disk and brought to the
+    device are the experts transformers' routers chose (the union over the block, per layer
+    and iteration) times one expert's bytes as the runtime holds it (float32, or the file's
+    codes with their scales); the other weights never move."""
+    from test_moe import expert_reads
+
+    from flexgen_infinigen.weights.store import WeightStore
+
+    name, built = family
+    model, _, store = built[fmt]
+    prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+                                 expert_gpu_percent=0, expert_cpu_percent=0)
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
+        moved, cfg = lm.tiers.bytes_moved, lm.cfg
+    ws = WeightStore(store)
+    layer = max(set(range(cfg.num_layers)) - set(cfg.dense_layers))
+    mats = [f"layers.{layer}.experts.0.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    per_expert = sum(ws.packed(k).nbytes if fmt == "quantized" else
+                     math.prod(ws.tensors[k]["shape"]) * 4 for k in mats)
+    used = expert_reads(model, prompts, out.token_ids, STEPS)
+    assert 0 < used < STEPS * (cfg.num_layers - len(cfg.dense_layers)) * cfg.num_experts
+    assert moved["disk->host"]["experts"] == used * per_expert
+    assert moved["host->device"]["experts"] == used * per_expert
+    assert moved["host->device"]["weights"] == moved["disk->host"]["weights"] == 0
+
+
 def test_config_and_expert_tensors(family):
     """The config is the transformers model's; every expert is its own store tensor, and a
     quantized expert holds exactly its rows of the file's blocks (codes unchanged)."""
