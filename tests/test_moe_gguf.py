@@ -105,11 +105,12 @@ def _fused(state: dict) -> dict:
 
 
 def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
-                   meta: dict | None = None, drop: tuple = ()) -> None:
+                   meta: dict | None = None, drop: tuple = (), per_expert: bool = False) -> None:
     """``model`` as llama.cpp's converter lays out a MoE GGUF of its architecture; with
     ``expert_type``, the routed experts quantized by ``gguf``'s quantizer and the model's
     expert weights replaced by what the file encodes. ``meta`` overrides metadata keys
-    (under the architecture's prefix), ``drop`` leaves keys out."""
+    (under the architecture's prefix), ``drop`` leaves keys out; ``per_expert`` writes
+    the old Mixtral layout, one tensor per expert."""
     from flexgen_infinigen.weights.gguf_convert import permute_rotary
 
     arch, _, _, family_meta = FAMILIES[name]
@@ -135,6 +136,10 @@ def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
                                     else c.num_key_value_heads)
         if out.endswith("ffn_gate_inp_shexp.weight"):
             values = values.reshape(-1)  # llama.cpp's shape: one row, 1-D
+        if per_expert and "_exps" in out:
+            for e, one in enumerate(values):
+                w.add_tensor(out.replace("_exps.", f".{e}."), np.ascontiguousarray(one))
+            continue
         if expert_type is None or "_exps" not in out:
             w.add_tensor(out, np.ascontiguousarray(values))
             continue
@@ -266,6 +271,19 @@ def test_config_and_expert_tensors(family):
     assert not any(f"layers.{i}.experts.0.up_proj.weight" in ws.tensors for i in cfg.dense_layers)
 
 
+def test_report_names_the_experts_format(family):
+    """The report's weights line gives the experts' format apart from the other MLPs'."""
+    from flexgen_infinigen.cli.report import build_report
+
+    name, built = family
+    with OffloadedLM.load(path=built["quantized"][2], policy=CPU_MEMORY, progress=False) as lm:
+        out = lm.generate(PROMPTS[:1], 1, stop_token_id=None)
+        formats = build_report(lm, out, "cpu")["weight_formats"]
+    assert formats["by_class"]["experts"] == [EXPERT_TYPE[name]]
+    assert formats["by_class"]["router"] == ["F32"]
+    assert f"{EXPERT_TYPE[name]} (experts)" in formats["summary"]
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 BAD = {
@@ -291,6 +309,19 @@ def test_bad_file_is_one_error_before_writing(case, tmp_path):
         convert_gguf(path, tmp_path / "store", progress=False)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "store").exists() and not list(tmp_path.glob(".store.partial-*"))
+
+
+def test_old_per_expert_mixtral_file_is_one_error(tmp_path):
+    """A Mixtral GGUF from before the fused layout (``blk.N.ffn_gate.E.weight``, one tensor
+    per expert) is one error saying how to get a file this runtime reads."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    path = tmp_path / "old.gguf"
+    write_moe_gguf(_tiny("mixtral"), "mixtral", path, per_expert=True)
+    with pytest.raises(ConfigError, match="current llama.cpp") as err:
+        convert_gguf(path, tmp_path / "store", progress=False)
+    assert "\n" not in str(err.value) and "ffn_" in str(err.value)
+    assert not (tmp_path / "store").exists()
 
 
 def test_mixtral_without_expert_count_is_one_error(tmp_path):
