@@ -298,6 +298,29 @@ BAD = {
 }
 
 
+def test_sparse_step(tmp_path):
+    """Only every second block sparse (transformers' decoder_sparse_step, the file's
+    interleave_moe_layer_step): blocks 0 and 2 dense, and transformers' tokens and logits."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    model = _tiny("qwen3moe")
+    model = type(model)(type(model.config)(**{**model.config.to_dict(), "mlp_only_layers": [],
+                                              "decoder_sparse_step": 2})).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(torch.randn_like(p) * 0.5 + 1)
+    path = tmp_path / "step.gguf"
+    write_moe_gguf(model, "qwen3moe", path, meta={"interleave_moe_layer_step": 2})
+    store = convert_gguf(path, tmp_path / "store", progress=False)
+    out, _, cfg = _generate(store, CPU_MEMORY)
+    assert cfg.dense_layers == (0, 2)
+    _assert_matches(out, model, quantized=False)
+    with pytest.raises(ConfigError, match="interleave_moe_layer_step = 3"):
+        write_moe_gguf(model, "qwen3moe", path, meta={"interleave_moe_layer_step": 3})
+        convert_gguf(path, tmp_path / "store3", progress=False)
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_file_is_one_error_before_writing(case, tmp_path):
     from flexgen_infinigen.weights.gguf_convert import convert_gguf

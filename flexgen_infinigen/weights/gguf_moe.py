@@ -14,10 +14,12 @@ The config comes from the metadata, read as llama.cpp reads it (``{arch}.`` pref
 width, divided by the top-k for the Qwen MoE types as llama.cpp does),
 ``expert_shared_feed_forward_length`` (else the dense width), ``expert_weights_norm``
 (else the architecture's rule: Qwen3-MoE and Mixtral renormalise the top-k weights,
-Qwen2-MoE and OLMoE do not) and ``leading_dense_block_count``. A block with a dense
-``ffn_gate`` and no router is a dense layer. Any other expert or MoE field, a non-softmax
-router, a weight scale and a tensor count or shape that disagrees with the metadata are
-each one error naming it, before anything is written.
+Qwen2-MoE and OLMoE do not), ``leading_dense_block_count`` and
+``interleave_moe_layer_step`` (only every step-th block sparse, as Hugging Face's
+``decoder_sparse_step``). A block with a dense ``ffn_gate`` and no router is a dense layer
+(Qwen's ``mlp_only_layers``); the two keys must agree with that. Any other expert or MoE
+field, a non-softmax router, a weight scale and a tensor count or shape that disagrees with
+the metadata are each one error naming it, before anything is written.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 READ = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
                   "expert_shared_feed_forward_length", "expert_shared_count",
                   "expert_weights_norm", "expert_weights_scale", "expert_gating_func",
-                  "leading_dense_block_count"})
+                  "leading_dense_block_count", "interleave_moe_layer_step"})
 HINTS = ("expert", "moe", "dense", "sparse")
 SOFTMAX = 1  # llama.cpp's gating function number for a softmax router (0: unset)
 
@@ -95,6 +97,11 @@ def _dense_layers(reader, arch: str, layers: int, source: str) -> tuple[int, ...
         raise ConfigError(f"GGUF {source}: {arch}.leading_dense_block_count = {leading}, but "
                           f"blocks {list(range(int(leading)))} are not all dense; the file "
                           "disagrees with its metadata")
+    step = int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1)
+    wrong = [i for i in range(layers) if (i + 1) % step and i not in dense]
+    if wrong:  # every step-th block is sparse (Hugging Face's decoder_sparse_step), no other
+        raise ConfigError(f"GGUF {source}: {arch}.interleave_moe_layer_step = {step}, but block "
+                          f"{wrong[0]} has a router; the file disagrees with its metadata")
     return dense
 
 
