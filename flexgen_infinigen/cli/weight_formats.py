@@ -17,7 +17,7 @@ RUNTIME_4BIT = "4-bit/64 (--compress-weight)"
 def tensor_class(name: str) -> str:
     if ".experts." in name or name.startswith("experts."):  # a MoE layer's routed experts
         return "experts"
-    if name.endswith("router.weight"):
+    if name.endswith(("router.weight", "shared_expert_gate.weight")):  # routing and gating
         return "router"
     for label, ends in CLASSES:
         if name.endswith(ends):
