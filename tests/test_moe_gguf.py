@@ -105,12 +105,14 @@ def _fused(state: dict) -> dict:
 
 
 def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
-                   meta: dict | None = None, drop: tuple = (), per_expert: bool = False) -> None:
+                   meta: dict | None = None, drop: tuple = (), per_expert: bool = False,
+                   gate_up: bool = False) -> None:
     """``model`` as llama.cpp's converter lays out a MoE GGUF of its architecture; with
     ``expert_type``, the routed experts quantized by ``gguf``'s quantizer and the model's
     expert weights replaced by what the file encodes. ``meta`` overrides metadata keys
     (under the architecture's prefix), ``drop`` leaves keys out; ``per_expert`` writes
-    the old Mixtral layout, one tensor per expert."""
+    the old Mixtral layout, one tensor per expert; ``gate_up`` fuses each layer's gate and up
+    experts into one ``ffn_gate_up_exps`` (llama.cpp's --fuse-gate-up-exps)."""
     from flexgen_infinigen.weights.gguf_convert import permute_rotary
 
     arch, _, _, family_meta = FAMILIES[name]
@@ -129,7 +131,16 @@ def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
         add = {bool: w.add_bool, float: w.add_float32}.get(type(value), w.add_uint32)
         add(f"{arch}.{key}", value)
     state = model.state_dict()
-    for out, t in _fused(state).items():
+    tensors = _fused(state)
+    if gate_up:
+        for i in range(c.num_hidden_layers):
+            if f"blk.{i}.ffn_gate_exps.weight" in tensors:
+                tensors.pop(f"blk.{i}.ffn_up_exps.weight")
+                gate = tensors.pop(f"blk.{i}.ffn_gate_exps.weight")
+                tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = state[
+                    f"model.layers.{i}.mlp.experts.gate_up_proj"]
+                assert gate.shape[1] * 2 == tensors[f"blk.{i}.ffn_gate_up_exps.weight"].shape[1]
+    for out, t in tensors.items():
         values = t.float().numpy()
         if arch == "llama" and out.split(".")[-2] in ("attn_q", "attn_k"):
             values = permute_rotary(values, c.num_attention_heads if "attn_q" in out
@@ -296,6 +307,28 @@ BAD = {
     "sigmoid-router": (dict(meta={"expert_gating_func": 2}), "expert_gating_func"),
     "weight-scale": (dict(meta={"expert_weights_scale": 2.5}), "expert_weights_scale"),
 }
+
+
+@pytest.mark.parametrize("kind", [None, "Q8_0"])
+def test_gate_and_up_fused_in_one_tensor(kind, tmp_path):
+    """llama.cpp's ``ffn_gate_up_exps`` (each expert's gate rows, then its up rows) gives
+    the same per-expert store tensors, codes unchanged, and transformers' tokens."""
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+    from flexgen_infinigen.weights.store import WeightStore
+
+    model = _tiny("qwen3moe")
+    path = tmp_path / "gate-up.gguf"
+    write_moe_gguf(model, "qwen3moe", path, kind, gate_up=True)
+    fused = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.2.ffn_gate_up_exps.weight"]
+    store = convert_gguf(path, tmp_path / "store", progress=False)
+    ws, data = WeightStore(store), np.asarray(fused.data)
+    halves = data.reshape(8, 2, 32, data.shape[-1])  # [expert, gate | up, rows, row]
+    for e in (0, 5):
+        for j, m in enumerate(("gate_proj", "up_proj")):
+            stored = ws.load(f"layers.2.experts.{e}.{m}.weight")
+            assert np.array_equal(np.asarray(stored).reshape(halves[e, j].shape), halves[e, j])
+    out, _, _ = _generate(store, ON_DISK)
+    _assert_matches(out, model, quantized=kind is not None)
 
 
 def test_sparse_step(tmp_path):

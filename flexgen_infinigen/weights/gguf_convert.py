@@ -312,7 +312,7 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
                 w = unpermute_rotary(w, cfg.num_heads)
             elif permuted and (key.endswith("k_proj.weight") or key.endswith("k_proj.bias")):
                 w = unpermute_rotary(w, cfg.num_kv_heads)
-            for e, key in enumerate(keys):  # a fused tensor: expert e is its e-th run of rows
+            for e, key in enumerate(keys):  # a fused tensor: matrix e is its e-th run of rows
                 part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
                 _write(writer, key, part, shape, kind)
             del w

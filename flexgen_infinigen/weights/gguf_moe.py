@@ -3,9 +3,10 @@ experts (Mixtral), read into the same per-expert store tensors a Hugging Face fo
 
 llama.cpp writes a MoE layer's routed experts as three fused 3-D tensors,
 ``blk.N.ffn_{gate,up,down}_exps.weight``, each ``[experts, out, in]`` (GGUF lists the dims
-the other way round). Expert ``e`` is rows ``e * out`` to ``(e + 1) * out`` of the tensor
-seen as a matrix, and a quantized row is a whole number of blocks, so cutting the tensor
-along its expert axis hands each expert exactly its own codes: nothing is requantized.
+the other way round), or gate and up as one ``ffn_gate_up_exps`` (an expert's gate rows, then
+its up rows). Expert ``e`` is rows ``e * out`` to ``(e + 1) * out`` of the tensor seen as a
+matrix, and a quantized row is a whole number of blocks, so cutting the tensor along its
+expert axis hands each expert exactly its own codes: nothing is requantized.
 The router is ``ffn_gate_inp``; Qwen2-MoE's shared expert is ``ffn_{gate,up,down}_shexp``
 behind the sigmoid gate ``ffn_gate_inp_shexp`` (one row, written 1-D or ``[1, hidden]``).
 
@@ -41,7 +42,10 @@ READ = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_leng
 HINTS = ("expert", "moe", "dense", "sparse")
 SOFTMAX = 1  # llama.cpp's gating function number for a softmax router (0: unset)
 
-FUSED = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# fused expert tensors -> the matrices each expert's run of rows holds, in order (llama.cpp's
+# --fuse-gate-up-exps writes gate and up as one tensor, each expert's gate rows first)
+FUSED = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",),
+         "ffn_down_exps": ("down_proj",), "ffn_gate_up_exps": ("gate_proj", "up_proj")}
 LAYER_NAMES = {"ffn_gate_inp": "router", "ffn_gate_inp_shexp": "shared_expert_gate",
                "ffn_gate_shexp": "shared_expert.gate_proj",
                "ffn_up_shexp": "shared_expert.up_proj",
@@ -153,8 +157,8 @@ def store_names(block: int, part: str, cfg: ModelConfig) -> list[str] | None:
     """The store names a MoE tensor ``blk.{block}.{part}.weight`` becomes (one per expert
     for a fused tensor), or None when ``part`` is not a MoE tensor."""
     if cfg.num_experts and part in FUSED:
-        return [f"layers.{block}.experts.{e}.{FUSED[part]}.weight"
-                for e in range(cfg.num_experts)]
+        return [f"layers.{block}.experts.{e}.{m}.weight"
+                for e in range(cfg.num_experts) for m in FUSED[part]]
     if cfg.num_experts and part in LAYER_NAMES:
         return [f"layers.{block}.{LAYER_NAMES[part]}.weight"]
     return None
@@ -176,13 +180,14 @@ def check_shape(name: str, shape: tuple[int, ...], keys: list[str], expected: di
     """The shape each store tensor of GGUF tensor ``name`` gets; one error when the file's
     shape disagrees with the metadata (an expert count or width)."""
     want = expected[keys[0]]
-    if len(keys) > 1:  # a fused tensor: [experts, out, in]
-        if len(shape) != 3 or shape[0] != len(keys):
+    if len(keys) > 1:  # a fused tensor: [experts, out (of each matrix, in turn), in]
+        if len(shape) != 3 or shape[0] != cfg.num_experts:
             count = shape[0] if len(shape) == 3 else "no expert axis"
             raise ConfigError(f"GGUF {source}: tensor {name!r} holds {count} experts, but its "
                               f"metadata says expert_count = {cfg.num_experts}; the file "
                               "disagrees with its metadata")
-        shape = shape[1:]
+        per = len(keys) // cfg.num_experts  # matrices an expert's rows hold
+        shape = (shape[1] // per, shape[2]) if shape[1] % per == 0 else shape[1:]
     elif keys[0].endswith("shared_expert_gate.weight") and shape == want[1:]:
         shape = want  # written 1-D ([hidden]) by llama.cpp: one row
     if shape != want:
