@@ -104,15 +104,17 @@ def _fused(state: dict) -> dict:
     return out
 
 
-def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
+def write_moe_gguf(model, name: str, path, expert_type: str | dict | None = None,
                    meta: dict | None = None, drop: tuple = (), per_expert: bool = False,
                    gate_up: bool = False) -> None:
     """``model`` as llama.cpp's converter lays out a MoE GGUF of its architecture; with
-    ``expert_type``, the routed experts quantized by ``gguf``'s quantizer and the model's
-    expert weights replaced by what the file encodes. ``meta`` overrides metadata keys
-    (under the architecture's prefix), ``drop`` leaves keys out; ``per_expert`` writes
-    the old Mixtral layout, one tensor per expert; ``gate_up`` fuses each layer's gate and up
-    experts into one ``ffn_gate_up_exps`` (llama.cpp's --fuse-gate-up-exps)."""
+    ``expert_type`` (one type, or one per fused tensor kind: ``{"ffn_down_exps": ...}``),
+    the routed experts quantized by ``gguf``'s quantizer (random codes for the K-quants it
+    cannot make) and the model's expert weights replaced by what the file encodes. ``meta``
+    overrides metadata keys (under the architecture's prefix), ``drop`` leaves keys out;
+    ``per_expert`` writes the old Mixtral layout, one tensor per expert; ``gate_up`` fuses
+    each layer's gate and up experts into one ``ffn_gate_up_exps`` (llama.cpp's
+    --fuse-gate-up-exps)."""
     from flexgen_infinigen.weights.gguf_convert import permute_rotary
 
     arch, _, _, family_meta = FAMILIES[name]
@@ -154,8 +156,16 @@ def write_moe_gguf(model, name: str, path, expert_type: str | None = None,
         if expert_type is None or "_exps" not in out:
             w.add_tensor(out, np.ascontiguousarray(values))
             continue
-        qtype = gguf.GGMLQuantizationType[expert_type]
-        raw = quantize(values.reshape(-1, values.shape[-1]), qtype)
+        kind = expert_type.get(out.split(".")[2]) if isinstance(expert_type, dict) \
+            else expert_type
+        qtype = gguf.GGMLQuantizationType[kind]
+        try:
+            raw = quantize(values.reshape(-1, values.shape[-1]), qtype)
+        except NotImplementedError:  # K-quants: random codes, weights about 0.05 in size
+            from test_gguf_codes import random_blocks
+
+            raw = random_blocks(kind, math.prod(values.shape[:-1]), values.shape[-1],
+                                seed=len(out), scale=2e-3)
         w.add_tensor(out, raw.reshape(*values.shape[:-1], -1), raw_dtype=qtype)
         with torch.no_grad():  # the reference computes what the file encodes
             t.copy_(torch.from_numpy(dequantize(raw, qtype).reshape(values.shape)))
@@ -329,6 +339,37 @@ def test_gate_and_up_fused_in_one_tensor(kind, tmp_path):
             assert np.array_equal(np.asarray(stored).reshape(halves[e, j].shape), halves[e, j])
     out, _, _ = _generate(store, ON_DISK)
     _assert_matches(out, model, quantized=kind is not None)
+
+
+def test_k_quant_experts(tmp_path):
+    """Experts as a Q4_K_M file holds them (gate and up Q4_K, down Q6_K: 256-value super-
+    blocks, 4-bit codes in groups of 32 and 8-bit ones in groups of 16) give transformers'
+    tokens on the weights the codes encode, with the experts in CPU memory or on disk."""
+    import transformers
+
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+    from flexgen_infinigen.weights.store import WeightStore
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
+        **COMMON, "hidden_size": 256, "num_hidden_layers": 2, "head_dim": 64,
+        "num_experts": 4, "moe_intermediate_size": 256, "norm_topk_prob": True})).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(torch.randn_like(p) * 0.5 + 1)
+            elif pname.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    path = tmp_path / "k.gguf"
+    kinds = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}
+    write_moe_gguf(model, "qwen3moe", path, kinds)
+    store = convert_gguf(path, tmp_path / "store", progress=False)
+    ws = WeightStore(store)
+    assert ws.format("layers.1.experts.3.up_proj.weight") == "Q4_K"
+    assert ws.format("layers.1.experts.3.down_proj.weight") == "Q6_K"
+    for policy in (CPU_MEMORY, ON_DISK):
+        out, _, _ = _generate(store, policy)
+        _assert_matches(out, model, quantized=True)
 
 
 def test_sparse_step(tmp_path):
