@@ -165,7 +165,7 @@ def long_case(a, pause, spent) -> dict:
     from flexgen_infinigen.kv import make_kv_policy
     from flexgen_infinigen.runtime.prefill_cache import PrefillCache
 
-    kept = PrefillCache(a.prefill_dir)
+    kept = PrefillCache(a.prefill_dir, keep=0)  # on disk only: one copy of the KV in memory
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch)
     rows = []
     with OffloadedLM.load(model="smollm2-135m", policy=policy, progress=False,
