@@ -29,7 +29,9 @@ from ..kv.base import CacheSpec, KVPolicy
 from ..models import family_of
 from ..policy import Policy
 from ..sampling import Sampler
+from .compression import PackedWeight
 from .attention import attend_prompt, mask_bias, score_rows, visible
+from .fused_decode import FusedDecode
 from .prefill_cache import Prefilled
 from .stages import LayerSlice, Stage, build_stages  # noqa: F401 (re-exported)
 from .streams import Lanes
@@ -89,6 +91,8 @@ class Engine:
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
+        # a Llama-family decode step on a CPU as one compiled call a stage (None: never)
+        self.fused = FusedDecode.for_model(cfg, dtype, tiers.is_cuda)
 
     def reset_counters(self) -> None:
         """Start a generation's own statistics (the host syncs are per block already)."""
@@ -140,6 +144,8 @@ class Engine:
                 lanes.close()
             self.caches.clear()
             self._activations.clear()
+            if self.fused is not None:
+                self.fused.reset()
             self.record = self.prefilled = self.capture = None
             self.running = False
 
@@ -313,9 +319,12 @@ class Engine:
             h = h.read()
         if stage.kind == "embed":
             h = fam.embed(cfg, w, state.ids, state.positions)
-        if stage.kind in ("attn", "layer"):
+        plan = self._fused_plan(j, k, w, h) if decode and stage.kind != "embed" else None
+        if plan is not None:
+            h, new = self._fused(plan, j, k, h, loaded)
+        elif stage.kind in ("attn", "layer"):
             h, new = self._attention(decode, j, k, w, h, loaded)
-        if stage.kind in ("mlp", "layer"):
+        if stage.kind in ("mlp", "layer") and plan is None:
             h = self._mlp(w, h)
         if stage.kind == "head":
             state.logits = fam.head(cfg, w, h[:, -1:, :])[:, -1]
@@ -323,16 +332,48 @@ class Engine:
         state.hidden = self._keep_hidden(k, h)
         return new
 
+    def _fused_plan(self, j: int, k: int, w: dict, h):
+        """Stage ``j``'s fused decode call for batch ``k`` (:mod:`.fused_decode`), or None."""
+        stage = self.stages[j]
+        if (self.fused is None or stage.kind == "head" or not isinstance(h, torch.Tensor)
+                or h.dtype != torch.float32 or h.shape[1] != 1 or not h.is_contiguous()):
+            return None
+        if (j, k) not in self.fused.plans:  # weights read in place every step: fixed pointers
+            resident = all(self.weights[n].resident or isinstance(w[s], PackedWeight)
+                           for s, n in stage.weights.items())
+            following = self.attention_stage.get(stage.layer + 1)
+            self.fused.plan(j, k, stage.kind, w, h.shape[0], resident, self.caches.get((j, k)),
+                            None if following is None else self.caches[(following, k)],
+                            following is None and stage.layer + 1 < self.cfg.num_layers)
+        return self.fused.plans[(j, k)]
+
+    def _fused(self, plan, j: int, k_batch: int, h: torch.Tensor, loaded):
+        """Stage ``j`` of a decode step through its fused call; (h, new K/V or None)."""
+        state = self.states[k_batch]
+        if plan.kind == "mlp":
+            return plan.mlp(h), None
+        if plan.whole:  # attention over the full cache inside the call: nothing to store
+            return plan.whole_layer(h, state), None
+        x, q, k, v = plan.attention_inputs(h, state)
+        self._speculate_next(j, k_batch, x)
+        out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)
+        return plan.attention_output(h, out), (q, k, v, state.valid)
+
+    def _speculate_next(self, j: int, k_batch: int, x: torch.Tensor) -> None:
+        """The next layer's cache may choose what to read from this layer's input ``x``."""
+        state = self.states[k_batch]
+        following = self.attention_stage.get(self.stages[j].layer + 1)
+        if following is not None:
+            self.caches[(following, k_batch)].speculate(x, state.pos_enc, state.valid,
+                                                        state.visible)
+        elif self.stages[j].layer + 1 < self.cfg.num_layers:
+            state.handoff = x  # the next layer is on the next pipeline rank
+
     def _attention(self, decode: bool, j: int, k_batch: int, w: dict, h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, self.states[k_batch]
         x = fam.attn_input(cfg, w, h)
-        if decode:  # the next layer's cache may choose what to read from this layer's input
-            following = self.attention_stage.get(self.stages[j].layer + 1)
-            if following is not None:
-                self.caches[(following, k_batch)].speculate(x, state.pos_enc, state.valid,
-                                                            state.visible)
-            elif self.stages[j].layer + 1 < cfg.num_layers:
-                state.handoff = x  # the next layer is on the next pipeline rank
+        if decode:
+            self._speculate_next(j, k_batch, x)
         q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
         if decode:
             out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)

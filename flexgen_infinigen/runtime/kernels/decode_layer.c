@@ -1,0 +1,137 @@
+#include "common.h"
+
+/* One decode step of a Llama-family layer (one new token per sequence) in one call, from an
+   argument block that Python builds once per layer and shape (runtime/fused_decode.py) and
+   updates with a few pointers each step. It calls the library's own kernels in the order
+   models/llama.py runs them, so it gives what the per-operation path gives, to rounding:
+   RMSNorm, q/k/v (float rows, 4-bit or 8-bit codes), the rotary embedding, the cache write
+   and attention over every row of a float cache kept in CPU memory, the o-projection and its
+   residual, then RMSNorm, the SwiGLU MLP and its residual. The parts run are chosen by
+   `mode`, so that a KV policy with its own attention (InfiniGen's chosen rows, its
+   speculation) keeps it between two calls. */
+
+void rms_norm_rows(const float *x, const float *weight, float *y, int64_t rows, int64_t n,
+                   float eps, int64_t nthreads);
+void rotary_rows(const float *x, const float *cos, const float *sin, float *y, int64_t tokens,
+                 int64_t heads, int64_t d, int64_t nthreads);
+void linear_rows(const float *x, const float *w, const float *bias, float *out, int64_t M,
+                 int64_t N, int64_t K, int64_t nthreads);
+int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
+              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
+              int64_t nthreads);
+int linear_q8(const float *x, const int8_t *codes, const float *scale, const float *minimum,
+              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
+              int64_t nthreads);
+void attend_rows(const float *q, const float *k, const float *v, const float *bias,
+                 float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
+                 int64_t sc, int64_t nthreads);
+
+enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2 };
+enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8 };
+
+/* A linear layer as stored: float32 rows [n, k], or codes with float32 scales and minimums
+   per group (the layouts linear_q4 / linear_q8 read). bias may be NULL. */
+typedef struct {
+    int64_t kind, n, k, group;
+    const void *w;
+    const float *scale, *minimum, *bias;
+} dl_linear;
+
+/* Every field is 8 bytes wide (the ctypes mirror in fused_decode.py lists them in order). */
+typedef struct {
+    int64_t B, H, KV, D, hidden, inter, nthreads;
+    double eps;
+    const float *attn_norm, *mlp_norm;
+    dl_linear q, k, v, o, gate, up, down;
+    /* per step */
+    const float *h;            /* [B, hidden] the layer's input */
+    float *h_out;              /* [B, hidden] its output */
+    const float *cos, *sin;    /* [B, D] this step's rotary encoding */
+    const float *bias;         /* [B, bias_stride]: the additive mask over the cache's columns */
+    int64_t bias_stride;
+    float *kc, *vc;            /* the cache: row t of column c at t * st + c * sc floats */
+    int64_t st, sc, position, first;
+    /* outputs of DL_IN (x: the attention input, q/kn/vn: after the rotary embedding), the
+       attention output DL_OUT reads, and scratch */
+    float *x, *q_rot, *kn, *vn, *attn;
+    float *lin, *mid, *x2, *g, *u, *bias_rows;
+} dl_args;
+
+int decode_layer_q4_ready(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int64_t nt) {
+    switch (l->kind) {
+        case LIN_FLOAT:
+            linear_rows(x, (const float *)l->w, l->bias, out, M, l->n, l->k, nt);
+            return 1;
+        case LIN_Q4:
+            return linear_q4(x, (const uint8_t *)l->w, l->scale, l->minimum, l->bias, out, M,
+                             l->n, l->k, l->group, nt);
+        case LIN_Q8:
+            return linear_q8(x, (const int8_t *)l->w, l->scale, l->minimum, l->bias, out, M,
+                             l->n, l->k, l->group, nt);
+    }
+    return 0;
+}
+
+/* Runs the parts of `mode`; returns 0 when a linear kernel could not run (the caller
+   decides once, at load, that they can: decode_layer_q4_ready). */
+int decode_layer(const dl_args *a, int64_t mode) {
+    const int64_t B = a->B, H = a->H, KV = a->KV, D = a->D, nt = a->nthreads;
+    const int64_t hidden = a->hidden, C = B * KV, G = H / KV;
+    const float *cur = a->h;
+    int ok = 1;
+    if (mode & DL_IN) {
+        rms_norm_rows(a->h, a->attn_norm, a->x, B, hidden, (float)a->eps, nt);
+        ok &= run_linear(&a->q, a->x, a->lin, B, nt);
+        rotary_rows(a->lin, a->cos, a->sin, a->q_rot, B, H, D, nt);
+        ok &= run_linear(&a->k, a->x, a->lin, B, nt);
+        rotary_rows(a->lin, a->cos, a->sin, a->kn, B, KV, D, nt);
+        ok &= run_linear(&a->v, a->x, a->vn, B, nt);
+    }
+    if (mode & DL_ATTEND) {
+        /* the new token's row first, then attention over rows first .. position */
+        for (int64_t c = 0; c < C; c++) {
+            __builtin_memcpy(a->kc + a->position * a->st + c * a->sc, a->kn + c * D,
+                             sizeof(float) * D);
+            __builtin_memcpy(a->vc + a->position * a->st + c * a->sc, a->vn + c * D,
+                             sizeof(float) * D);
+        }
+        const int64_t T = a->position + 1 - a->first;
+        for (int64_t c = 0; c < C; c++)  /* a sequence's mask, once per KV head column */
+            __builtin_memcpy(a->bias_rows + c * T, a->bias + (c / KV) * a->bias_stride + a->first,
+                             sizeof(float) * T);
+        const float scale = 1.0f / sqrtf((float)D);
+        for (int64_t i = 0; i < B * H * D; i++)  /* q [B, H, D] is [C, G, D] */
+            a->lin[i] = a->q_rot[i] * scale;
+        attend_rows(a->lin, a->kc + a->first * a->st, a->vc + a->first * a->st, a->bias_rows,
+                    a->attn, T, C, G, D, a->st, a->sc, nt);
+    }
+    if (mode & DL_OUT) {
+        float *dst = (mode & DL_MLP) ? a->mid : a->h_out;
+        ok &= run_linear(&a->o, a->attn, dst, B, nt);
+        for (int64_t i = 0; i < B * hidden; i++)
+            dst[i] += cur[i];
+        cur = dst;
+    }
+    if (mode & DL_MLP) {
+        const int64_t F = a->inter;
+        rms_norm_rows(cur, a->mlp_norm, a->x2, B, hidden, (float)a->eps, nt);
+        ok &= run_linear(&a->gate, a->x2, a->g, B, nt);
+        ok &= run_linear(&a->up, a->x2, a->u, B, nt);
+        for (int64_t i = 0; i < B * F; i++) {
+            const float z = a->g[i];
+            a->g[i] = z / (1.0f + expf(-z)) * a->u[i];
+        }
+        ok &= run_linear(&a->down, a->g, a->h_out, B, nt);
+        for (int64_t i = 0; i < B * hidden; i++)
+            a->h_out[i] += cur[i];
+    }
+    return ok;
+}

@@ -1,0 +1,164 @@
+"""The fused CPU decode step (``kernels/decode_layer.c`` through ``runtime/fused_decode.py``)
+against the per-operation path it replaces: the same tokens and the same logits to float
+rounding, for the full cache (attention inside the call) and InfiniGen (its attention and
+speculation between two calls), and the cases that must fall back to the per-operation path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen.runtime import cpu_kernels, fused_decode
+from flexgen_infinigen.runtime.cpu_kernels import library
+
+needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
+
+
+def _calls(monkeypatch) -> list:
+    """Record the mode of every fused call (the test then knows which path ran)."""
+    modes = []
+    real = fused_decode.LayerPlan._call
+
+    def recorded(self, mode):
+        modes.append((self.kind, self.whole, mode))
+        return real(self, mode)
+    monkeypatch.setattr(fused_decode.LayerPlan, "_call", recorded)
+    return modes
+
+
+def _generate(path, prompts, kv, monkeypatch, fused: bool, steps: int = 8, **policy_kw):
+    """Tokens and logits of a generation; the per-operation path (``fused`` False) attends
+    through the same attention kernel at every length (it hands short caches to torch, whose
+    sums round differently)."""
+    monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
+    monkeypatch.setattr(cpu_kernels, "MIN_ATTEND_ROWS", 0 if not fused else
+                        cpu_kernels.MIN_ATTEND_ROWS)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts),
+                                 **policy_kw)
+    options = {"max_kv_fraction": 0.3} if kv == "infinigen" else None
+    with OffloadedLM.load(path=path, policy=policy, kv_policy=kv, kv_options=options,
+                          progress=False) as lm:
+        assert (lm.engine.fused is not None) == fused
+        out = lm.generate(prompts, steps, stop_token_id=None, keep_logits=True)
+        return out, lm.engine.kv_policy.report()
+
+
+def _assert_same(a, b, tol: float = 1e-4) -> None:
+    (out_a, rep_a), (out_b, rep_b) = a, b
+    assert out_a.token_ids == out_b.token_ids
+    assert rep_a.get("kv_fetch_fraction_per_layer") == rep_b.get("kv_fetch_fraction_per_layer")
+    for x, y in zip(out_a.logits, out_b.logits):
+        assert (x - y).abs().max().item() < tol * max(1.0, y.abs().max().item())
+
+
+PROMPTS = [[1] + list(range(7, 60)), [1] + list(range(100, 140)), [1] + list(range(300, 370))]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["full", "infinigen"])
+@pytest.mark.parametrize("batch,compress,sep", [(1, False, True), (2, True, True),
+                                                (3, False, False), (2, True, False)])
+def test_fused_step_equals_the_per_operation_path(tiny_llama, kv, batch, compress, sep,
+                                                  monkeypatch):
+    prompts = PROMPTS[:batch]
+    modes = _calls(monkeypatch)
+    kw = {"compress_weight": compress, "sep_layer": sep}
+    fused = _generate(tiny_llama[1], prompts, kv, monkeypatch, True, **kw)
+    assert modes, "the fused step never ran"
+    whole = {m for kind, w, m in modes if w}
+    if kv == "full":  # attention over the cache inside the one call, every layer
+        assert whole and all(w for kind, w, m in modes if kind != "mlp")
+        layers = 4 * 7  # 4 layers, 7 decode steps
+        assert len(modes) == layers * (2 if sep else 1)
+    else:  # InfiniGen's layers attend between an input call and an output call
+        assert any(m == fused_decode.IN for _, _, m in modes)
+    # 4-bit weights round their inputs to 16 bits a group: a last-bit difference can move
+    # one by a step (see the default model's test below)
+    _assert_same(fused, _generate(tiny_llama[1], prompts, kv, monkeypatch, False, **kw),
+                 tol=1e-3 if compress else 1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A small Qwen2 (q/k/v biases, grouped-query attention, tied embeddings)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from flexgen_infinigen.weights.hf_convert import convert_hf
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, num_hidden_layers=3,
+                      intermediate_size=192, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(folder)
+    return convert_hf(folder, folder / "store", "tiny-qwen2")
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["full", "infinigen"])
+def test_fused_step_with_qkv_biases(tiny_qwen2, kv, monkeypatch):
+    modes = _calls(monkeypatch)
+    fused = _generate(tiny_qwen2, PROMPTS[:2], kv, monkeypatch, True)
+    assert modes
+    _assert_same(fused, _generate(tiny_qwen2, PROMPTS[:2], kv, monkeypatch, False))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv,batch", [("full", 1), ("infinigen", 2)])
+def test_default_model_codes_fused_equal_per_operation(smollm2_codes_store, kv, batch,
+                                                       monkeypatch):
+    """The embedded default model as the runtime stores it: Q4_1 codes in groups of 32 and
+    an 8-bit head. Its bound is looser: the 4-bit kernel rounds its input to 16 bits per
+    group, so a last-bit difference (the MLP's SiLU is computed in C, not by torch) can move
+    an input by a step of 1/32639 of its group's largest entry, and this model's activations
+    reach several hundred in a few channels. InfiniGen selects here as it does outside the
+    tests (whole layers at this short context; the tiny models test the chosen rows): on
+    this model such a difference can swap a chosen row that ties with another."""
+    monkeypatch.delenv("FLEXGEN_INFINIGEN_SELECT_FROM_MB", raising=False)
+    from flexgen_infinigen.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_codes_store)
+    text = ("The tower is 324 metres tall, about the same height as an 81-storey building, "
+            "and the tallest structure in Paris. Its base is square, measuring 125 metres "
+            "on each side. During its construction, the Eiffel Tower surpassed the ")
+    prompts = [tok.encode(text), tok.encode(text[40:])][:batch]
+    modes = _calls(monkeypatch)
+    fused = _generate(smollm2_codes_store, prompts, kv, monkeypatch, True, steps=6)
+    assert modes
+    _assert_same(fused, _generate(smollm2_codes_store, prompts, kv, monkeypatch, False, steps=6),
+                 tol=1e-3)
+
+
+def test_models_the_call_does_not_compute_take_the_per_operation_path(monkeypatch):
+    from flexgen_infinigen.config import get_config
+
+    llama = get_config("smollm2-135m")
+    assert fused_decode.supports(llama, torch.float32, False) == fused_decode.enabled()
+    assert not fused_decode.supports(llama, torch.float16, False)  # another dtype
+    assert not fused_decode.supports(llama, torch.float32, True)  # a GPU
+    assert not fused_decode.supports(get_config("opt-125m"), torch.float32, False)
+    assert not fused_decode.supports(get_config("qwen3-8b"), torch.float32, False)  # q/k norm
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    assert fused_decode.FusedDecode.for_model(llama, torch.float32, False) is None
+    monkeypatch.setenv(fused_decode.ENV, "1")
+    monkeypatch.setattr(fused_decode, "library", lambda: None)  # no compiler
+    assert fused_decode.FusedDecode.for_model(llama, torch.float32, False) is None
+
+
+@needs_kernels
+def test_weights_in_a_form_the_call_does_not_read_fall_back(tiny_llama, monkeypatch):
+    """A packed weight with 16-bit scales (or any form ``kernel_ready`` refuses) gives no
+    plan for its stage, and that stage runs the per-operation path with the same result."""
+    from flexgen_infinigen.runtime.compression import PackedWeight
+
+    real = PackedWeight.__post_init__
+
+    def half_scales(self):  # as if the codes came with scales the kernels do not take
+        real(self)
+        self.kernel_ready = False
+    monkeypatch.setattr(PackedWeight, "__post_init__", half_scales)
+    modes = _calls(monkeypatch)
+    kw = {"compress_weight": True}
+    fused = _generate(tiny_llama[1], PROMPTS[:2], "full", monkeypatch, True, **kw)
+    assert not modes  # every layer fell back
+    _assert_same(fused, _generate(tiny_llama[1], PROMPTS[:2], "full", monkeypatch, False, **kw))
