@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout, not an install
 OUT = ROOT / "benchmarks" / "results" / "moe_decode"
 # model -> layers kept, contexts; InfiniGen at the longest, batch 8 at the shortest
-MODELS = {"qwen3-30b-a3b": (4, [4096, 16384]), "olmoe-1b-7b": (4, [4096, 8192])}
+MODELS = {"qwen3-30b-a3b": (2, [4096, 16384]), "olmoe-1b-7b": (2, [4096, 8192])}
 POLICIES = {"full": ("full", None),
             "infinigen-pages@0.1": ("infinigen", {"speculation_keys": "pages16",
                                                   "max_kv_fraction": 0.1})}
@@ -82,6 +82,8 @@ def run_one(spec: dict) -> dict:
     cfg = cut_config(spec["model"], spec["layers"], ctx + GEN)
     KNOWN_MODELS[cfg.name] = cfg
     kv, options = POLICIES[spec["policy"]]
+    if kv == "infinigen":  # the full model's share of layers that read the whole cache
+        options = {**options, "first_layer": spec["infinigen_first_layer"]}
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
                                  compress_weight=True)
     with OffloadedLM.load(model=cfg.name, dummy=True, policy=policy, kv_policy=kv,
@@ -154,7 +156,10 @@ def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) 
     full cache, whose prefill it reads back), the larger batches at the shortest."""
     from flexgen_infinigen.config import get_config
 
-    base = {"model": model, "layers": layers, "model_layers": get_config(model).num_layers}
+    full = get_config(model).num_layers
+    # InfiniGen's first 2 layers read the whole cache: the same share of the layers kept
+    base = {"model": model, "layers": layers, "model_layers": full,
+            "infinigen_first_layer": int(2 * layers / full + 0.5)}
     out = [{**base, "context": c, "batch": 1, "policy": "full"} for c in contexts]
     out.append({**base, "context": max(contexts), "batch": 1, "policy": "infinigen-pages@0.1"})
     out += [{**base, "context": min(contexts), "batch": b, "policy": "full"}
@@ -171,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="contexts 1024/2048, batch 1 only")
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     p.add_argument("--gguf-dir", default=None, help="keep the random GGUFs there")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-bench arguments, e.g. '--repack 0' where its repacked "
+                        "(AMX) kernels stop on an illegal instruction")
     p.add_argument("--pause-pid-file", default="/work/notes/accuracy_run.pid")
     p.add_argument("--timeout", type=float, default=590.0, help="seconds per row")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -184,10 +192,8 @@ def main(argv=None) -> int:
     import shutil
 
     from long_context import read_bandwidth
-    from machine import machine_info
     from moe_decode_report import write_outputs
 
-    from flexgen_infinigen.config import get_config
     from flexgen_infinigen.weights.embedded import default_cache_dir
 
     prefills = tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
@@ -205,16 +211,29 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
                       flush=True)
+                write_outputs(result(rows, a.models), OUT)  # what is done so far, kept
             if a.llama_bench:
                 rows += llama_rows(a, model, layers, contexts, ggufs)
+                write_outputs(result(rows, a.models), OUT)
     finally:
         shutil.rmtree(prefills, ignore_errors=True)
         if a.gguf_dir is None:
             shutil.rmtree(ggufs, ignore_errors=True)
-    full = {m: get_config(m).num_layers for m in a.models}
-    write_outputs({"machine": machine_info(), "models_full_layers": full,
-                   "generated_tokens": GEN, "rows": rows}, OUT)
+    write_outputs(result(rows, a.models), OUT)
     return 0
+
+
+def result(rows: list[dict], models: list[str]) -> dict:
+    from machine import machine_info
+
+    from flexgen_infinigen.config import get_config
+    return {"machine": machine_info(),
+            "models_full_layers": {m: get_config(m).num_layers for m in models},
+            "shapes": "each model's real layer shapes, fewer layers, vocabulary cut in the "
+                      "same ratio; full_model_tokens_s = measured * layers / full layers",
+            "weights": "seeded random, 4-bit codes with a float32 scale and minimum per "
+                       "group of 32 (6 bits a parameter), multiplied as stored",
+            "kv_cache": "float32, in CPU memory", "generated_tokens": GEN, "rows": rows}
 
 
 def llama_rows(a, model: str, layers: int, contexts: list[int], folder: str) -> list[dict]:
@@ -233,7 +252,7 @@ def llama_rows(a, model: str, layers: int, contexts: list[int], folder: str) -> 
         bandwidth = read_bandwidth()
         rows = llama_bench_rows(a.llama_bench, path, contexts, torch.get_num_threads(),
                                 gen_tokens=16, prefill_tokens=0, timeout=a.timeout,
-                                model_label=cfg.name)
+                                model_label=cfg.name, extra=tuple(a.llama_args.split()))
     for row in rows:
         row.update(model=model, layers=layers, bandwidth=bandwidth, policy="llama.cpp",
                    model_layers=get_config(model).num_layers, gguf="random Q4_0 codes")

@@ -146,5 +146,7 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
         e = pred["experts"]
         lines.append(f"  experts per decode step: {e['coverage_per_step']:.1f} per MoE layer "
                      f"({e['bytes_per_step'] / GB:.2f} GB, "
-                     f"{e['off_device_bytes_per_step'] / GB:.2f} GB off the device)")
+                     f"{e['off_device_bytes_per_step'] / GB:.2f} GB off the device); "
+                     f"the CPU would multiply them where they are in "
+                     f"{e['cpu_compute_s'] * 1e3:.1f} ms (the runtime fetches them)")
     return "\n".join(lines)
