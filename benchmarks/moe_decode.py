@@ -83,6 +83,7 @@ def run_one(spec: dict) -> dict:
     KNOWN_MODELS[cfg.name] = cfg
     kv, options = POLICIES[spec["policy"]]
     if kv == "infinigen":  # the full model's share of layers that read the whole cache
+        spec["infinigen_first_layer"] = max(1, spec["infinigen_first_layer"])
         options = {**options, "first_layer": spec["infinigen_first_layer"]}
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
                                  compress_weight=True)
@@ -157,9 +158,10 @@ def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) 
     from flexgen_infinigen.config import get_config
 
     full = get_config(model).num_layers
-    # InfiniGen's first 2 layers read the whole cache: the same share of the layers kept
+    # InfiniGen's first 2 layers read the whole cache: the same share of the layers kept,
+    # but at least layer 0 (it has no previous layer to speculate from)
     base = {"model": model, "layers": layers, "model_layers": full,
-            "infinigen_first_layer": int(2 * layers / full + 0.5)}
+            "infinigen_first_layer": max(1, int(2 * layers / full + 0.5))}
     out = [{**base, "context": c, "batch": 1, "policy": "full"} for c in contexts]
     out.append({**base, "context": max(contexts), "batch": 1, "policy": "infinigen-pages@0.1"})
     out += [{**base, "context": min(contexts), "batch": b, "policy": "full"}
@@ -181,6 +183,12 @@ def main(argv=None) -> int:
                         "(AMX) kernels stop on an illegal instruction")
     p.add_argument("--pause-pid-file", default="/work/notes/accuracy_run.pid")
     p.add_argument("--timeout", type=float, default=590.0, help="seconds per row")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+                   help="run only these rows")
+    p.add_argument("--prefill-dir", default=None,
+                   help="keep prefills there and reuse them (default: a temporary folder)")
+    p.add_argument("--update", action="store_true",
+                   help="merge these rows into the existing results (same row: replaced)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
@@ -196,7 +204,10 @@ def main(argv=None) -> int:
 
     from flexgen_infinigen.weights.embedded import default_cache_dir
 
-    prefills = tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
+    prefills = a.prefill_dir or tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
+    earlier = []
+    if a.update and OUT.with_suffix(".json").is_file():
+        earlier = json.loads(OUT.with_suffix(".json").read_text())["rows"]
     ggufs = a.gguf_dir or tempfile.mkdtemp(prefix="moe-gguf-")
     rows = []
     try:
@@ -205,22 +216,34 @@ def main(argv=None) -> int:
             contexts = [1024, 2048] if a.quick else MODELS[model][1]
             batches = [1] if a.quick else a.batches
             for spec in specs_for(model, layers, contexts, batches):
+                if spec["policy"] not in a.policies:
+                    continue
                 with paused(a.pause_pid_file):
                     spec.update(bandwidth=read_bandwidth(), prefill_dir=prefills)
                     row = in_subprocess(spec, a.timeout)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
                       flush=True)
-                write_outputs(result(rows, a.models), OUT)  # what is done so far, kept
+                # what is done so far, kept
+                write_outputs(result(merged(earlier, rows), a.models), OUT)
             if a.llama_bench:
                 rows += llama_rows(a, model, layers, contexts, ggufs)
-                write_outputs(result(rows, a.models), OUT)
+                write_outputs(result(merged(earlier, rows), a.models), OUT)
     finally:
-        shutil.rmtree(prefills, ignore_errors=True)
+        if a.prefill_dir is None:
+            shutil.rmtree(prefills, ignore_errors=True)
         if a.gguf_dir is None:
             shutil.rmtree(ggufs, ignore_errors=True)
-    write_outputs(result(rows, a.models), OUT)
+    write_outputs(result(merged(earlier, rows), a.models), OUT)
     return 0
+
+
+def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """The earlier rows, each replaced by this run's row of the same configuration."""
+    def key(r):
+        return r["model"], r["policy"], r["context"], r["batch"]
+    new = {key(r) for r in rows}
+    return [r for r in earlier if key(r) not in new] + rows
 
 
 def result(rows: list[dict], models: list[str]) -> dict:
@@ -228,7 +251,8 @@ def result(rows: list[dict], models: list[str]) -> dict:
 
     from flexgen_infinigen.config import get_config
     return {"machine": machine_info(),
-            "models_full_layers": {m: get_config(m).num_layers for m in models},
+            "models_full_layers": {m: get_config(m).num_layers
+                                   for m in sorted({r["model"] for r in rows} | set(models))},
             "shapes": "each model's real layer shapes, fewer layers, vocabulary cut in the "
                       "same ratio; full_model_tokens_s = measured * layers / full layers",
             "weights": "seeded random, 4-bit codes with a float32 scale and minimum per "
