@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--layers", type=int, default=None, help="layers kept (default per model)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="contexts (default per model)")
     p.add_argument("--quick", action="store_true", help="contexts 1024/2048, batch 1 only")
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     p.add_argument("--gguf-dir", default=None, help="keep the random GGUFs there")
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     try:
         for model in a.models:
             layers = a.layers or MODELS[model][0]
-            contexts = [1024, 2048] if a.quick else MODELS[model][1]
+            contexts = [1024, 2048] if a.quick else a.contexts or MODELS[model][1]
             batches = [1] if a.quick else a.batches
             for spec in specs_for(model, layers, contexts, batches):
                 if spec["policy"] not in a.policies:
