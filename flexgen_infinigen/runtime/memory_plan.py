@@ -118,22 +118,20 @@ def _layer_sizes(cfg: ModelConfig) -> tuple[tuple, tuple]:
     return tuple(layer_stages), tuple(layer_experts)
 
 
-def _group_shapes(named) -> list[tuple[tuple, int]]:
-    """((shape, routed expert?, a name of that shape), count) over (name, shape) pairs: a
-    MoE model's tens of thousands of expert matrices come in a few shapes."""
-    counts, first = {}, {}
+def _group_shapes(named, layouts: dict | None = None) -> list[tuple]:
+    """(shape, routed expert?, layout, count) over (name, shape) pairs: a MoE model's tens
+    of thousands of expert matrices come in a few shapes."""
+    counts = {}
     for name, shape in named:
-        key = (tuple(shape), is_expert_weight(name))
+        key = (tuple(shape), is_expert_weight(name), (layouts or {}).get(name))
         counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, name)
-    return [((shape, expert, first[(shape, expert)]), n) for (shape, expert), n in counts.items()]
+    return [(*key, n) for key, n in counts.items()]
 
 
 @functools.lru_cache(maxsize=32)
 def _shape_groups(cfg: ModelConfig) -> tuple:
-    """Every weight as (shape, routed expert?, no layout, count), for the whole model."""
-    named = _weight_shapes(cfg).items()
-    return tuple((shape, expert, None, n) for (shape, expert, _), n in _group_shapes(named))
+    """Every weight of the whole model as (shape, routed expert?, no layout, count)."""
+    return tuple(_group_shapes(_weight_shapes(cfg).items()))
 
 
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
@@ -162,10 +160,8 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     if part is None and not layouts:
         groups = _shape_groups(cfg)
     else:  # layer 0's shapes stay known for the working set below, but count only the part's
-        groups = _group_shapes((name, shape) for name, shape in shapes.items()
-                               if part is None or name in names)
-        groups = [(shape, expert, layouts.get(name), count)
-                  for (shape, expert, name), count in groups]
+        groups = _group_shapes(((name, shape) for name, shape in shapes.items()
+                                if part is None or name in names), layouts)
     weights, experts = [0, 0, 0], [0, 0, 0]
     for shape, expert, layout, count in groups:
         split = policy.expert_split if expert else policy.weight_split
