@@ -37,19 +37,21 @@ def check(binary: str, gguf: str | None) -> tuple[str, str]:
 
 
 def command(binary: str, gguf: str, depths: list[int], threads: int, gen_tokens: int,
-            prefill_tokens: int) -> list[str]:
+            prefill_tokens: int, extra: tuple[str, ...] = ()) -> list[str]:
     return [binary, "-m", gguf, "-t", str(threads), "-r", "1", "-o", "json",
             "-d", ",".join(str(d) for d in depths), "-n", str(gen_tokens),
-            "-p", str(prefill_tokens)]
+            "-p", str(prefill_tokens), *extra]
 
 
 def llama_bench_rows(binary: str, gguf: str, depths: list[int], threads: int,
                      gen_tokens: int = 32, prefill_tokens: int = 512,
-                     timeout: float = 7200, model_label: str | None = None) -> list[dict]:
+                     timeout: float = 7200, model_label: str | None = None,
+                     extra: tuple[str, ...] = ()) -> list[dict]:
     """One row per depth (see the module's docstring); a failed or timed-out run gives rows
-    with an ``error`` instead (never an exception after the check, never a hang)."""
+    with an ``error`` instead (never an exception after the check, never a hang). ``extra``:
+    more llama-bench arguments (``--repack 0``)."""
     binary, gguf = check(binary, gguf)
-    cmd = command(binary, gguf, depths, threads, gen_tokens, prefill_tokens)
+    cmd = command(binary, gguf, depths, threads, gen_tokens, prefill_tokens, extra)
     shown = [Path(binary).name, *cmd[1:2], Path(gguf).name, *cmd[3:]]  # no local folders
     base = {"model": model_label or gguf, "policy": "llama.cpp", "batch": 1,
             "measured_in_run": True, "command": " ".join(shown)}

@@ -153,6 +153,14 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
     _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, **_QWEN25),
     _llama("qwen3-8b", 4096, 36, 32, 8, 12288, **_QWEN3),
     _llama("qwen3-32b", 5120, 64, 64, 8, 25600, **_QWEN3),
+    # mixture of experts (models/moe.py), in their published configs' shapes: for --dummy
+    # weights and planning; the checkpoints load from their Hub folders or GGUF files
+    _llama("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, num_experts=128, experts_per_token=8,
+           expert_intermediate_size=768, norm_topk_prob=True, model_type="qwen3_moe",
+           **_QWEN3),
+    _llama("olmoe-1b-7b", 2048, 16, 16, 16, 1024, vocab=50304, bos=50279, eos=50279, pad=1,
+           num_experts=64, experts_per_token=8, expert_intermediate_size=1024, qk_norm=True,
+           qk_norm_full=True, model_type="olmoe"),
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab=49152, max_pos=8192, theta=100000.0,
            tie=True, bos=1, eos=2, pad=2),
 ]}

@@ -273,9 +273,10 @@ def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypa
 
 
 def test_experts_percent_flag():
-    from flexgen_infinigen.cli.args import add_policy_args, policy_from_args
-    from flexgen_infinigen.config import ConfigError
     import argparse
+
+    from flexgen_infinigen.cli.args import add_policy_args, expert_percent, policy_from_args
+    from flexgen_infinigen.config import ConfigError
 
     p = argparse.ArgumentParser()
     add_policy_args(p)
@@ -285,5 +286,6 @@ def test_experts_percent_flag():
     assert policy_from_args(p.parse_args([]))[0].expert_split == (1.0, 0, 0)
     with pytest.raises(ConfigError, match="sum to at most 100"):
         policy_from_args(p.parse_args(["--experts-percent", "60", "50"]))
-    with pytest.raises(ConfigError, match="percent auto"):
-        policy_from_args(p.parse_args(["--percent", "auto", "--experts-percent", "0", "100"]))
+    # with --percent auto the optimizer keeps the experts' split as given
+    assert expert_percent(p.parse_args(["--percent", "auto", "--experts-percent", "0", "100"])) \
+        == {"expert_gpu_percent": 0, "expert_cpu_percent": 100}

@@ -111,9 +111,6 @@ def expert_percent(a) -> dict:
     given = getattr(a, "experts_percent", None)
     if given is None:
         return {}
-    if [v.lower() for v in a.percent] == ["auto"]:
-        raise ConfigError("--experts-percent with --percent auto: the optimizer does not place "
-                          "experts apart yet; give --percent six numbers")
     return {"expert_gpu_percent": given[0], "expert_cpu_percent": given[1]}
 
 
@@ -158,8 +155,10 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
         base = Policy.from_percent(percent, **switches)
     best, _ = search(cfg, *lengths, hw, base, a.kv_policy, fraction, b, n, item,
                      fixed_placement=percent is not None, weight_reads=weight_reads)
+    experts = best.experts_percent()
     print(f"auto policy ({hw.name} profile): --percent {' '.join(map(str, best.percent()))} "
-          f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
+          + (f"--experts-percent {' '.join(map(str, experts))} " if experts else "")
+          + f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
           f"{best.policy.num_gpu_batches}" + (" --cpu-cache-compute" if
                                                best.policy.cpu_cache_compute else "")
           + f"; predicted {best.prediction['throughput']:.2f} tokens/s")

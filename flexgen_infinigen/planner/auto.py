@@ -98,6 +98,8 @@ def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy
             "--percent", *map(str, plan.percent()),
             "--gpu-batch-size", str(p.gpu_batch_size), "--num-gpu-batches", str(p.num_gpu_batches),
             "--prompt-len", str(prompt_len), "--gen-len", str(gen_len)]
+    if plan.experts_percent() is not None:
+        args += ["--experts-percent", *map(str, plan.experts_percent())]
     for flag, on in (("--cpu-cache-compute", p.cpu_cache_compute),
                      ("--compress-weight", p.compress_weight),
                      ("--compress-cache", p.compress_cache)):
@@ -110,7 +112,8 @@ def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy
 
 def summary(plan: Plan) -> dict:
     pred, p = plan.prediction, plan.policy
-    return {"percent": plan.percent(), "gpu_batch_size": p.gpu_batch_size,
+    return {"percent": plan.percent(), "experts_percent": plan.experts_percent(),
+            "experts": pred.get("experts"), "gpu_batch_size": p.gpu_batch_size,
             "num_gpu_batches": p.num_gpu_batches, "cpu_cache_compute": p.cpu_cache_compute,
             "compress_weight": p.compress_weight, "compress_cache": p.compress_cache,
             "predicted_throughput": pred["throughput"],
@@ -125,8 +128,10 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
     pred, p = plan.prediction, plan.policy
     mem = pred["memory_bytes"]
     limits = {"device": hw.gpu_mem, "host": hw.cpu_mem, "disk": hw.disk_mem}
-    lines = [f"  --percent {' '.join(map(str, plan.percent()))}  --gpu-batch-size "
-             f"{p.gpu_batch_size}  --num-gpu-batches {p.num_gpu_batches}"
+    experts = plan.experts_percent()
+    lines = [f"  --percent {' '.join(map(str, plan.percent()))}"
+             + (f"  --experts-percent {' '.join(map(str, experts))}" if experts else "")
+             + f"  --gpu-batch-size {p.gpu_batch_size}  --num-gpu-batches {p.num_gpu_batches}"
              + ("  --cpu-cache-compute" if p.cpu_cache_compute else ""),
              f"  predicted: {pred['throughput']:.2f} tokens/s overall, "
              f"{pred['decode_throughput']:.2f} tokens/s decoding; "
@@ -137,4 +142,11 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
              "  decode step by resource: " + ", ".join(
                  f"{k} {v * 1e3:.1f} ms" for k, v in pred["decode_terms_s"].items() if v > 0)
              + (" (overlapped: the largest counts)" if pred["overlapped"] else " (summed)")]
+    if pred.get("experts"):
+        e = pred["experts"]
+        lines.append(f"  experts per decode step: {e['coverage_per_step']:.1f} per MoE layer "
+                     f"({e['bytes_per_step'] / GB:.2f} GB, "
+                     f"{e['off_device_bytes_per_step'] / GB:.2f} GB off the device); "
+                     f"the CPU would multiply them where they are in "
+                     f"{e['cpu_compute_s'] * 1e3:.1f} ms (the runtime fetches them)")
     return "\n".join(lines)

@@ -15,7 +15,15 @@ import math
 from ..policy import Policy
 from ..runtime.attention import score_rows
 from .hardware import HardwareProfile
-from .workload import Sizes, Workload, fits, fractions, mean_context, memory_needs
+from .workload import (
+    Sizes,
+    Workload,
+    expert_coverage,
+    fits,
+    fractions,
+    mean_context,
+    memory_needs,
+)
 
 
 def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
@@ -25,6 +33,55 @@ def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
 
 def _matmul(hw: HardwareProfile, m: float, params: float, on_cpu: bool = False) -> float:
     return 2 * m * params / hw.flops(m, on_cpu)
+
+
+def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, tokens: int,
+                 cached: bool = False) -> dict:
+    """Seconds per resource for the routed experts of one step of the block, whose GPU
+    batches of ``tokens`` tokens each (the block's ``num_gpu_batches`` of them) read the
+    union of their experts once (:func:`~.workload.expert_coverage` of all the block's
+    tokens; an expert off the device is fetched by the first token that picks it and kept
+    for the stage). Each GPU batch multiplies its own routed rows. Linear in the expert
+    fractions ``x["eg"]``, ``x["ec"]``, ``x["ed"]``; all zero for a dense model."""
+    cfg, sz = work.cfg, Sizes.of(work, policy)
+    zero = {k: 0.0 for k in ("h2d", "disk_read", "compute")}
+    if not sz.moe_layers:
+        return zero
+    n, k = policy.num_gpu_batches, cfg.experts_per_token
+    read = sz.expert_step_bytes(cfg, n * tokens)  # as stored, per step of the block
+    pieces = 3 * sz.moe_layers * expert_coverage(cfg, n * tokens)  # one copy per matrix
+    off = x["ec"] + x["ed"]
+    r = work.weight_reads
+    per_batch = expert_coverage(cfg, tokens)
+    compute = n * sz.moe_layers * _matmul(hw, tokens * k / per_batch,
+                                          per_batch * sz.expert_params)
+    if policy.compress_weight:  # expanded from 4 bits where they are multiplied
+        compute += r * hw.seconds("dequant", sz.expert_step_bytes(cfg, n * tokens, raw=True),
+                                  pieces)
+    return {"h2d": r * off * hw.seconds("h2d", read, pieces),
+            "disk_read": r * x["ed"] * _disk_read(hw, read, pieces, cached, policy.direct_io),
+            "compute": compute}
+
+
+def expert_cpu_seconds(work: Workload, policy: Policy, hw: HardwareProfile,
+                       tokens: int) -> float:
+    """Seconds for the CPU to multiply one decode step's routed experts where they are held
+    in CPU memory, at the profile's measured CPU matmul rate (each GPU batch's ``tokens``
+    rows, spread over the experts they route to): what computing experts on the host
+    would cost instead of fetching them (``expert_terms``)."""
+    cfg, sz = work.cfg, Sizes.of(work, policy)
+    if not sz.moe_layers:
+        return 0.0
+    per_batch = expert_coverage(cfg, tokens)
+    return policy.num_gpu_batches * sz.moe_layers * _matmul(
+        hw, tokens * cfg.experts_per_token / per_batch, per_batch * sz.expert_params,
+        on_cpu=True)
+
+
+def _add(terms: dict, extra: dict) -> dict:
+    for key, v in extra.items():
+        terms[key] = terms[key] + v
+    return terms
 
 
 def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
@@ -53,7 +110,7 @@ def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     if policy.compress_cache:
         compute += hw.seconds("dequant", n * b * p * sz.kv_token_raw * layers, 2 * n * layers)
     copies, kv_copies = n * sz.num_stages, 2 * n * layers
-    return {"h2d": r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
+    terms = {"h2d": r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
             "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
             + off_h * hw.seconds("d2h", hid, copies),
             "disk_read": x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io)
@@ -61,6 +118,7 @@ def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
                                 for t in sz.weight_tensors),
             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
             "gather": 0.0, "compute": compute, "cpu_compute": 0.0}
+    return _add(terms, expert_terms(work, policy, hw, x, b * p, cached))
 
 
 def _disk_read(hw: HardwareProfile, total: float, pieces: float, cached: bool,
@@ -119,9 +177,10 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
         + x["hd"] * _disk_read(hw, hid, copies, cached, policy.direct_io) \
         + r * x["wd"] * sum(_disk_read(hw, t, 1, cached, policy.direct_io)
                             for t in sz.weight_tensors)
-    return {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
-            "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
-            "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
+    terms = {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
+             "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
+             "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
+    return _add(terms, expert_terms(work, policy, hw, x, b, cached))
 
 
 def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
@@ -197,6 +256,14 @@ def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
     decode_s = step_s * max(work.gen_len - 1, 0)
     tokens = policy.block_size * work.gen_len
     layers = work.cfg.num_layers
+    sz, b = Sizes.of(work, policy), policy.gpu_batch_size
+    experts = {"moe_layers": sz.moe_layers,
+               "coverage_per_step": expert_coverage(work.cfg, policy.block_size),
+               "bytes_per_step": sz.expert_step_bytes(work.cfg, policy.block_size),
+               "off_device_bytes_per_step":
+                   (x["ec"] + x["ed"]) * sz.expert_step_bytes(work.cfg, policy.block_size),
+               "cpu_compute_s": expert_cpu_seconds(work, policy, hw, b)} \
+        if sz.moe_layers else None
     return {"prefill_s": prefill_s, "decode_step_s": step_s, "decode_s": decode_s,
             "total_s": prefill_s + decode_s,
             "throughput": tokens / (prefill_s + decode_s),
@@ -204,4 +271,4 @@ def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
             "decode_layer_s": step_s / layers, "prefill_layer_s": prefill_s / layers,
             "prefill_terms_s": pre, "decode_terms_s": dec, "overlapped": overlapped,
             "disk_from_page_cache": cached and need["disk"] > 0,
-            "memory_bytes": need, "fits": fits(need, hw)}
+            "memory_bytes": need, "fits": fits(need, hw), "experts": experts}

@@ -24,7 +24,7 @@ from .cost import decode_terms, disk_apart, overlaps, predict, prefill_terms
 from .hardware import GB, HardwareProfile
 from .workload import Workload, extra_device_bytes, fractions, mean_context
 
-NAMES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+NAMES = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd", "eg", "ec", "ed")
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 NUM_BATCHES = (1, 2, 4, 8, 16)
 
@@ -39,15 +39,26 @@ class Plan:
         p = self.policy
         return [int(getattr(p, f)) for f in PERCENT_FIELDS]
 
+    def experts_percent(self) -> list[int] | None:
+        """``--experts-percent`` GPU CPU, or None when the experts follow the weights."""
+        p = self.policy
+        if p.expert_gpu_percent is None:
+            return None
+        return [int(p.expert_gpu_percent), int(p.expert_cpu_percent)]
+
 
 def _coefficients(work: Workload, policy: Policy) -> dict[str, float]:
-    """Bytes of weights, cache and activations if all on one tier, and the fixed device need."""
+    """Bytes of weights (routed experts apart), cache and activations if all on one tier,
+    and the fixed device need."""
     everything = dataclasses.replace(policy, w_gpu_percent=100, w_cpu_percent=0,
                                      cache_gpu_percent=100, cache_cpu_percent=0,
-                                     act_gpu_percent=100, act_cpu_percent=0)
+                                     act_gpu_percent=100, act_cpu_percent=0,
+                                     expert_gpu_percent=100, expert_cpu_percent=0)
     need = memory_plan.plan(work.cfg, everything, work.torch_dtype, work.prompt_len,
                             work.gen_len)
-    return {"w": need["weights"]["device"], "c": need["kv_cache"]["device"],
+    experts = need["experts"]["device"]
+    return {"w": need["weights"]["device"] - experts, "e": experts,
+            "c": need["kv_cache"]["device"],
             "h": need["activations"]["device"],
             # weights all on the device are read in place, but the placements searched here
             # offload some: two stages of them are in flight
@@ -81,11 +92,17 @@ def solve_placement(work: Workload, policy: Policy, hw: HardwareProfile,
         return None  # the working space alone does not fit
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {n: prob.add_variable(n, 0, 1) for n in NAMES}
-    for group in ("w", "c", "h"):
+    for group in "wche":
         prob += x[group + "g"] + x[group + "c"] + x[group + "d"] == 1
-    dev = size["fixed"] + sum(size[g] * x[g + "g"] for g in "wch")
-    host = sum(size[g] * x[g + "c"] for g in "wch")
-    disk = sum(size[g] * x[g + "d"] for g in "wch")
+    if not size["e"]:  # a dense model: the (empty) expert share follows the weights
+        for tier in "gcd":
+            prob += x["e" + tier] == x["w" + tier]
+    elif policy.expert_gpu_percent is not None:  # --experts-percent given: kept as given
+        for tier, v in zip("gcd", policy.expert_split):
+            prob += x["e" + tier] == v
+    dev = size["fixed"] + sum(size[g] * x[g + "g"] for g in "wche")
+    host = sum(size[g] * x[g + "c"] for g in "wche")
+    disk = sum(size[g] * x[g + "d"] for g in "wche")
     if hw.shared_memory:
         prob += dev + host <= min(hw.gpu_mem, hw.cpu_mem)
     else:
@@ -133,33 +150,43 @@ def _round_pair(g: float, c: float, mode: int) -> tuple[int, int]:
 
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
                   "act_gpu_percent", "act_cpu_percent")
+EXPERT_FIELDS = ("expert_gpu_percent", "expert_cpu_percent")
 
 
-def _candidates(frac: dict) -> list[list[int]]:
-    """Whole-percentage placements near the LP's fractions.
+def _candidates(frac: dict, groups: str = "wch") -> list[list[int]]:
+    """Whole-percentage placements near the LP's fractions, two numbers per group in
+    ``groups`` (``e``: the routed experts, after the six of ``--percent``).
 
     Roundings of each (GPU, CPU) pair, with the GPU share stepped down a little in case
     rounding overfills it, and each group moved whole to one of the tiers the LP used: a
     tensor split across tiers is joined after every read, which the LP does not price.
     """
     per_group = []
-    for group in "wch":
+    for group in groups:
         g, c, d = frac[group + "g"], frac[group + "c"], frac[group + "d"]
-        options = {_round_pair(g, c, mode) for mode in (0, 1, 2, 3)}
         gp, cp = _round_pair(g, c, 0)
-        options |= {(max(0, gp - shift), cp + min(shift, gp)) for shift in (2, 10)}
+        if group == "e":  # the experts' share: floored, or whole on one tier (the product of
+            options = {(gp, cp)}  # the four groups' options is what the candidates cost)
+        else:
+            options = {_round_pair(g, c, mode) for mode in (0, 1, 2, 3)}
+            options |= {(max(0, gp - shift), cp + min(shift, gp)) for shift in (2, 10)}
         for share, whole in ((g, (100, 0)), (c, (0, 100)), (d, (0, 0))):
             if share > 0.005:
                 options.add(whole)
         per_group.append(sorted(options))
-    return [list(w + c + h) for w in per_group[0] for c in per_group[1] for h in per_group[2]]
+    out = [[]]
+    for options in per_group:
+        out = [pct + list(pair) for pct in out for pair in options]
+    return out
 
 
 def to_policy(frac: dict, policy: Policy, work: Workload, hw: HardwareProfile) -> Policy | None:
-    """The predicted-fastest whole-percentage policy near the LP fractions that fits."""
+    """The predicted-fastest whole-percentage policy near the LP fractions that fits; a MoE
+    model's routed experts placed apart (``--experts-percent``) unless the policy fixed it."""
     best, best_t = None, math.inf
-    for pct in _candidates(frac):
-        cand = dataclasses.replace(policy, **dict(zip(PERCENT_FIELDS, pct)))
+    apart = work.cfg.num_experts > 0 and policy.expert_gpu_percent is None
+    for pct in _candidates(frac, "wche" if apart else "wch"):
+        cand = dataclasses.replace(policy, **dict(zip(PERCENT_FIELDS + EXPERT_FIELDS, pct)))
         pred = predict(work, cand, hw)
         if pred["fits"] and pred["total_s"] < best_t:
             best, best_t = cand, pred["total_s"]
@@ -170,7 +197,7 @@ def smallest_need(work: Workload, policy: Policy) -> tuple[float, float]:
     """(bytes across all tiers, bytes the device needs) at batch 1 with everything placed."""
     one = dataclasses.replace(policy, gpu_batch_size=1, num_gpu_batches=1)
     size = _coefficients(work, one)
-    return size["w"] + size["c"] + size["h"] + size["fixed"], size["fixed"]
+    return size["w"] + size["e"] + size["c"] + size["h"] + size["fixed"], size["fixed"]
 
 
 def check_capacity(work: Workload, hw: HardwareProfile, base: Policy) -> None:

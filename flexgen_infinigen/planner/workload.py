@@ -9,6 +9,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
+from ..models.moe import is_expert_weight, is_moe_layer
 from ..policy import Policy
 from ..runtime import memory_plan
 from ..runtime.compression import stored_bytes
@@ -69,13 +70,19 @@ class Sizes:
     """Byte and flop counts of one model under one dtype and compression setting."""
 
     weights_step: float  # weight bytes loaded per step, as stored (the tied embedding twice)
-    weight_tensors: tuple  # stored bytes of each tensor loaded per step
+    weight_tensors: tuple  # stored bytes of each tensor loaded per step (routed experts apart)
     weights_step_raw: float  # the same, decompressed
-    layer_params: float  # matmul parameters of one layer
+    layer_params: float  # matmul parameters of one layer (a MoE layer's router, no expert)
     head_params: float
     kv_token: float  # K+V bytes of one token in one layer, as stored
     kv_token_raw: float
     num_stages: int
+    # mixture of experts: layers with routed experts, and one expert's three matrices in
+    # bytes as stored, decompressed, and in parameters (all 0 for a dense model)
+    moe_layers: int = 0
+    expert_bytes: float = 0.0
+    expert_bytes_raw: float = 0.0
+    expert_params: float = 0.0
 
     @classmethod
     def of(cls, work: Workload, policy: Policy) -> "Sizes":
@@ -86,17 +93,40 @@ class Sizes:
         cfg, item = work.cfg, work.dtype_bytes
         shapes = family_of(cfg).weight_shapes(cfg)
         stages = build_stages(cfg, policy.sep_layer)
+        dense = [full for stage in stages for full in stage.weights.values()
+                 if not is_expert_weight(full)]
         tensors = tuple(stored_bytes(shapes[full], item, policy.compress_weight)
-                        for stage in stages for full in stage.weights.values())
-        raw = sum(math.prod(shapes[full]) * item
-                  for stage in stages for full in stage.weights.values())
+                        for full in dense)
+        raw = sum(math.prod(shapes[full]) * item for full in dense)
         layer = sum(math.prod(s) for n, s in shapes.items()
-                    if n.startswith("layers.0.") and len(s) == 2)
+                    if n.startswith("layers.0.") and len(s) == 2 and not is_expert_weight(n))
         kv_raw = 2 * cfg.kv_dim * item
         # one token's row of the cache, as stored ([tokens, KV heads, head_dim] per K and V)
         kv = 2 * stored_bytes((cfg.num_kv_heads, cfg.head_dim), item, policy.compress_cache)
+        moe = [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
+        one = [shapes[f"layers.{moe[0]}.experts.0.{m}_proj.weight"]
+               for m in ("gate", "up", "down")] if moe else []
         return cls(sum(tensors), tensors, raw, layer, cfg.vocab_size * cfg.hidden_size, kv, kv_raw,
-                   len(stages))
+                   len(stages), len(moe),
+                   sum(stored_bytes(s, item, policy.compress_weight) for s in one),
+                   sum(math.prod(s) for s in one) * item, sum(math.prod(s) for s in one))
+
+    def expert_step_bytes(self, cfg: ModelConfig, tokens: float, raw: bool = False) -> float:
+        """Routed-expert bytes one step of ``tokens`` tokens reads (the union of their
+        experts in each MoE layer, :func:`expert_coverage`), as stored or decompressed."""
+        per = self.expert_bytes_raw if raw else self.expert_bytes
+        return self.moe_layers * expert_coverage(cfg, tokens) * per
+
+
+def expert_coverage(cfg: ModelConfig, tokens: float) -> float:
+    """Expected distinct experts that ``tokens`` tokens route to in one MoE layer, each
+    choosing ``k`` of ``E`` experts: E * (1 - (1 - k/E)^tokens). Exact for routing where
+    each token's k experts are a uniform draw: an expert is missed by one token with
+    probability 1 - k/E, and by all of them independently. 0 for a dense model."""
+    e, k = cfg.num_experts, cfg.experts_per_token
+    if e <= 0 or tokens <= 0:
+        return 0.0
+    return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,8 +141,11 @@ def _plan(work: Workload, policy: Policy) -> dict:
 
 
 def fractions(policy: Policy) -> dict[str, float]:
-    return dict(zip(("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd"),
-                    policy.weight_split + policy.cache_split + policy.act_split))
+    """Shares on (GPU, CPU, disk) of the weights (w), cache (c), activations (h) and routed
+    experts (e: as the weights unless ``--experts-percent`` places them apart)."""
+    return dict(zip(("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd", "eg", "ec", "ed"),
+                    policy.weight_split + policy.cache_split + policy.act_split
+                    + policy.expert_split))
 
 
 def mean_context(work: Workload) -> float:

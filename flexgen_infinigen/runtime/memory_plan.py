@@ -6,6 +6,7 @@ second with one line that says which tier is short and what to change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -95,6 +96,44 @@ def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
     return max(layer, table) * item
 
 
+@functools.lru_cache(maxsize=32)
+def _weight_shapes(cfg: ModelConfig) -> dict:
+    return family_of(cfg).weight_shapes(cfg)
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_sizes(cfg: ModelConfig) -> tuple[tuple, tuple]:
+    """Each layer's (attention, MLP) weights in elements, and its routed experts apart: a MoE
+    model may mix dense and expert layers; experts are read while their stage computes (a
+    prefill may route to all of a layer's), not prefetched with the next stage."""
+    shapes = _weight_shapes(cfg)
+    layer_stages, layer_experts = [], []
+    for i in range(cfg.num_layers):
+        names = family_of(cfg).stage_weights(cfg, i)
+        size = {n: math.prod(shapes[f"layers.{i}.{n}"]) for k in ("attn", "mlp")
+                for n in names[k]}
+        layer_stages.append(tuple(sum(size[n] for n in names[k] if not is_expert_weight(n))
+                                  for k in ("attn", "mlp")))
+        layer_experts.append(sum(v for n, v in size.items() if is_expert_weight(n)))
+    return tuple(layer_stages), tuple(layer_experts)
+
+
+def _group_shapes(named, layouts: dict | None = None) -> list[tuple]:
+    """(shape, routed expert?, layout, count) over (name, shape) pairs: a MoE model's tens
+    of thousands of expert matrices come in a few shapes."""
+    counts = {}
+    for name, shape in named:
+        key = (tuple(shape), is_expert_weight(name), (layouts or {}).get(name))
+        counts[key] = counts.get(key, 0) + 1
+    return [(*key, n) for key, n in counts.items()]
+
+
+@functools.lru_cache(maxsize=32)
+def _shape_groups(cfg: ModelConfig) -> tuple:
+    """Every weight of the whole model as (shape, routed expert?, no layout, count)."""
+    return tuple(_group_shapes(_weight_shapes(cfg).items()))
+
+
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
          gen_len: int, kv=None, part=None, device: torch.device | None = None,
          layouts: dict[str, tuple[int, int]] | None = None) -> dict[str, dict[str, int]]:
@@ -110,32 +149,26 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     if layouts:
         policy = dataclasses.replace(policy, compress_weight=False)
     in_place = _packed_in_place(policy, device, bool(layouts))
-    shapes = family_of(cfg).weight_shapes(cfg)
-    # each layer's (attention, MLP) weights in elements, and its routed experts apart: a MoE
-    # model may mix dense and expert layers; experts are read while their stage computes (a
-    # prefill may route to all of a layer's), not prefetched with the next stage
-    layer_stages, layer_experts = [], []
-    for i in range(cfg.num_layers):
-        names = family_of(cfg).stage_weights(cfg, i)
-        size = {n: math.prod(shapes[f"layers.{i}.{n}"]) for k in ("attn", "mlp")
-                for n in names[k]}
-        layer_stages.append([sum(size[n] for n in names[k] if not is_expert_weight(n))
-                             for k in ("attn", "mlp")])
-        layer_experts.append(sum(v for n, v in size.items() if is_expert_weight(n)))
+    shapes = _weight_shapes(cfg)  # read only
+    layer_stages, layer_experts = _layer_sizes(cfg)
     ends = head = True
     if part is not None:
         names = part.weight_names(cfg)
         shapes = {n: s for n, s in shapes.items() if n in names or n.startswith("layers.0.")}
         ends, head = part.embed or part.head, part.head
         cfg = dataclasses.replace(cfg, num_layers=len(part.layers))
-    weights = [0, 0, 0]
-    for name, shape in shapes.items():
-        if part is not None and name not in names:
-            continue  # layer 0's shapes stay known for the working set below
-        split = policy.expert_split if is_expert_weight(name) else policy.weight_split
+    if part is None and not layouts:
+        groups = _shape_groups(cfg)
+    else:  # layer 0's shapes stay known for the working set below, but count only the part's
+        groups = _group_shapes(((name, shape) for name, shape in shapes.items()
+                                if part is None or name in names), layouts)
+    weights, experts = [0, 0, 0], [0, 0, 0]
+    for shape, expert, layout, count in groups:
+        split = policy.expert_split if expert else policy.weight_split
         for t, n in enumerate(_split_bytes(shape, 0, split, item,
-                                           policy.compress_weight, layouts.get(name))):
-            weights[t] += n
+                                           policy.compress_weight, layout)):
+            weights[t] += n * count
+            experts[t] += n * count if expert else 0
     b, max_len = policy.gpu_batch_size, prompt_len + gen_len
     cache_shape = (max_len, b * cfg.num_kv_heads, cfg.head_dim)
     per_cache = _split_bytes(cache_shape, 1, policy.cache_split, item, policy.compress_cache)
@@ -181,7 +214,9 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # checked by ``check_fit`` on top of the totals (the placement optimizer's linear
     # program cannot express a power of two or a share of the total)
     headroom = int(ALLOCATOR_HEADROOM * totals[DEVICE])
-    return {"weights": dict(zip(TIERS, weights)), "kv_cache": dict(zip(TIERS, cache)),
+    # "weights" holds every weight; "experts" the routed experts' part of it
+    return {"weights": dict(zip(TIERS, weights)), "experts": dict(zip(TIERS, experts)),
+            "kv_cache": dict(zip(TIERS, cache)),
             "activations": dict(zip(TIERS, act)), "working_set_device": working,
             # two stages of weights in flight (in ``working`` unless the weights are resident)
             "stage_copies_if_offloaded": stage_copies,

@@ -1,0 +1,292 @@
+"""Mixture-of-experts decode on this CPU: tokens/s beside the step's must-read bound, the
+full cache against InfiniGen at long context, and llama.cpp on a GGUF of the same shapes,
+in one run.
+
+    python benchmarks/moe_decode.py                       # Qwen3-30B-A3B and OLMoE-1B-7B shapes
+    python benchmarks/moe_decode.py --models olmoe-1b-7b --quick
+    python benchmarks/moe_decode.py --llama-bench PATH/llama-bench
+
+Weights are seeded random (``--dummy``) in the registry configs' shapes, kept in 4 bits
+(``--compress-weight``: codes plus a scale and a minimum per group of 32, multiplied as
+stored); the KV cache is float32 in CPU memory (``--percent 100 0 0 100 100 0``). Whole
+models do not fit this machine's memory next to other work, so each model keeps its real
+layer shapes but fewer layers (``--layers``), and its vocabulary is cut in the same ratio:
+every share of what a step reads (head, layers, KV) is then the full model's, and the full
+model's tokens/s is the measured rate times layers/full layers (``full_model_tokens_s``).
+
+A step's **bound** is what it must read over the bandwidth measured just before each row
+(one large ``sum``, all threads): the dense weights once (the embedding only looked up), the
+routed experts the step's tokens use (E(1-(1-k/E)^B) of a layer's E experts at batch B,
+as stored), and the KV rows (InfiniGen: its speculation keys and the rows it selects).
+
+llama.cpp: ``--llama-bench`` times its ``llama-bench`` (one stream, each context as its
+depth) on a GGUF of the same cut shapes with random Q4_0 codes (``random_gguf.py``),
+written under ``--gguf-dir`` (default a temporary folder, deleted at the end).
+
+Timing shares the machine: a long run whose process group id is in
+``/work/notes/accuracy_run.pid`` (``--pause-pid-file``) is stopped for each row and resumed
+right after, also on an error. Writes ``benchmarks/results/moe_decode.{json,md,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout, not an install
+OUT = ROOT / "benchmarks" / "results" / "moe_decode"
+# model -> layers kept, contexts; InfiniGen at the longest, batch 8 at the shortest
+MODELS = {"qwen3-30b-a3b": (2, [4096, 16384]), "olmoe-1b-7b": (2, [4096, 8192])}
+POLICIES = {"full": ("full", None),
+            "infinigen-pages@0.1": ("infinigen", {"speculation_keys": "pages16",
+                                                  "max_kv_fraction": 0.1})}
+GEN = 8
+
+
+def cut_config(name: str, layers: int, max_len: int):
+    """The registry model with ``layers`` layers and the vocabulary cut in that ratio, its
+    positions raised to ``max_len`` where the published config has fewer."""
+    from flexgen_infinigen.config import get_config
+
+    full = get_config(name)
+    vocab = round(full.vocab_size * layers / full.num_layers / 64) * 64
+    return dataclasses.replace(full, name=f"{name}-{layers}-of-{full.num_layers}-layers",
+                               num_layers=layers, vocab_size=vocab,
+                               max_positions=max(full.max_positions, max_len))
+
+
+def run_one(spec: dict) -> dict:
+    """One row in this process: load, prefill (or read it back), decode; speed and bound."""
+    import resource
+
+    from long_context import kv_read_bytes
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.config import KNOWN_MODELS
+    from flexgen_infinigen.models.moe import is_expert_weight
+    from flexgen_infinigen.planner.workload import expert_coverage
+    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+
+    ctx, b = spec["context"], spec["batch"]
+    cfg = cut_config(spec["model"], spec["layers"], ctx + GEN)
+    KNOWN_MODELS[cfg.name] = cfg
+    kv, options = POLICIES[spec["policy"]]
+    if kv == "infinigen":  # the full model's share of layers that read the whole cache
+        spec["infinigen_first_layer"] = max(1, spec["infinigen_first_layer"])
+        options = {**options, "first_layer": spec["infinigen_first_layer"]}
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
+                                 compress_weight=True)
+    with OffloadedLM.load(model=cfg.name, dummy=True, policy=policy, kv_policy=kv,
+                          kv_options=options, max_len_hint=(ctx, GEN), progress=False) as lm:
+        gen = torch.Generator().manual_seed(ctx + b)
+        prompts = [torch.randint(3, cfg.vocab_size, (ctx,), generator=gen).tolist()
+                   for _ in range(b)]
+        out = lm.generate(prompts, GEN, stop_token_id=None,
+                          prefill_cache=PrefillCache(spec["prefill_dir"]))
+        report = lm.engine.kv_policy.report()
+        steps = out.step_times[1:]
+        step = statistics.median(steps[2:] if len(steps) > 4 else steps)
+        held = {n: sum(t.bytes_by_tier().values()) for n, t in lm.engine.weights.items()}
+        kv_bytes = kv_read_bytes(lm, report, b, ctx + GEN / 2, False)
+    dense = sum(v for n, v in held.items() if not is_expert_weight(n) and n != "embed.weight")
+    one_expert = sum(v for n, v in held.items() if n.startswith("layers.0.experts.0."))
+    active = cfg.num_layers * expert_coverage(cfg, b)
+    experts = active * one_expert
+    must = dense + experts + kv_bytes
+    full_layers = int(spec["model_layers"])
+    return {**spec, "model_name": cfg.name, "vocab_size_cut": cfg.vocab_size,
+            "prefill_shared": out.prefills_reused > 0,
+            "prefill_s": None if out.prefills_reused else out.prefill_latency_s,
+            "decode_step_s": step, "decode_tokens_s": b / step,
+            "full_model_tokens_s": b / step * cfg.num_layers / full_layers,
+            "active_experts_per_layer": active / cfg.num_layers,
+            "must_read_bytes": {"dense_weights": dense, "experts": experts, "kv": kv_bytes},
+            "bound_s": must / spec["bandwidth"], "step_over_bound": step * spec["bandwidth"] / must,
+            "kv_fetch_fraction": report.get("kv_fetch_fraction", 1.0),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+@contextlib.contextmanager
+def paused(pid_file: str | None):
+    """Stop the process group in ``pid_file`` (if it runs) and resume it on leaving, also on
+    an error or a SIGTERM/SIGINT."""
+    group = None
+    if pid_file and Path(pid_file).is_file():
+        with contextlib.suppress(ValueError, OSError):
+            group = int(Path(pid_file).read_text().split()[0])
+            os.killpg(group, signal.SIGSTOP)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield group
+    finally:
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGCONT)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def in_subprocess(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--one", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        lines = (proc.stderr or "").strip().splitlines()
+        return {**spec, "error": lines[-1] if lines else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) -> list[dict]:
+    """Batch 1 with the full cache at every context, InfiniGen at the longest (after the
+    full cache, whose prefill it reads back), the larger batches at the shortest."""
+    from flexgen_infinigen.config import get_config
+
+    full = get_config(model).num_layers
+    # InfiniGen's first 2 layers read the whole cache: the same share of the layers kept,
+    # but at least layer 0 (it has no previous layer to speculate from)
+    base = {"model": model, "layers": layers, "model_layers": full,
+            "infinigen_first_layer": max(1, int(2 * layers / full + 0.5))}
+    out = [{**base, "context": c, "batch": 1, "policy": "full"} for c in contexts]
+    out.append({**base, "context": max(contexts), "batch": 1, "policy": "infinigen-pages@0.1"})
+    out += [{**base, "context": min(contexts), "batch": b, "policy": "full"}
+            for b in batches if b > 1]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="layers kept (default per model)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="contexts (default per model)")
+    p.add_argument("--quick", action="store_true", help="contexts 1024/2048, batch 1 only")
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    p.add_argument("--gguf-dir", default=None, help="keep the random GGUFs there")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-bench arguments, e.g. '--repack 0' where its repacked "
+                        "(AMX) kernels stop on an illegal instruction")
+    p.add_argument("--pause-pid-file", default="/work/notes/accuracy_run.pid")
+    p.add_argument("--timeout", type=float, default=590.0, help="seconds per row")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+                   help="run only these rows")
+    p.add_argument("--prefill-dir", default=None,
+                   help="keep prefills there and reuse them (default: a temporary folder)")
+    p.add_argument("--update", action="store_true",
+                   help="merge these rows into the existing results (same row: replaced)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(run_one(json.loads(a.one))))
+        return 0
+    if a.llama_bench:
+        from llama_cpp import check
+        check(a.llama_bench, __file__)  # the binary, before any long work
+    import shutil
+
+    from long_context import read_bandwidth
+    from moe_decode_report import write_outputs
+
+    from flexgen_infinigen.weights.embedded import default_cache_dir
+
+    prefills = a.prefill_dir or tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
+    earlier = []
+    if a.update and OUT.with_suffix(".json").is_file():
+        earlier = json.loads(OUT.with_suffix(".json").read_text())["rows"]
+    ggufs = a.gguf_dir or tempfile.mkdtemp(prefix="moe-gguf-")
+    rows = []
+    try:
+        for model in a.models:
+            layers = a.layers or MODELS[model][0]
+            contexts = [1024, 2048] if a.quick else a.contexts or MODELS[model][1]
+            batches = [1] if a.quick else a.batches
+            for spec in specs_for(model, layers, contexts, batches):
+                if spec["policy"] not in a.policies:
+                    continue
+                with paused(a.pause_pid_file):
+                    spec.update(bandwidth=read_bandwidth(), prefill_dir=prefills)
+                    row = in_subprocess(spec, a.timeout)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
+                      flush=True)
+                # what is done so far, kept
+                write_outputs(result(merged(earlier, rows), a.models), OUT)
+            if a.llama_bench:
+                rows += llama_rows(a, model, layers, contexts, ggufs)
+                write_outputs(result(merged(earlier, rows), a.models), OUT)
+    finally:
+        if a.prefill_dir is None:
+            shutil.rmtree(prefills, ignore_errors=True)
+        if a.gguf_dir is None:
+            shutil.rmtree(ggufs, ignore_errors=True)
+    write_outputs(result(merged(earlier, rows), a.models), OUT)
+    return 0
+
+
+def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """The earlier rows, each replaced by this run's row of the same configuration."""
+    def key(r):
+        return r["model"], r["policy"], r["context"], r["batch"]
+    new = {key(r) for r in rows}
+    return [r for r in earlier if key(r) not in new] + rows
+
+
+def result(rows: list[dict], models: list[str]) -> dict:
+    from machine import machine_info
+
+    from flexgen_infinigen.config import get_config
+    return {"machine": machine_info(),
+            "models_full_layers": {m: get_config(m).num_layers
+                                   for m in sorted({r["model"] for r in rows} | set(models))},
+            "shapes": "each model's real layer shapes, fewer layers, vocabulary cut in the "
+                      "same ratio; full_model_tokens_s = measured * layers / full layers",
+            "weights": "seeded random, 4-bit codes with a float32 scale and minimum per "
+                       "group of 32 (6 bits a parameter), multiplied as stored",
+            "kv_cache": "float32, in CPU memory", "generated_tokens": GEN, "rows": rows}
+
+
+def llama_rows(a, model: str, layers: int, contexts: list[int], folder: str) -> list[dict]:
+    """llama-bench on a random-Q4_0 GGUF of the same cut shapes, each context a depth."""
+    from llama_cpp import llama_bench_rows
+    from long_context import read_bandwidth
+    from random_gguf import write_random_gguf
+
+    from flexgen_infinigen.config import get_config
+
+    cfg = cut_config(model, layers, max(contexts) + 64)
+    path = str(Path(folder) / f"{cfg.name}.gguf")
+    if not Path(path).is_file():
+        write_random_gguf(cfg, path)
+    with paused(a.pause_pid_file):
+        bandwidth = read_bandwidth()
+        rows = llama_bench_rows(a.llama_bench, path, contexts, torch.get_num_threads(),
+                                gen_tokens=16, prefill_tokens=0, timeout=a.timeout,
+                                model_label=cfg.name, extra=tuple(a.llama_args.split()))
+    for row in rows:
+        row.update(model=model, layers=layers, bandwidth=bandwidth, policy="llama.cpp",
+                   model_layers=get_config(model).num_layers, gguf="random Q4_0 codes")
+        if "decode_tokens_s" in row:
+            row["full_model_tokens_s"] = row["decode_tokens_s"] * layers / row["model_layers"]
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
