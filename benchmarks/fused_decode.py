@@ -112,7 +112,7 @@ def short_case(a, pause, spent) -> dict:
     rows = [_summary(name, got, a.prompt) for name, got in runs.items()]
     if a.llama_bench:
         rows += llama_bench(a.llama_bench, a.gguf, a.prompt, a.threads, pause,
-                            not a.llama_no_depth)
+                            not a.llama_no_depth, tuple(a.llama_args.split()))
     return {"prompt_tokens": a.prompt, "prompt_source": source, "steps": a.steps,
             "same_tokens": same, "rows": rows}
 
@@ -128,7 +128,7 @@ def _summary(name: str, runs: list[dict], prompt: int, **extra) -> dict:
 
 
 def llama_bench(binary: str, gguf: str, prompt: int, threads: int, pause,
-                depth_works: bool = True) -> list[dict]:
+                depth_works: bool = True, extra: tuple[str, ...] = ()) -> list[dict]:
     """llama-bench's decode after ``prompt`` cached tokens and its ``prompt``-token prefill,
     flash attention on. Without ``depth_works`` (a build that stops on ``-d``), its decode
     from an empty cache: an upper bound of its rate after ``prompt`` tokens."""
@@ -140,7 +140,7 @@ def llama_bench(binary: str, gguf: str, prompt: int, threads: int, pause,
     for what, args in (("decode", ["-p", "0", "-n", "32", *depth]),
                        ("prefill", ["-p", str(prompt), "-n", "0"])):
         cmd = [binary, "-m", gguf, "-t", str(threads), "-r", "3", "-o", "json", "-fa", "1",
-               *args]
+               *args, *extra]
         with paused(pause):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -282,6 +282,8 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", default=str(GGUF), help="the GGUF llama-bench reads")
     p.add_argument("--llama-no-depth", action="store_true",
                    help="llama-bench's decode from an empty cache (for a build that stops on -d)")
+    p.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. "
+                   "'--repack 0' for a build whose repacked kernels stop on this CPU")
     p.add_argument("--data-dir", default=None, help="folder with wikitext2_test.txt (default: "
                    "../shared/data)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
