@@ -8,8 +8,11 @@ perplexity against the float32 store of the same weights.
   ``--tmp``; converted in a fresh process whose peak resident memory above its imports is
   recorded, then both deleted).
 - Decode tokens/s of the default model at batch 1 after a ~900-token prompt: from its Q4_1
-  codes, from the float32 store of the same (dequantized) weights, and from that float
-  store with ``--compress-weight``; the three loaded at once and run in turn, repeated.
+  codes (scales and minima held as float16, exact for Q4_1), from the same codes with
+  float32 scales and minima (the form before 16-bit factors, for a side-by-side
+  comparison), from the float32 store of the same (dequantized) weights, and from that
+  float store with ``--compress-weight``; all loaded at once and run in turn, repeated,
+  with each one's weight bytes in memory.
 - WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three.
 
     python benchmarks/gguf_store.py                   # all of it (minutes; 5 GB of /tmp)
@@ -152,16 +155,32 @@ def write_8b(path: Path, layers: int = 32) -> None:
 
 # --- decode speed and perplexity ----------------------------------------------------------
 
+WIDE = "codes (Q4_1), float32 factors"
+
+
+def _load(path, compress: bool, wide: bool):
+    """The model at ``path``; ``wide``: its codes' scales and minima kept as float32 (the
+    float16 check answering no), as before 16-bit factors."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.weights import gguf_codes
+
+    with mock.patch.object(gguf_codes, "half_exact", lambda *_: False) if wide \
+            else nullcontext():
+        return OffloadedLM.load(path=path, policy=Policy(compress_weight=compress),
+                                progress=False)
+
+
 def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -> dict:
     import torch
 
-    from flexgen_infinigen import OffloadedLM, Policy
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     text = WIKI.read_text(encoding="utf-8")
-    lms = {name: OffloadedLM.load(path=path, policy=Policy(compress_weight=cw),
-                                  progress=False)
-           for name, (path, cw) in stores.items()}
+    lms = {name: _load(path, cw, name == WIDE) for name, (path, cw) in stores.items()}
+    weight_bytes = {name: sum(lm.weight_bytes_by_tier().values()) for name, lm in lms.items()}
     tok = load_tokenizer(stores["codes (Q4_1)"][0], next(iter(lms.values())).cfg)
     prompt = tok.encode(text[:20000])[:prompt_tokens]
     runs: dict[str, list] = {name: [] for name in lms}
@@ -176,7 +195,7 @@ def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -
         lm.close()
     rates = {n: [r["decode_tokens_per_s"] for r in rs] for n, rs in runs.items()}
     return {"prompt_tokens": len(prompt), "gen_len": gen_len, "repeats": repeats,
-            "threads": torch.get_num_threads(), "runs": runs,
+            "threads": torch.get_num_threads(), "runs": runs, "weight_bytes": weight_bytes,
             "median_tokens_per_s": {n: float(np.median(r)) for n, r in rates.items()}}
 
 
@@ -219,15 +238,18 @@ def markdown(r: dict) -> str:
         base = d["median_tokens_per_s"]["float32 store"]
         lines += ["", "## Decode speed, the default model", "",
                   f"Batch 1, a {d['prompt_tokens']}-token WikiText-2 prompt, {d['gen_len']} "
-                  f"tokens, {d['threads']} threads; the three loaded at once and run in turn, "
-                  f"{d['repeats']} times (median, and the range).", "",
-                  "| weights | decode tokens/s | range | vs float32 store | prefill s (median) |",
-                  "|---|---|---|---|---|"]
+                  f"tokens, {d['threads']} threads; all loaded at once and run in turn, "
+                  f"{d['repeats']} times (median, and the range). Weights MiB: their bytes "
+                  "in memory as placed.", "",
+                  "| weights | weights MiB | decode tokens/s | range | vs float32 store | "
+                  "prefill s (median) |", "|---|---|---|---|---|---|"]
         for name, rs in d["runs"].items():
             rates = [x["decode_tokens_per_s"] for x in rs]
             med = d["median_tokens_per_s"][name]
             prefill = float(np.median([x["prefill_s"] for x in rs]))
-            lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
+            mib = d.get("weight_bytes", {}).get(name)
+            mib = f"{mib / 2**20:.1f}" if mib else "-"
+            lines.append(f"| {name} | {mib} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
                          f"{med / base:.2f}x | {prefill:.2f} |")
     p = r.get("perplexity")
     if p and "float32 store" in p:
@@ -319,8 +341,8 @@ def main() -> None:
     from flexgen_infinigen.weights.hf_reference import float_store
 
     floats = float_store(codes, work / "smollm2-float32")
-    stores = {"codes (Q4_1)": (codes, False), "float32 store": (floats, False),
-              "float32 + --compress-weight": (floats, True)}
+    stores = {"codes (Q4_1)": (codes, False), WIDE: (codes, False),
+              "float32 store": (floats, False), "float32 + --compress-weight": (floats, True)}
     save(r, a.out)  # after each part: a long run cut short keeps what it measured
     if a.repeats:
         r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
@@ -328,6 +350,8 @@ def main() -> None:
     if a.ppl_windows:
         r["perplexity"] = {}
         for name, (path, cw) in stores.items():
+            if name == WIDE:  # the same values as the float16 factors: the same outputs
+                continue
             r["perplexity"][name] = perplexity(path, cw, a.ppl_windows, 512, 256)
             save(r, a.out)
     subprocess.run(["rm", "-rf", str(work)], check=True)
