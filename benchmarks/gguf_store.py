@@ -13,7 +13,11 @@ perplexity against the float32 store of the same weights.
   comparison), from the float32 store of the same (dequantized) weights, and from that
   float store with ``--compress-weight``; all loaded at once and run in turn, repeated,
   with each one's weight bytes in memory.
-- WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three.
+- A decode step's linear layers alone (every coded matrix of the default model once, batch
+  1, its own codes) with float16 and with float32 factors, the two alternated; the minimum
+  over the repeats is the least disturbed by other work on the machine.
+- WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three
+  stores (the float32-factor codes hold the same values as the float16 ones).
 
     python benchmarks/gguf_store.py                   # all of it (minutes; 5 GB of /tmp)
     python benchmarks/gguf_store.py --skip-8b         # no 8B file
@@ -199,6 +203,36 @@ def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -
             "median_tokens_per_s": {n: float(np.median(r)) for n, r in rates.items()}}
 
 
+def kernel_step(store: Path, repeats: int) -> dict:
+    """Seconds of one step's coded products (``cpu_layers.linear`` on each coded matrix,
+    one row of x) with float16 factors and with the same values in float32, alternated."""
+    import torch
+
+    from flexgen_infinigen.runtime import cpu_layers
+    from flexgen_infinigen.runtime.compression import Packed, PackedWeight
+    from flexgen_infinigen.weights.store import WeightStore
+
+    ws = WeightStore(store)
+    packs = [ws.packed(n) for n in ws.tensors if ws.layout(n) is not None]
+    forms = {"float16 factors": [PackedWeight(p, torch.float32) for p in packs],
+             "float32 factors": [PackedWeight(Packed(p.codes, p.scale.float(),
+                                                     p.minimum.float(), p.shape))
+                                 for p in packs]}
+    gen = torch.Generator().manual_seed(0)
+    xs = {p.shape[1]: torch.randn(1, p.shape[1], generator=gen) for p in packs}
+    seconds: dict[str, list] = {f: [] for f in forms}
+    for _ in range(repeats + 1):
+        for form, weights in forms.items():
+            start = time.perf_counter()
+            for w in weights:
+                cpu_layers.linear(xs[w.shape[1]], w)
+            seconds[form].append(time.perf_counter() - start)
+    return {"repeats": repeats, "matrices": len(packs),
+            "threads": torch.get_num_threads(),
+            "seconds": {f: s[1:] for f, s in seconds.items()},  # the first warms up
+            "bytes": {f: sum(w.packed.nbytes for w in ws_) for f, ws_ in forms.items()}}
+
+
 def perplexity(path: Path, compress: bool, windows: int, seq: int, prefill: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "flexgen_infinigen.eval", "perplexity", "--path",
@@ -251,6 +285,19 @@ def markdown(r: dict) -> str:
             mib = f"{mib / 2**20:.1f}" if mib else "-"
             lines.append(f"| {name} | {mib} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
                          f"{med / base:.2f}x | {prefill:.2f} |")
+    k = r.get("kernels")
+    if k:
+        wide = min(k["seconds"]["float32 factors"])
+        lines += ["", "## A step's coded products alone, the default model", "",
+                  f"`cpu_layers.linear` on each of its {k['matrices']} coded matrices once, one "
+                  f"row of x, {k['threads']} threads; the two forms alternated {k['repeats']} "
+                  "times (the minimum is the least disturbed by other work).", "",
+                  "| factors | MiB read | ms (min) | ms (median) | vs float32 factors (min) |",
+                  "|---|---|---|---|---|"]
+        for form, times in k["seconds"].items():
+            lines.append(f"| {form} | {k['bytes'][form] / 2**20:.1f} | {1e3 * min(times):.2f} | "
+                         f"{1e3 * float(np.median(times)):.2f} | "
+                         f"{wide / min(times):.2f}x |")
     p = r.get("perplexity")
     if p and "float32 store" in p:
         ref = p["float32 store"]["perplexity"]
@@ -308,6 +355,7 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ppl-windows", type=int, default=4)
+    p.add_argument("--kernel-repeats", type=int, default=30)
     p.add_argument("--out", type=Path, default=RESULTS / "gguf_store.json")
     p.add_argument("--render", action="store_true",
                    help="only rewrite the .md and .png from the JSON at --out")
@@ -344,6 +392,9 @@ def main() -> None:
     stores = {"codes (Q4_1)": (codes, False), WIDE: (codes, False),
               "float32 store": (floats, False), "float32 + --compress-weight": (floats, True)}
     save(r, a.out)  # after each part: a long run cut short keeps what it measured
+    if a.kernel_repeats:
+        r["kernels"] = kernel_step(codes, a.kernel_repeats)
+        save(r, a.out)
     if a.repeats:
         r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
         save(r, a.out)
