@@ -64,7 +64,9 @@ print(json.dumps({"seconds": time.perf_counter() - t,
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """A store's own files (its tensors, manifest, tokenizer); not the subfolders runs add
+    to it later (InfiniGen's calibrations)."""
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
 def convert_in_child(gguf_path: Path, dest: Path) -> dict:

@@ -2,12 +2,10 @@
 
 /* linear_q4 and linear_q8 (linear.c) for weights whose scales and minima are held as
    float16 (a GGUF's factors are float16 values: half the bytes of float32 per group, the
-   same values). Each output row's factors are widened to float32 once, into a small buffer
-   on the stack, and the row is then multiplied as linear.c multiplies float32 factors: the
-   same integer products, the same float steps, so the outputs match the float32 form's.
-   Widening uses F16C where the compiler targets it, else a portable conversion. */
-
-#define H16_MAX_GROUPS 4096  /* factors of one row widened on the stack (32 KB a thread) */
+   same values). The factors are widened where they are used (F16C where the compiler
+   targets it, else a portable conversion), and the rows are multiplied as linear.c
+   multiplies float32 factors: the same integer products and float steps in the same
+   order, so the outputs match the float32 form's. */
 
 /* A float16's bits as the float32 of the same value. */
 static inline float h16_to_f32(uint16_t h) {
@@ -48,31 +46,52 @@ static inline void h16_widen(const uint16_t *src, float *dst, int64_t n) {
         dst[i] = h16_to_f32(src[i]);
 }
 
+/* Eight float16s widened; past n (< 8), zeros. */
+static inline v8 h16_load8(const uint16_t *p, int64_t n) {
+    uint16_t pad[8] = {0};
+    if (n < 8) {
+        for (int64_t i = 0; i < n; i++)
+            pad[i] = p[i];
+        p = pad;
+    }
+#ifdef __F16C__
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++)
+        r[i] = h16_to_f32(p[i]);
+    return r;
+#endif
+}
+
 /* Exported for the tests: n float16s widened (checks the portable conversion too). */
 void h16_widen_rows(const uint16_t *src, float *dst, int64_t n) { h16_widen(src, dst, n); }
 
 #ifdef __AVX2__
 #define H16_AHEAD 4096  /* codes asked for this many bytes ahead, as linear.c's Q4_AHEAD */
 
-/* The end of an output row: the sums plus minimum . xsum (both padded with zeros to a
-   multiple of 8 groups, as linear.c's masked read leaves them), across lanes, plus bias. */
-static inline float h16_finish(v8 acc, const float *mo, const float *xsum, int64_t G,
+/* The end of an output row: the sums plus minimum . xsum (xsum padded with zeros to a
+   multiple of 8 groups, the last minima read as zeros past the row, as linear.c's masked
+   read), across lanes, plus the bias. */
+static inline float h16_finish(v8 acc, const uint16_t *mo, const float *xsum, int64_t G,
                                float bias) {
     for (int64_t g = 0; g < G; g += 8)
-        acc += load8(mo + g) * load8(xsum + g);
+        acc += h16_load8(mo + g, G - g) * load8(xsum + g);
     return hsum8(acc) + bias;
 }
 
-static inline v8 h16_scales(const float *so, int64_t g, int64_t group, float step) {
+/* Block g's factors (linear.c's q4_scales) from float16 scales. */
+static inline v8 h16_scales(const uint16_t *so, int64_t g, int64_t group, float step) {
     if (group == 64)
-        return splat8(so[g] * step);
-    const float a = so[2 * g], b = so[2 * g + 1];
+        return splat8(h16_to_f32(so[g]) * step);
+    const float a = h16_to_f32(so[2 * g]), b = h16_to_f32(so[2 * g + 1]);
     return (v8){a, a, a, a, b, b, b, b} * splat8(step);
 }
 
 /* One output row for 2 <= M <= 8 rows of x in 16-bit planes (linear.c's q4_rows). */
 static inline __attribute__((always_inline)) void h16_q4_rows(
-        const int64_t M, const uint8_t *co, const float *so, const float *mo, float bias,
+        const int64_t M, const uint8_t *co, const uint16_t *so, const uint16_t *mo,
+        float bias,
         float *out, const int16_t *xq, const float *xs, const float *xsum, int64_t N,
         int64_t K, int64_t group) {
     const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
@@ -96,11 +115,11 @@ static inline __attribute__((always_inline)) void h16_q4_rows(
         }
     }
     for (int64_t m = 0; m < M; m++)
-        out[m * N] = h16_finish(acc[m], mo, xsum + m * GP, GP, bias);
+        out[m * N] = h16_finish(acc[m], mo, xsum + m * GP, GW, bias);
 }
 
 /* One output row for one row of x by byte products (linear.c's q4_row1). */
-static inline float h16_q4_row1(const uint8_t *co, const float *so, const float *mo,
+static inline float h16_q4_row1(const uint8_t *co, const uint16_t *so, const uint16_t *mo,
                                 float bias, const int8_t *xb, const float *xs,
                                 const float *xsum, int64_t K, int64_t group) {
     const int64_t G = K / 64, GW = K / group;
@@ -123,12 +142,12 @@ static inline float h16_q4_row1(const uint8_t *co, const float *so, const float 
                                            _mm256_madd_epi16(lo, one));
         acc += (v8)_mm256_cvtepi32_ps(p) * h16_scales(so, g, group, xs[g]);
     }
-    return h16_finish(acc, mo, xsum, (GW + 7) / 8 * 8, bias);
+    return h16_finish(acc, mo, xsum, GW, bias);
 }
 #else
 /* Portable: one output row against one row of x, a group at a time in floats. */
-static float h16_q4_plain(const uint8_t *co, const float *so, const float *mo, float bias,
-                          const float *x, int64_t K, int64_t group) {
+static float h16_q4_plain(const uint8_t *co, const uint16_t *so, const uint16_t *mo,
+                          float bias, const float *x, int64_t K, int64_t group) {
     float total = 0.0f;
     for (int64_t g = 0; g < K / group; g++) {
         const uint8_t *c = co + g * group / 2;
@@ -138,7 +157,7 @@ static float h16_q4_plain(const uint8_t *co, const float *so, const float *mo, f
             dot += (float)(c[j] & 0x0F) * xg[2 * j] + (float)(c[j] >> 4) * xg[2 * j + 1];
             sum += xg[2 * j] + xg[2 * j + 1];
         }
-        total += dot * so[g] + sum * mo[g];
+        total += dot * h16_to_f32(so[g]) + sum * h16_to_f32(mo[g]);
     }
     return total + bias;
 }
@@ -151,7 +170,7 @@ static float h16_q4_plain(const uint8_t *co, const float *so, const float *mo, f
 int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
                   const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
                   int64_t K, int64_t group, int64_t nthreads) {
-    if ((group != 64 && group != 32) || K % 64 || K / group > H16_MAX_GROUPS)
+    if ((group != 64 && group != 32) || K % 64)
         return 0;
     const int64_t GW = K / group;
 #ifdef __AVX2__
@@ -203,11 +222,7 @@ int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
 #endif
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < N; o++) {
-        float so[H16_MAX_GROUPS], mo[H16_MAX_GROUPS];
-        h16_widen(scale + o * GW, so, GW);
-        h16_widen(minimum + o * GW, mo, GW);
-        for (int64_t g = GW; g < (GW + 7) / 8 * 8; g++)
-            mo[g] = 0.0f;
+        const uint16_t *so = scale + o * GW, *mo = minimum + o * GW;
         const uint8_t *co = codes + o * (K / 2);
         const float b = bias ? bias[o] : 0.0f;
 #ifdef __AVX2__
@@ -248,8 +263,8 @@ static inline v8 h16_widen8(const int8_t *p) {
 }
 
 static inline __attribute__((always_inline)) void h16_q8_rows(
-        const int XR, const float *x, const int8_t *co, const float *so, const float *mo,
-        const float *xsum, int64_t K, int64_t group, float *acc) {
+        const int XR, const float *x, const int8_t *co, const uint16_t *so,
+        const uint16_t *mo, const float *xsum, int64_t K, int64_t group, float *acc) {
     const int64_t GW = K / group;
     v8 a[4];
     float lows[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -264,10 +279,11 @@ static inline __attribute__((always_inline)) void h16_q8_rows(
             for (int r = 0; r < XR; r++)
                 part[r] += w * load8(x + r * K + k);
         }
-        const v8 s = splat8(so[g]);
+        const v8 s = splat8(h16_to_f32(so[g]));
+        const float low = h16_to_f32(mo[g]);
         for (int r = 0; r < XR; r++) {
             a[r] += part[r] * s;
-            lows[r] += mo[g] * xsum[r * GW + g];
+            lows[r] += low * xsum[r * GW + g];
         }
     }
     for (int r = 0; r < XR; r++)
@@ -277,7 +293,7 @@ static inline __attribute__((always_inline)) void h16_q8_rows(
 int linear_q8_h16(const float *x, const int8_t *codes, const uint16_t *scale,
                   const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
                   int64_t K, int64_t group, int64_t nthreads) {
-    if (group % 8 || K % group || K / group > H16_MAX_GROUPS)
+    if (group % 8 || K % group)
         return 0;
     const int64_t GW = K / group;
     static __thread void *buf;
@@ -294,9 +310,7 @@ int linear_q8_h16(const float *x, const int8_t *codes, const uint16_t *scale,
         }
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t o = 0; o < N; o++) {
-        float so[H16_MAX_GROUPS], mo[H16_MAX_GROUPS];
-        h16_widen(scale + o * GW, so, GW);
-        h16_widen(minimum + o * GW, mo, GW);
+        const uint16_t *so = scale + o * GW, *mo = minimum + o * GW;
         const int8_t *co = codes + o * K;
         const float b = bias ? bias[o] : 0.0f;
         float acc[4];
