@@ -8,9 +8,16 @@ perplexity against the float32 store of the same weights.
   ``--tmp``; converted in a fresh process whose peak resident memory above its imports is
   recorded, then both deleted).
 - Decode tokens/s of the default model at batch 1 after a ~900-token prompt: from its Q4_1
-  codes, from the float32 store of the same (dequantized) weights, and from that float
-  store with ``--compress-weight``; the three loaded at once and run in turn, repeated.
-- WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three.
+  codes (scales and minima held as float16, exact for Q4_1), from the same codes with
+  float32 scales and minima (the form before 16-bit factors, for a side-by-side
+  comparison), from the float32 store of the same (dequantized) weights, and from that
+  float store with ``--compress-weight``; all loaded at once and run in turn, repeated,
+  with each one's weight bytes in memory.
+- A decode step's linear layers alone (every coded matrix of the default model once, batch
+  1, its own codes) with float16 and with float32 factors, the two alternated; the minimum
+  over the repeats is the least disturbed by other work on the machine.
+- WikiText-2 perplexity (``python -m flexgen_infinigen.eval perplexity``) of the three
+  stores (the float32-factor codes hold the same values as the float16 ones).
 
     python benchmarks/gguf_store.py                   # all of it (minutes; 5 GB of /tmp)
     python benchmarks/gguf_store.py --skip-8b         # no 8B file
@@ -57,7 +64,9 @@ print(json.dumps({"seconds": time.perf_counter() - t,
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """A store's own files (its tensors, manifest, tokenizer); not the subfolders runs add
+    to it later (InfiniGen's calibrations)."""
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
 def convert_in_child(gguf_path: Path, dest: Path) -> dict:
@@ -152,16 +161,32 @@ def write_8b(path: Path, layers: int = 32) -> None:
 
 # --- decode speed and perplexity ----------------------------------------------------------
 
+WIDE = "codes (Q4_1), float32 factors"
+
+
+def _load(path, compress: bool, wide: bool):
+    """The model at ``path``; ``wide``: its codes' scales and minima kept as float32 (the
+    float16 check answering no), as before 16-bit factors."""
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen.weights import gguf_codes
+
+    with mock.patch.object(gguf_codes, "half_exact", lambda *_: False) if wide \
+            else nullcontext():
+        return OffloadedLM.load(path=path, policy=Policy(compress_weight=compress),
+                                progress=False)
+
+
 def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -> dict:
     import torch
 
-    from flexgen_infinigen import OffloadedLM, Policy
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     text = WIKI.read_text(encoding="utf-8")
-    lms = {name: OffloadedLM.load(path=path, policy=Policy(compress_weight=cw),
-                                  progress=False)
-           for name, (path, cw) in stores.items()}
+    lms = {name: _load(path, cw, name == WIDE) for name, (path, cw) in stores.items()}
+    weight_bytes = {name: sum(lm.weight_bytes_by_tier().values()) for name, lm in lms.items()}
     tok = load_tokenizer(stores["codes (Q4_1)"][0], next(iter(lms.values())).cfg)
     prompt = tok.encode(text[:20000])[:prompt_tokens]
     runs: dict[str, list] = {name: [] for name in lms}
@@ -176,8 +201,38 @@ def decode_speed(stores: dict, prompt_tokens: int, gen_len: int, repeats: int) -
         lm.close()
     rates = {n: [r["decode_tokens_per_s"] for r in rs] for n, rs in runs.items()}
     return {"prompt_tokens": len(prompt), "gen_len": gen_len, "repeats": repeats,
-            "threads": torch.get_num_threads(), "runs": runs,
+            "threads": torch.get_num_threads(), "runs": runs, "weight_bytes": weight_bytes,
             "median_tokens_per_s": {n: float(np.median(r)) for n, r in rates.items()}}
+
+
+def kernel_step(store: Path, repeats: int) -> dict:
+    """Seconds of one step's coded products (``cpu_layers.linear`` on each coded matrix,
+    one row of x) with float16 factors and with the same values in float32, alternated."""
+    import torch
+
+    from flexgen_infinigen.runtime import cpu_layers
+    from flexgen_infinigen.runtime.compression import Packed, PackedWeight
+    from flexgen_infinigen.weights.store import WeightStore
+
+    ws = WeightStore(store)
+    packs = [ws.packed(n) for n in ws.tensors if ws.layout(n) is not None]
+    forms = {"float16 factors": [PackedWeight(p, torch.float32) for p in packs],
+             "float32 factors": [PackedWeight(Packed(p.codes, p.scale.float(),
+                                                     p.minimum.float(), p.shape))
+                                 for p in packs]}
+    gen = torch.Generator().manual_seed(0)
+    xs = {p.shape[1]: torch.randn(1, p.shape[1], generator=gen) for p in packs}
+    seconds: dict[str, list] = {f: [] for f in forms}
+    for _ in range(repeats + 1):
+        for form, weights in forms.items():
+            start = time.perf_counter()
+            for w in weights:
+                cpu_layers.linear(xs[w.shape[1]], w)
+            seconds[form].append(time.perf_counter() - start)
+    return {"repeats": repeats, "matrices": len(packs),
+            "threads": torch.get_num_threads(),
+            "seconds": {f: s[1:] for f, s in seconds.items()},  # the first warms up
+            "bytes": {f: sum(w.packed.nbytes for w in ws_) for f, ws_ in forms.items()}}
 
 
 def perplexity(path: Path, compress: bool, windows: int, seq: int, prefill: int) -> dict:
@@ -219,16 +274,32 @@ def markdown(r: dict) -> str:
         base = d["median_tokens_per_s"]["float32 store"]
         lines += ["", "## Decode speed, the default model", "",
                   f"Batch 1, a {d['prompt_tokens']}-token WikiText-2 prompt, {d['gen_len']} "
-                  f"tokens, {d['threads']} threads; the three loaded at once and run in turn, "
-                  f"{d['repeats']} times (median, and the range).", "",
-                  "| weights | decode tokens/s | range | vs float32 store | prefill s (median) |",
-                  "|---|---|---|---|---|"]
+                  f"tokens, {d['threads']} threads; all loaded at once and run in turn, "
+                  f"{d['repeats']} times (median, and the range). Weights MiB: their bytes "
+                  "in memory as placed.", "",
+                  "| weights | weights MiB | decode tokens/s | range | vs float32 store | "
+                  "prefill s (median) |", "|---|---|---|---|---|---|"]
         for name, rs in d["runs"].items():
             rates = [x["decode_tokens_per_s"] for x in rs]
             med = d["median_tokens_per_s"][name]
             prefill = float(np.median([x["prefill_s"] for x in rs]))
-            lines.append(f"| {name} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
+            mib = d.get("weight_bytes", {}).get(name)
+            mib = f"{mib / 2**20:.1f}" if mib else "-"
+            lines.append(f"| {name} | {mib} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
                          f"{med / base:.2f}x | {prefill:.2f} |")
+    k = r.get("kernels")
+    if k:
+        wide = min(k["seconds"]["float32 factors"])
+        lines += ["", "## A step's coded products alone, the default model", "",
+                  f"`cpu_layers.linear` on each of its {k['matrices']} coded matrices once, one "
+                  f"row of x, {k['threads']} threads; the two forms alternated {k['repeats']} "
+                  "times (the minimum is the least disturbed by other work).", "",
+                  "| factors | MiB read | ms (min) | ms (median) | vs float32 factors (min) |",
+                  "|---|---|---|---|---|"]
+        for form, times in k["seconds"].items():
+            lines.append(f"| {form} | {k['bytes'][form] / 2**20:.1f} | {1e3 * min(times):.2f} | "
+                         f"{1e3 * float(np.median(times)):.2f} | "
+                         f"{wide / min(times):.2f}x |")
     p = r.get("perplexity")
     if p and "float32 store" in p:
         ref = p["float32 store"]["perplexity"]
@@ -286,6 +357,7 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ppl-windows", type=int, default=4)
+    p.add_argument("--kernel-repeats", type=int, default=30)
     p.add_argument("--out", type=Path, default=RESULTS / "gguf_store.json")
     p.add_argument("--render", action="store_true",
                    help="only rewrite the .md and .png from the JSON at --out")
@@ -319,15 +391,20 @@ def main() -> None:
     from flexgen_infinigen.weights.hf_reference import float_store
 
     floats = float_store(codes, work / "smollm2-float32")
-    stores = {"codes (Q4_1)": (codes, False), "float32 store": (floats, False),
-              "float32 + --compress-weight": (floats, True)}
+    stores = {"codes (Q4_1)": (codes, False), WIDE: (codes, False),
+              "float32 store": (floats, False), "float32 + --compress-weight": (floats, True)}
     save(r, a.out)  # after each part: a long run cut short keeps what it measured
+    if a.kernel_repeats:
+        r["kernels"] = kernel_step(codes, a.kernel_repeats)
+        save(r, a.out)
     if a.repeats:
         r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
         save(r, a.out)
     if a.ppl_windows:
         r["perplexity"] = {}
         for name, (path, cw) in stores.items():
+            if name == WIDE:  # the same values as the float16 factors: the same outputs
+                continue
             r["perplexity"][name] = perplexity(path, cw, a.ppl_windows, 512, 256)
             save(r, a.out)
     subprocess.run(["rm", "-rf", str(work)], check=True)

@@ -52,9 +52,9 @@ class OffloadedLM:
         self.cfg, self.engine, self.tokenizer, self.tiers = cfg, engine, tokenizer, tiers
         self.load_time_s = 0.0
         self.store_path = None
-        # weights kept as a quantized file's codes: (code bits, group) by name; and every
+        # weights kept as a quantized file's codes: a CodeLayout by name; and every
         # stored tensor's format (Q4_1, F32, ...), for the report
-        self.weight_layouts: dict[str, tuple[int, int]] = {}
+        self.weight_layouts: dict = {}
         self.weight_formats: dict[str, str] = {}
 
     @classmethod

@@ -201,7 +201,11 @@ def test_quantized_gguf_runs_from_its_codes(arch, percent, tmp_path):
                                    layouts=lm.weight_layouts)["weights"]
         out = lm.generate([PROMPT], 8, stop_token_id=None, keep_logits=True)
     assert sum(planned.values()) == placed
-    # 4-bit and 8-bit codes with a float32 scale and minimum a group, norms in float32
+    # the plain types' factors held as float16 (exact), the random K-quants' as float32
+    half = {ws.format(n): lay.half for n, lay in lm.weight_layouts.items()}
+    assert half == {"Q4_K": False, "Q5_K": False, "Q6_K": False, "Q4_0": True,
+                    "Q4_1": True, "Q5_0": True, "Q5_1": True, "Q8_0": True}
+    # 4-bit and 8-bit codes with a scale and minimum a group, norms in float32
     codes = sum(t.n_bytes for t in reader.tensors if t.tensor_type.name != "F32")
     assert codes < placed < 1.6 * codes
     tokens, logits = hf_greedy(model, PROMPT, 8)

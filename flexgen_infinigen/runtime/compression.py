@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 GROUP_SIZE = 64
+
+
+class CodeLayout(NamedTuple):
+    """The form of a weight that arrives as a quantized file's codes: code bits, values a
+    group, and whether its scales and minima are held as float16 (exact: they are float16
+    values) rather than in the compute dtype."""
+
+    bits: int
+    group: int
+    half: bool = False
 
 
 @dataclass
@@ -22,8 +33,8 @@ class Packed:
     ``[..., groups, group]``), plus a scale and minimum per group."""
 
     codes: torch.Tensor  # uint8 [..., groups, group/2] or int8 [..., groups, group]
-    scale: torch.Tensor  # [..., groups, 1] in the original dtype
-    minimum: torch.Tensor  # [..., groups, 1]
+    scale: torch.Tensor  # [..., groups, 1] in the original dtype, or float16 (see CodeLayout)
+    minimum: torch.Tensor  # [..., groups, 1], the scale's dtype
     shape: tuple[int, ...]  # the original shape
 
     @property
@@ -48,14 +59,14 @@ def can_compress(shape: tuple[int, ...], group: int = GROUP_SIZE) -> bool:
 
 
 def stored_bytes(shape: tuple[int, ...], itemsize: int, compress: bool,
-                 layout: tuple[int, int] | None = None) -> int:
+                 layout: CodeLayout | None = None) -> int:
     """Bytes of a tensor of ``shape`` as stored: packed codes plus a scale and a minimum per
     group (what :attr:`Packed.nbytes` counts) when compressed and compressible, or when it
-    came quantized with ``layout`` = (code bits, group)."""
+    came quantized with ``layout`` (its scales float16 or ``itemsize`` bytes)."""
     n = math.prod(shape)
     if layout is not None:
-        bits, group = layout
-        return n // group * (group * bits // 8 + 2 * itemsize)
+        bits, group, half = CodeLayout(*layout)
+        return n // group * (group * bits // 8 + 2 * (2 if half else itemsize))
     if compress and can_compress(tuple(shape)):
         return n // GROUP_SIZE * (GROUP_SIZE // 2 + 2 * itemsize)
     return n * itemsize
@@ -111,8 +122,13 @@ def compress(x: torch.Tensor, group: int = GROUP_SIZE) -> Packed:
 
 
 def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The values ``code * scale + minimum``, in ``dtype`` (default: the scale's). Scales
+    held in another dtype (float16 scales of float32 weights) are widened to float32 first:
+    the products are computed in float32, as with float32 scales of the same values."""
     codes = p.codes
     groups, width, group = codes.shape[-2], codes.shape[-1], p.group
+    if dtype is not None and p.scale.dtype != dtype:
+        p = Packed(p.codes, p.scale.float(), p.minimum.float(), p.shape)
     out = torch.empty(*codes.shape[:-2], groups * group, dtype=p.scale.dtype,
                       device=codes.device)
     flat_codes = codes.reshape(-1, groups, width)
@@ -136,16 +152,20 @@ class PackedWeight:
     asks for :meth:`dense` rows or :meth:`rows`."""
 
     packed: Packed
+    value_dtype: torch.dtype | None = None  # the weight's values (default: the scale's)
 
     def __post_init__(self):
         p = self.packed
-        # what the CPU kernels take (cpu_layers.linear_q4 / linear_q8): a float32 matrix,
-        # every part contiguous; 4-bit codes in groups of 64 or 32 along rows of whole
-        # 64-value blocks, 8-bit codes in groups of a multiple of 8
+        # what the CPU kernels take (cpu_layers.linear_q4 / linear_q8, or their _h16 forms
+        # for float16 scales): a float32 matrix, every part contiguous; 4-bit codes in
+        # groups of 64 or 32 along rows of whole 64-value blocks, 8-bit codes in groups of
+        # a multiple of 8
         fits = (p.group in (32, 64) and p.shape[-1] % 64 == 0) if p.bits == 4 \
             else p.group % 8 == 0
-        self.kernel_ready = (len(p.shape) == 2 and fits and p.scale.dtype == torch.float32
-                             and not p.codes.is_cuda
+        scales = p.scale.dtype in (torch.float32, torch.float16) and \
+            p.minimum.dtype == p.scale.dtype
+        self.kernel_ready = (len(p.shape) == 2 and fits and scales
+                             and self.dtype == torch.float32 and not p.codes.is_cuda
                              and all(t.is_contiguous() for t in p.parts))
 
     @property
@@ -154,10 +174,10 @@ class PackedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.packed.scale.dtype
+        return self.value_dtype or self.packed.scale.dtype
 
     def dense(self) -> torch.Tensor:
-        return decompress(self.packed)
+        return decompress(self.packed, self.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``dense()[ids]`` without expanding the other rows (an embedding lookup)."""
@@ -165,7 +185,7 @@ class PackedWeight:
         flat = ids.reshape(-1)
         picked = Packed(p.codes[flat], p.scale[flat], p.minimum[flat],
                         (flat.numel(), *p.shape[1:]))
-        return decompress(picked).view(*ids.shape, *p.shape[1:])
+        return decompress(picked, self.dtype).view(*ids.shape, *p.shape[1:])
 
 
 def dense(w):

@@ -5,7 +5,8 @@ and InfiniGen's speculation: packed speculation keys scored without unpacking th
 floats, and the default selection rule, fused with the scoring (``kernels/speculation.c``;
 the mass rule itself in ``kernels/selection.c``, page-level speculation in
 ``kernels/pages.c``). The layers' own math (few-row linear layers over floats, 4-bit or
-8-bit codes in ``kernels/linear.c``, RMSNorm and rotary embedding in
+8-bit codes in ``kernels/linear.c``, the same with float16 scales in
+``kernels/linear_h16.c``, RMSNorm and rotary embedding in
 ``kernels/pointwise.c``) is called through :mod:`.cpu_layers`.
 
 They are plain C (no torch headers), built with the system's C compiler into
@@ -111,6 +112,12 @@ def library() -> ctypes.CDLL | None:
         lib.linear_q4.restype = ctypes.c_int
         lib.linear_q8.argtypes = [ptr] * 6 + [i64] * 5
         lib.linear_q8.restype = ctypes.c_int
+        lib.linear_q4_h16.argtypes = [ptr] * 6 + [i64] * 5
+        lib.linear_q4_h16.restype = ctypes.c_int
+        lib.linear_q8_h16.argtypes = [ptr] * 6 + [i64] * 5
+        lib.linear_q8_h16.restype = ctypes.c_int
+        lib.h16_widen_rows.argtypes = [ptr] * 2 + [i64]
+        lib.h16_widen_rows.restype = None
         lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7
         lib.attend_rows.restype = None
         lib.attend_indexed.argtypes = [ptr] * 5 + [i64] + [ptr] * 3 + [i64] * 6

@@ -45,8 +45,10 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
 def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """``x @ W.T (+ bias)`` for a packed weight read as stored (``kernels/linear.c``): 4-bit
     codes (groups of 64 or 32; x rounded to 16 bits per block of 64 for the integer
-    products) or 8-bit codes (``linear_q8``: floats), or None when the kernel cannot take
-    the inputs (4 bits without AVX2, not float32, a GPU)."""
+    products) or 8-bit codes (``linear_q8``: floats); scales and minima held as float16
+    go to the same kernels' ``_h16`` forms (``kernels/linear_h16.c``), float32 ones to
+    ``linear.c``. None when the kernel cannot take the inputs (4 bits with float32 scales
+    without AVX2, not float32, a GPU)."""
     if not weight.kernel_ready or x.is_cuda or x.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.float32):
         return None
@@ -59,7 +61,10 @@ def linear_q4(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     xs = x.reshape(rows, k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     b = bias.contiguous() if bias is not None else None
-    kernel = lib.linear_q8 if p.bits == 8 else lib.linear_q4
+    if p.scale.dtype == torch.float16:
+        kernel = lib.linear_q8_h16 if p.bits == 8 else lib.linear_q4_h16
+    else:
+        kernel = lib.linear_q8 if p.bits == 8 else lib.linear_q4
     done = kernel(xs.data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
                   p.minimum.data_ptr(), b.data_ptr() if b is not None else None,
                   out.data_ptr(), rows, n, k, p.group, torch.get_num_threads())

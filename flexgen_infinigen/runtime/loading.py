@@ -12,6 +12,7 @@ from ..models.moe import is_expert_weight
 from ..policy import Policy
 from ..weights.sources import DummySource, StoreSource
 from ..weights.store import WeightStore
+from .compression import CodeLayout
 from .guards import raise_if_interrupted
 from .tiered import TieredTensor
 from .tiers import Tiers
@@ -100,8 +101,9 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
     return cfg, StoreSource(store), store
 
 
-def weight_layouts(source, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(code bits, group) of each weight the source keeps as a quantized file's codes."""
+def weight_layouts(source, cfg: ModelConfig) -> dict[str, CodeLayout]:
+    """(code bits, group, float16 scales) of each weight the source keeps as a quantized
+    file's codes."""
     layout = getattr(source, "layout", None)
     if layout is None:
         return {}

@@ -136,14 +136,14 @@ def _shape_groups(cfg: ModelConfig) -> tuple:
 
 def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
          gen_len: int, kv=None, part=None, device: torch.device | None = None,
-         layouts: dict[str, tuple[int, int]] | None = None) -> dict[str, dict[str, int]]:
+         layouts: dict | None = None) -> dict[str, dict[str, int]]:
     """Bytes per tier for weights, KV cache, activations, the device's working set and what
     the KV policy ``kv`` (a :class:`~.kv.base.KVPolicy`) adds on the device; of the whole
     model, or of one pipeline rank's ``part`` (a :class:`~.stages.LayerSlice`). The compute
     ``device``, when known, tells whether 4-bit weights are multiplied in place (a CPU).
-    ``layouts``: the weights kept as a quantized file's codes ((code bits, group) by name,
-    :func:`.loading.weight_layouts`), counted as stored; ``--compress-weight`` then changes
-    nothing."""
+    ``layouts``: the weights kept as a quantized file's codes (a
+    :class:`.compression.CodeLayout` by name, :func:`.loading.weight_layouts`), counted as
+    stored (float16 scales at two bytes); ``--compress-weight`` then changes nothing."""
     item = torch.tensor([], dtype=dtype).element_size()
     layouts = layouts or {}
     if layouts:

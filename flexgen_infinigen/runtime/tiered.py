@@ -45,13 +45,14 @@ class TieredTensor:
     def __init__(self, tiers: Tiers, shape: tuple[int, ...], dtype: torch.dtype,
                  fractions: tuple[float, float, float], kind: str, split_dim: int = 0,
                  compress: bool = False, pin: bool = True, head_major: bool = False,
-                 layout: tuple[int, int] | None = None):
-        """``layout`` (code bits, group): the tensor arrives as codes of that form (a
-        :class:`~.compression.Packed` handed to :meth:`write`, rows along dim 0) and is held
-        as they are; else ``compress`` packs floats into the runtime's 4-bit groups of 64."""
+                 layout: compression.CodeLayout | None = None):
+        """``layout`` (code bits, group, float16 scales): the tensor arrives as codes of that
+        form (a :class:`~.compression.Packed` handed to :meth:`write`, rows along dim 0) and
+        is held as they are, its scales and minima in float16 where the layout says so (else
+        in ``dtype``); else ``compress`` packs floats into the runtime's 4-bit groups of 64."""
         self.tiers, self.shape, self.dtype, self.kind = tiers, tuple(shape), dtype, kind
         self.split_dim = split_dim
-        self.layout = layout
+        self.layout = None if layout is None else compression.CodeLayout(*layout)
         self.compressed = layout is not None or (compress and compression.can_compress(self.shape))
         assert layout is None or split_dim == 0
         sizes = [(tier, size) for tier, size in
@@ -91,10 +92,11 @@ class TieredTensor:
 
         if not self.compressed:
             return empty(shape, self.dtype)
-        bits, group = self.layout or (4, compression.GROUP_SIZE)
+        bits, group, half = self.layout or (4, compression.GROUP_SIZE, False)
         cs, ss, ms = compression.packed_shapes(shape, group, bits)
+        factor = torch.float16 if half else self.dtype
         return compression.Packed(empty(cs, compression.codes_dtype(bits)),
-                                  empty(ss, self.dtype), empty(ms, self.dtype), shape)
+                                  empty(ss, factor), empty(ms, factor), shape)
 
     # ---- sizes ------------------------------------------------------------------------------
     def bytes_by_tier(self) -> dict[str, int]:
@@ -124,7 +126,8 @@ class TieredTensor:
             if self.compressed:
                 packed = seg.data
                 moved = [self._move(p[sel], seg.tier, to) for p in packed.parts]
-                parts.append(compression.decompress(compression.Packed(*moved, packed.shape)))
+                parts.append(compression.decompress(compression.Packed(*moved, packed.shape),
+                                                    self.dtype))
             else:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
@@ -142,7 +145,7 @@ class TieredTensor:
                 and (self.segments[0].tier == DEVICE
                      or (self.segments[0].tier == HOST and self.tiers.host_in_place))):
             if self._packed is None:
-                self._packed = compression.PackedWeight(self.segments[0].data)
+                self._packed = compression.PackedWeight(self.segments[0].data, self.dtype)
             return self._packed
         return self.read()
 
@@ -193,7 +196,8 @@ class TieredTensor:
                 moved.append(self.tiers.gather_to_compute(t, seg.tier, full_idx, self.kind))
             if self.compressed:
                 shape = (idx.shape[0], idx.shape[1], *self.shape[2:])
-                parts.append(compression.decompress(compression.Packed(*moved, shape)))
+                parts.append(compression.decompress(compression.Packed(*moved, shape),
+                                                    self.dtype))
             else:
                 parts.append(moved[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -218,7 +222,8 @@ class TieredTensor:
                 moved.append(self.tiers.take_to_compute(src, seg.tier, index, self.kind))
             if self.compressed:
                 shape = (hi - lo, *self.shape[2:])
-                parts.append(compression.decompress(compression.Packed(*moved, shape)))
+                parts.append(compression.decompress(compression.Packed(*moved, shape),
+                                                    self.dtype))
             else:
                 parts.append(moved[0])
         if not parts:
@@ -230,7 +235,7 @@ class TieredTensor:
         floats, or the codes of a tensor with a ``layout`` (a Packed, kept as it is)."""
         sel = slice(None) if rows is None else rows
         if isinstance(src, compression.Packed):
-            assert self.layout == (src.bits, src.group), "codes of another form"
+            assert self.layout[:2] == (src.bits, src.group), "codes of another form"
             for seg in self.segments:
                 for dst, part in zip(seg.data.parts, src.parts):
                     piece = part.narrow(0, seg.start, seg.stop - seg.start)

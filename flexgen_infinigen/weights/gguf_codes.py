@@ -2,10 +2,13 @@
 
 A quantized GGUF tensor is kept in the weight store as the file wrote it (its blocks, one
 row of blocks per matrix row). Loading turns one tensor at a time into a
-:class:`~..runtime.compression.Packed` weight: integer codes plus a float32 scale and
-minimum per group, so that ``code * scale + minimum`` is the value the file encodes,
-computed with the same float32 operations as ``gguf.quants.dequantize`` (tested equal).
-Only the order of the codes changes, never a code:
+:class:`~..runtime.compression.Packed` weight: integer codes plus a scale and minimum per
+group, so that ``code * scale + minimum`` is the value the file encodes, computed with the
+same float32 operations as ``gguf.quants.dequantize`` (tested equal). The scales and minima
+are held as float16 when every one of the tensor's is a float16 exactly (:func:`half_exact`:
+always for the plain types, whose factors are the file's own float16s; for a K-quant only
+when its products of a float16 and a small integer happen to be), else as float32: the
+same values either way. Only the order of the codes changes, never a code:
 
 - Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``), Q4_K (per 32-value sub-block
   ``d * sc * q - dmin * m``, ``sc``/``m`` six bits each): 4-bit codes, two a byte, groups of
@@ -83,64 +86,107 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
 
 
-def to_parts(raw: np.ndarray, type_name: str, shape: tuple[int, ...]):
-    """``(codes, scale, minimum)`` of a tensor of ``shape`` stored as GGUF blocks ``raw``
-    (uint8, ``[rows, blocks * block bytes]``): codes ``[rows, groups, group / 2]`` uint8
-    (4-bit) or ``[rows, groups, group]`` int8, scale and minimum ``[rows, groups, 1]``
-    float32."""
-    size, per, bits, group = BLOCKS[type_name]
-    rows, k = int(np.prod(shape[:-1])), shape[-1]
-    blocks = np.asarray(raw).reshape(rows, k // per, size)
-    zero = None
+def _factors(blocks: np.ndarray, type_name: str):
+    """``(scale, minimum)`` of blocks ``[rows, blocks, bytes]`` as float32, one a group
+    within each block (``[rows, blocks, per / group]`` or ``[rows, blocks, 1]`` when a block
+    is one group); minimum None where it is zero."""
     if type_name == "Q4_0":
         d = _f16(blocks[..., 0:2])
-        q = _split_nibbles(blocks[..., 2:18])
-        scale, minimum = d, d * np.float32(-8)
-    elif type_name == "Q4_1":
-        scale, minimum = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        q = _split_nibbles(blocks[..., 4:20])
-    elif type_name in ("Q4_K", "Q5_K"):
+        return d, d * np.float32(-8)
+    if type_name in ("Q4_1", "Q5_1"):
+        return _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         sc, mn = _k_scales(blocks[..., 4:16])
-        scale, minimum = d * sc, -(dmin * mn)  # [rows, blocks, 8]
-        if type_name == "Q4_K":
-            q = _k_sub_blocks(blocks[..., 16:144])
-        else:
-            high = _high_bits(blocks[..., 16:48], 256).reshape(rows, -1, 32, 8)
-            q = _k_sub_blocks(blocks[..., 48:176]) | (high.swapaxes(-1, -2) << 4)
-    elif type_name == "Q8_0":
-        scale, zero = _f16(blocks[..., 0:2]), True
-        q = blocks[..., 2:34].view(np.int8)
-    elif type_name in ("Q5_0", "Q5_1"):
+        return d * sc, -(dmin * mn)  # [rows, blocks, 8]
+    if type_name in ("Q8_0", "Q5_0"):
+        return _f16(blocks[..., 0:2]), None
+    if type_name == "Q6_K":
+        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+        return _f16(blocks[..., 208:210]) * sc, None
+    raise ConfigError(f"GGUF type {type_name} is not kept")  # pragma: no cover
+
+
+def _codes(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """The integer codes of blocks ``[rows, blocks, bytes]``, in value order."""
+    rows = blocks.shape[0]
+    if type_name in ("Q4_0", "Q4_1"):
+        return _split_nibbles(blocks[..., 2 if type_name == "Q4_0" else 4:][..., :16])
+    if type_name == "Q4_K":
+        return _k_sub_blocks(blocks[..., 16:144])
+    if type_name == "Q5_K":
+        high = _high_bits(blocks[..., 16:48], 256).reshape(rows, -1, 32, 8)
+        return _k_sub_blocks(blocks[..., 48:176]) | (high.swapaxes(-1, -2) << 4)
+    if type_name == "Q8_0":
+        return blocks[..., 2:34].view(np.int8)
+    if type_name in ("Q5_0", "Q5_1"):
         at = 2 if type_name == "Q5_0" else 4
-        scale = _f16(blocks[..., 0:2])
         high = _high_bits(blocks[..., at:at + 4], 32)
         q = _split_nibbles(blocks[..., at + 4:at + 20]) | (high << 4)
-        if type_name == "Q5_0":
-            q, zero = q.astype(np.int8) - np.int8(16), True
-        else:
-            minimum = _f16(blocks[..., 2:4])
-    elif type_name == "Q6_K":
+        return q.astype(np.int8) - np.int8(16) if type_name == "Q5_0" else q
+    if type_name == "Q6_K":
         ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8
                                                                         ).reshape(2, 1)
         qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array(
             [0, 2, 4, 6], np.uint8).reshape(4, 1)
-        q = ((ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 0x03).reshape(rows, -1, 8, 32)
-                                                     << 4)).astype(np.int8) - np.int8(32)
-        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
-        scale, zero = _f16(blocks[..., 208:210]) * sc, True
-    else:  # pragma: no cover - guarded by check_kept
-        raise ConfigError(f"GGUF type {type_name} is not kept")
+        return ((ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 0x03).reshape(rows, -1, 8, 32)
+                                                        << 4)).astype(np.int8) - np.int8(32)
+    raise ConfigError(f"GGUF type {type_name} is not kept")  # pragma: no cover
+
+
+def _blocks(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    size, per = BLOCKS[type_name][:2]
+    rows = int(np.prod(shape[:-1]))
+    return np.asarray(raw).reshape(rows, shape[-1] // per, size)
+
+
+def _fits_half(x: np.ndarray) -> bool:
+    """Every value of float32 ``x`` is a float16 exactly (finite, no bits lost)."""
+    with np.errstate(over="ignore"):  # a value past float16's range: inf, not equal
+        return bool(np.array_equal(x.astype(np.float16).astype(np.float32), x))
+
+
+def half_exact(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether every scale and minimum of the tensor is a float16 exactly, so that they can
+    be held at 16 bits with the same values. The plain types' factors are the file's own
+    float16s (Q4_0's minimum ``-8 d`` too, short of an overflow); a K-quant's are products
+    of a float16 and a 6- or 8-bit integer, exact in float16 only for some tensors (checked
+    a chunk of rows at a time, reading only the factors' bytes)."""
+    blocks = _blocks(raw, type_name, shape)
+    step = max(1, (1 << 20) // max(1, blocks.shape[1]))
+    for r in range(0, blocks.shape[0], step):
+        for f in _factors(blocks[r:r + step], type_name):
+            if f is not None and not _fits_half(f):
+                return False
+    return True
+
+
+def to_parts(raw: np.ndarray, type_name: str, shape: tuple[int, ...], half: bool = False):
+    """``(codes, scale, minimum)`` of a tensor of ``shape`` stored as GGUF blocks ``raw``
+    (uint8, ``[rows, blocks * block bytes]``): codes ``[rows, groups, group / 2]`` uint8
+    (4-bit) or ``[rows, groups, group]`` int8, scale and minimum ``[rows, groups, 1]``
+    float32, or float16 with ``half`` (only where :func:`half_exact` says they are exact:
+    checked here, an error otherwise)."""
+    size, per, bits, group = BLOCKS[type_name]
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    blocks = _blocks(raw, type_name, shape)
+    scale, minimum = _factors(blocks, type_name)
+    q = _codes(blocks, type_name)
     groups = k // group
     q = q.reshape(rows, groups, group)
     codes = _pair_nibbles(q) if bits == 4 else q.astype(np.int8)
     scale = np.broadcast_to(scale, (rows, k // per, per // group)).reshape(rows, groups, 1)
-    if zero:
+    if minimum is None:
         minimum = np.zeros_like(scale)
     else:
         minimum = np.broadcast_to(minimum, (rows, k // per, per // group)).reshape(
             rows, groups, 1)
+    dtype = np.float32
+    if half:
+        if not (_fits_half(scale) and _fits_half(minimum)):
+            raise ValueError(f"{type_name} factors are not all float16 values")
+        dtype = np.float16
     lead = tuple(shape[:-1])
     return (np.ascontiguousarray(codes).reshape(*lead, groups, -1),
-            np.ascontiguousarray(scale, dtype=np.float32).reshape(*lead, groups, 1),
-            np.ascontiguousarray(minimum, dtype=np.float32).reshape(*lead, groups, 1))
+            np.ascontiguousarray(scale, dtype=dtype).reshape(*lead, groups, 1),
+            np.ascontiguousarray(minimum, dtype=dtype).reshape(*lead, groups, 1))

@@ -21,7 +21,7 @@ class StoreSource:
             return self.store.packed(name)
         return self.store.tensor(name)
 
-    def layout(self, name: str) -> tuple[int, int] | None:
+    def layout(self, name: str):
         return self.store.layout(name) if name in self.store.tensors else None
 
     def formats(self) -> dict[str, str]:

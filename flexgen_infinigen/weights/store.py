@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..runtime.compression import Packed
+from ..runtime.compression import CodeLayout, Packed
 from . import gguf_codes
 
 FORMAT_VERSION = 2
@@ -121,6 +121,7 @@ class WeightStore:
                               "newer than this version reads; upgrade or re-convert it")
         self.config = ModelConfig.from_dict(self.manifest["config"])
         self.tensors: dict[str, dict] = self.manifest["tensors"]
+        self._half: dict[str, bool] = {}  # quantized tensors whose factors are float16s
 
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """One clear error when a tensor is missing, its file is gone, or its shape is off."""
@@ -157,16 +158,26 @@ class WeightStore:
         floats = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
         return info.get("gguf_type") or floats.get(info["dtype"], info["dtype"])
 
-    def layout(self, name: str) -> tuple[int, int] | None:
-        """(code bits, group) of a tensor kept as codes; None for floats."""
-        kind = self.tensors[name].get("gguf_type")
-        return None if kind is None else gguf_codes.layout(kind)
+    def layout(self, name: str) -> CodeLayout | None:
+        """(code bits, group, float16 scales) of a tensor kept as codes; None for floats.
+        Its scales and minima are held as float16 when every one is a float16 exactly
+        (:func:`.gguf_codes.half_exact`, read from its blocks once and remembered)."""
+        info = self.tensors[name]
+        kind = info.get("gguf_type")
+        if kind is None:
+            return None
+        if name not in self._half:
+            self._half[name] = gguf_codes.half_exact(self.load(name), kind,
+                                                     tuple(info["shape"]))
+        return CodeLayout(*gguf_codes.layout(kind), self._half[name])
 
     def packed(self, name: str) -> Packed:
         """A quantized tensor's codes, scales and minima (built from its blocks now: the
-        codes reordered, the scales decoded to float32; nothing expanded to floats)."""
+        codes reordered, the scales decoded to float16 where :meth:`layout` says they are
+        exact, else float32; nothing expanded to floats)."""
         info = self.tensors[name]
-        parts = gguf_codes.to_parts(self.load(name), info["gguf_type"], tuple(info["shape"]))
+        parts = gguf_codes.to_parts(self.load(name), info["gguf_type"], tuple(info["shape"]),
+                                    half=self.layout(name).half)
         return Packed(*(torch.from_numpy(np.require(p, requirements=["C", "W"])) for p in parts),
                       tuple(info["shape"]))
 
