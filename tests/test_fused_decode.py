@@ -107,7 +107,8 @@ def test_fused_step_with_qkv_biases(tiny_qwen2, kv, monkeypatch):
 @pytest.mark.parametrize("kv,batch", [("full", 1), ("infinigen", 2)])
 def test_default_model_codes_fused_equal_per_operation(smollm2_codes_store, kv, batch,
                                                        monkeypatch):
-    """The embedded default model as the runtime stores it: Q4_1 codes in groups of 32 and
+    """The embedded default model as the runtime stores it: Q4_1 codes in groups of 32 with
+    float16 scales and minima (the _h16 kernels inside the call), and
     an 8-bit head. Its bound is looser: the 4-bit kernel rounds its input to 16 bits per
     group, so a last-bit difference (the MLP's SiLU is computed in C, not by torch) can move
     an input by a step of 1/32639 of its group's largest entry, and this model's activations
@@ -147,7 +148,7 @@ def test_models_the_call_does_not_compute_take_the_per_operation_path(monkeypatc
 
 @needs_kernels
 def test_weights_in_a_form_the_call_does_not_read_fall_back(tiny_llama, monkeypatch):
-    """A packed weight with 16-bit scales (or any form ``kernel_ready`` refuses) gives no
+    """A packed weight in a form ``kernel_ready`` refuses gives no
     plan for its stage, and that stage runs the per-operation path with the same result."""
     from flexgen_infinigen.runtime.compression import PackedWeight
 

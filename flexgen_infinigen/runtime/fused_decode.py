@@ -6,7 +6,7 @@ decode step. What a stage gets is decided once per stage and batch (its *plan*),
 is loaded, never per step:
 
 - **Everything fused** (one call): the layer's weights are float32 rows, or 4-bit/8-bit codes
-  with float32 scales (``PackedWeight``), kept in CPU memory; the KV cache is the full cache
+  with float32 or float16 scales (``PackedWeight``), kept in CPU memory; the KV cache is the full cache
   (``kv/full.py``) in CPU memory as floats, read in place; the next layer's cache speculates
   on nothing (a full cache) and is in this process. The call normalizes, projects, rotates,
   writes the new token into the cache, attends over every row, projects out, adds the
@@ -17,7 +17,8 @@ is loaded, never per step:
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
   kernel does not compute (per-head q/k norms, MoE), a GPU, a dtype other than float32,
-  weights off the CPU or in a form the kernel does not read (e.g. 16-bit scales), more than
+  weights off the CPU or in a form the kernels do not read (e.g. 4-bit codes in groups the
+  4-bit kernel does not take), more than
   ``MAX_BATCH`` rows, no compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.
 
 The argument block (a ``ctypes.Structure``) is built once per plan; a step sets the few
@@ -41,7 +42,7 @@ from .tiers import DEVICE
 ENV = "FLEXGEN_INFINIGEN_FUSED"
 MAX_BATCH = 16  # rows a decode step's linear kernels are written for (cpu_layers)
 IN, ATTEND, OUT, MLP = 1, 2, 4, 8
-_FLOAT, _Q4, _Q8 = 0, 1, 2
+_FLOAT, _Q4, _Q8, _Q4_H16, _Q8_H16 = 0, 1, 2, 3, 4
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -85,7 +86,9 @@ def _linear(spec: _Linear, weight, bias, q4_ready: bool) -> bool:
         p = weight.packed
         if not weight.kernel_ready or p.bits not in (4, 8) or (p.bits == 4 and not q4_ready):
             return False
-        spec.kind = _Q4 if p.bits == 4 else _Q8
+        # the scales' width picks the kernel: float32 (linear_q4/q8) or float16 (the _h16 pair)
+        half = p.scale.dtype == torch.float16
+        spec.kind = (_Q4_H16 if half else _Q4) if p.bits == 4 else (_Q8_H16 if half else _Q8)
         spec.n, spec.k = p.shape
         spec.group = p.group
         spec.w, spec.scale, spec.minimum = (t.data_ptr() for t in (p.codes, p.scale, p.minimum))

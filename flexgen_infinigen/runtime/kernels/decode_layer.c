@@ -22,19 +22,27 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
 int linear_q8(const float *x, const int8_t *codes, const float *scale, const float *minimum,
               const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
               int64_t nthreads);
+int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
+                  const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
+                  int64_t K, int64_t group, int64_t nthreads);
+int linear_q8_h16(const float *x, const int8_t *codes, const uint16_t *scale,
+                  const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
+                  int64_t K, int64_t group, int64_t nthreads);
 void attend_rows(const float *q, const float *k, const float *v, const float *bias,
                  float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
                  int64_t sc, int64_t nthreads);
 
-enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2 };
+enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4 };
 enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8 };
 
 /* A linear layer as stored: float32 rows [n, k], or codes with float32 scales and minimums
-   per group (the layouts linear_q4 / linear_q8 read). bias may be NULL. */
+   per group (the layouts linear_q4 / linear_q8 read), or the same codes with float16 scales
+   and minimums (the _H16 kinds: linear_q4_h16 / linear_q8_h16). bias may be NULL. */
 typedef struct {
     int64_t kind, n, k, group;
     const void *w;
-    const float *scale, *minimum, *bias;
+    const void *scale, *minimum;
+    const float *bias;
 } dl_linear;
 
 /* Every field is 8 bytes wide (the ctypes mirror in fused_decode.py lists them in order). */
@@ -71,11 +79,21 @@ static int run_linear(const dl_linear *l, const float *x, float *out, int64_t M,
             linear_rows(x, (const float *)l->w, l->bias, out, M, l->n, l->k, nt);
             return 1;
         case LIN_Q4:
-            return linear_q4(x, (const uint8_t *)l->w, l->scale, l->minimum, l->bias, out, M,
-                             l->n, l->k, l->group, nt);
+            return linear_q4(x, (const uint8_t *)l->w, (const float *)l->scale,
+                             (const float *)l->minimum, l->bias, out, M, l->n, l->k, l->group,
+                             nt);
         case LIN_Q8:
-            return linear_q8(x, (const int8_t *)l->w, l->scale, l->minimum, l->bias, out, M,
-                             l->n, l->k, l->group, nt);
+            return linear_q8(x, (const int8_t *)l->w, (const float *)l->scale,
+                             (const float *)l->minimum, l->bias, out, M, l->n, l->k, l->group,
+                             nt);
+        case LIN_Q4_H16:
+            return linear_q4_h16(x, (const uint8_t *)l->w, (const uint16_t *)l->scale,
+                                 (const uint16_t *)l->minimum, l->bias, out, M, l->n, l->k,
+                                 l->group, nt);
+        case LIN_Q8_H16:
+            return linear_q8_h16(x, (const int8_t *)l->w, (const uint16_t *)l->scale,
+                                 (const uint16_t *)l->minimum, l->bias, out, M, l->n, l->k,
+                                 l->group, nt);
     }
     return 0;
 }
