@@ -22,7 +22,9 @@ pages of 16 tokens from page summaries (``--speculation-keys pages16``);
 ``infinigen-fp`` speculates with float keys of every column (only the query is guessed);
 ``infinigen-half`` with 4-bit keys of half the skewed columns (``--partial-weight-ratio 0.5``);
 ``h2o@0.2`` keeps 10% heavy hitters and 10% recent tokens; ``full-4bit`` and
-``infinigen-4bit`` store the cache in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs
+``infinigen-4bit`` store the cache in 4 bits (the runtime's groups of 64 channels of a token);
+``kivi`` in 4 bits in KIVI's layout (keys per channel over 32 tokens, values per token, the
+newest 128-159 tokens in float: ``--kv-policy kivi``); a ``-w4`` suffix (``infinigen@0.1-w4``) runs
 the policy with 4-bit weights.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
 KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "infinigen-fp",
-         "infinigen-half", "oracle", "h2o")
+         "infinigen-half", "oracle", "h2o", "kivi")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
                     "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
                     "full-4bit", "infinigen-4bit"]
@@ -59,6 +61,8 @@ def parse_policy(label: str):
     f = float(budget) if budget else None
     if kind.startswith("full"):
         return "full", {}, kind.endswith("4bit")
+    if kind == "kivi":  # KIVI's 4-bit layout, groups of 32, at least 128 float tokens
+        return "kivi", {}, False
     if kind == "h2o":
         f = f or 0.2
         return "h2o", {"hh_ratio": f / 2, "recent_ratio": f / 2}, False
@@ -191,6 +195,22 @@ def run_reference(a, gguf: Path, samples, tokenizer, stops, done, path, bar) -> 
     del model
 
 
+def rounds(samples, size: int):
+    """``samples`` in rounds of at most ``size`` prompts: seed by seed, task by task (so the
+    first rounds already cover every task), the depths of one task and seed together."""
+    from flexgen_infinigen.evals.retrieval_tasks import TASKS
+
+    order = sorted(samples, key=lambda s: (s.seed, TASKS.index(s.task), s.depth))
+    chunk: list = []
+    for s in order:
+        if chunk and (len(chunk) == size or (chunk[0].seed, chunk[0].task) != (s.seed, s.task)):
+            yield chunk
+            chunk = []
+        chunk.append(s)
+    if chunk:
+        yield chunk
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -261,10 +281,13 @@ def main(argv=None) -> int:
     try:
         with tqdm(total=max(total, 0), desc="prompts", unit="prompt") as bar:
             for n in lengths:
-                run_policies(a, a.model, plan[n], a.policies, done, path, bar,
-                             PrefillCache(folder, keep=4))
-                if n in refs:
-                    run_reference(a, Path(gguf), plan[n], tokenizer, stops, done, path, bar)
+                # a round at a time (one seed of one task: ``--batch`` prompts), every policy
+                # on it before the next, so a stopped run has whole rounds for all policies
+                for chunk in rounds(plan[n], a.batch):
+                    run_policies(a, a.model, chunk, a.policies, done, path, bar,
+                                 PrefillCache(folder, keep=1))
+                    if n in refs:
+                        run_reference(a, Path(gguf), chunk, tokenizer, stops, done, path, bar)
     finally:
         if a.prefill_dir is None:
             shutil.rmtree(folder, ignore_errors=True)
