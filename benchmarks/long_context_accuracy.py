@@ -20,6 +20,7 @@ whatever the length (``--max-num-kv``), ``infinigen@0.05:L1`` selects from layer
 (``--first-layer``; default 2); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``);
 ``infinigen-fp`` speculates with float keys of every column (only the query is guessed);
+``infinigen-int8`` with 8-bit keys of every column (``--speculation-keys int8``);
 ``infinigen-half`` with 4-bit keys of half the skewed columns (``--partial-weight-ratio 0.5``);
 ``h2o@0.2`` keeps 10% heavy hitters and 10% recent tokens; ``full-4bit`` and
 ``infinigen-4bit`` store the cache in 4 bits (the runtime's groups of 64 channels of a token);
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
 KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "infinigen-fp",
-         "infinigen-half", "oracle", "h2o", "kivi")
+         "infinigen-half", "infinigen-int8", "oracle", "h2o", "kivi")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
                     "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
                     "full-4bit", "infinigen-4bit"]
@@ -77,6 +78,8 @@ def parse_policy(label: str):
         opts["speculation_keys"] = "pages16"
     if kind == "infinigen-half":  # 4-bit speculation keys of half the (skewed) columns
         opts["partial_weight_ratio"] = 0.5
+    if kind == "infinigen-int8":  # 8-bit speculation keys of every skewed column
+        opts["speculation_keys"] = "int8"
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
     # select at every length (the speed default reads small layers whole: not what is measured)

@@ -17,7 +17,7 @@ DATA_DIR=${DATA_DIR:-/work/shared/data}
 PREFILL_DIR=${PREFILL_DIR:-$HOME/.cache/flexgen_infinigen/prefills-accuracy}
 # InfiniGen's default, and InfiniGen and the exact oracle at ~12% and ~6% relative KV (layers
 # 0-1 read whole at L2: 2/24 + 22/24 * 0.04 = 0.120; from layer 1: 1/24 + 23/24 * 0.02 = 0.061)
-POLICIES=${POLICIES:-"full infinigen infinigen@0.04 infinigen@0.02:L1 oracle@0.04 oracle@0.02:L1 full-4bit"}
+POLICIES=${POLICIES:-"full infinigen infinigen@0.04 infinigen@0.02:L1 oracle@0.04 oracle@0.02:L1 full-4bit kivi"}
 run() {
     python benchmarks/long_context_accuracy.py --model "$MODEL" --data-dir "$DATA_DIR" \
         --tag qwen_n24 --prefill-dir "$PREFILL_DIR" "$@"
