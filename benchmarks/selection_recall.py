@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--fraction", type=float, default=DEFAULT["fraction"],
+                   help="the budget of the variants that set none (a share of each head's "
+                        "cached tokens per selecting layer)")
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                    help="run the variants whose name contains one of these")
     a = p.parse_args(argv)
@@ -226,6 +229,7 @@ def main(argv=None) -> int:
             if a.only and not any(x in name for x in a.only):
                 continue
             start = time.perf_counter()
+            over = {"fraction": a.fraction, **over}
             rows[name] = evaluate(windows, lm.cfg, record.fam, calib, a.prefill_len, **over)
             r = rows[name]
             print(f"{name:52s} recall {r['recall']:.4f}  error {r['output_error']:.4f}  "
