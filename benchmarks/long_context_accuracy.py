@@ -179,8 +179,11 @@ def run_reference(a, gguf: Path, samples, tokenizer, stops, done, path, bar) -> 
     todo = [s for s in samples if ("transformers", s.key) not in done]
     if not todo:
         return
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = _REFERENCE.get(gguf)  # loaded once for every round of a run
+    if model is None:
+        _REFERENCE.clear()
+        model = _REFERENCE[gguf] = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     for batch in _batches(todo, a.batch):
         start = time.perf_counter()
         with torch.no_grad():
@@ -195,7 +198,9 @@ def run_reference(a, gguf: Path, samples, tokenizer, stops, done, path, bar) -> 
             append(path, r)
             done[("transformers", s.key)] = r
         bar.update(len(batch))
-    del model
+
+
+_REFERENCE: dict = {}
 
 
 def rounds(samples, size: int):
