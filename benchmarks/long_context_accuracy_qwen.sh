@@ -14,6 +14,8 @@
 set -e
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package
+# at the lowest priority on a busy machine, spinning OpenMP threads waste the little time given
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 MODEL=${MODEL:-$HOME/.cache/flexgen_infinigen/gguf/qwen2.5-coder-0.5b-instruct.gguf}
 DATA_DIR=${DATA_DIR:-/work/shared/data}
 PREFILL_DIR=${PREFILL_DIR:-$HOME/.cache/flexgen_infinigen/prefills-accuracy}
