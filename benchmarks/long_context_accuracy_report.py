@@ -193,6 +193,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", required=True, help="the benchmark's --tag (results/..._TAG.jsonl)")
+    p.add_argument("--model-name", default=None,
+                   help="the model's name in the title (default: the last report's)")
+    p.add_argument("--filler", default=None, help="the filler text's name (default: the last "
+                   "report's)")
     a = p.parse_args(argv)
     stem = RESULTS / f"long_context_accuracy_{a.tag}"
     path = stem.with_suffix(".jsonl")
@@ -203,6 +207,7 @@ def main(argv=None) -> int:
     rows = load_rows(path)
     old = stem.with_suffix(".json")
     base = json.loads(old.read_text()).get("settings", {}) if old.is_file() else {}
+    base.update({k: v for k, v in (("model", a.model_name), ("filler", a.filler)) if v})
     print(write_outputs(rows, stem, settings_of(rows, a.tag, base)))
     return 0
 
