@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     # every result of this tag so far (runs with other lengths or depths add up)
     rows = list(done.values())
     summary = write_outputs(rows, OUT / f"long_context_accuracy_{a.tag}",
-                            {"model": store.config.name, "filler": source,
+                            {"model": store.config.name, "filler": source, "tag": a.tag,
                              "tasks": sorted({r["task"] for r in rows}, key=TASKS.index),
                              "depths": sorted({r["depth"] for r in rows}),
                              "seeds": len({r["seed"] for r in rows}),
