@@ -20,9 +20,12 @@ whatever the length (``--max-num-kv``), ``infinigen@0.05:L1`` selects from layer
 (``--first-layer``; default 2); ``infinigen-pages@0.1`` chooses whole
 pages of 16 tokens from page summaries (``--speculation-keys pages16``);
 ``infinigen-fp`` speculates with float keys of every column (only the query is guessed);
+``infinigen-int8`` with 8-bit keys of every column (``--speculation-keys int8``);
 ``infinigen-half`` with 4-bit keys of half the skewed columns (``--partial-weight-ratio 0.5``);
 ``h2o@0.2`` keeps 10% heavy hitters and 10% recent tokens; ``full-4bit`` and
-``infinigen-4bit`` store the cache in 4 bits; a ``-w4`` suffix (``infinigen@0.1-w4``) runs
+``infinigen-4bit`` store the cache in 4 bits (the runtime's groups of 64 channels of a token);
+``kivi`` in 4 bits in KIVI's layout (keys per channel over 32 tokens, values per token, the
+newest 128-159 tokens in float: ``--kv-policy kivi``); a ``-w4`` suffix (``infinigen@0.1-w4``) runs
 the policy with 4-bit weights.
 """
 from __future__ import annotations
@@ -38,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
 KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "infinigen-fp",
-         "infinigen-half", "oracle", "h2o")
+         "infinigen-half", "infinigen-int8", "oracle", "h2o", "kivi")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
                     "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
                     "full-4bit", "infinigen-4bit"]
@@ -59,6 +62,8 @@ def parse_policy(label: str):
     f = float(budget) if budget else None
     if kind.startswith("full"):
         return "full", {}, kind.endswith("4bit")
+    if kind == "kivi":  # KIVI's 4-bit layout, groups of 32, at least 128 float tokens
+        return "kivi", {}, False
     if kind == "h2o":
         f = f or 0.2
         return "h2o", {"hh_ratio": f / 2, "recent_ratio": f / 2}, False
@@ -73,6 +78,8 @@ def parse_policy(label: str):
         opts["speculation_keys"] = "pages16"
     if kind == "infinigen-half":  # 4-bit speculation keys of half the (skewed) columns
         opts["partial_weight_ratio"] = 0.5
+    if kind == "infinigen-int8":  # 8-bit speculation keys of every skewed column
+        opts["speculation_keys"] = "int8"
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
     # select at every length (the speed default reads small layers whole: not what is measured)
@@ -172,8 +179,11 @@ def run_reference(a, gguf: Path, samples, tokenizer, stops, done, path, bar) -> 
     todo = [s for s in samples if ("transformers", s.key) not in done]
     if not todo:
         return
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = _REFERENCE.get(gguf)  # loaded once for every round of a run
+    if model is None:
+        _REFERENCE.clear()
+        model = _REFERENCE[gguf] = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     for batch in _batches(todo, a.batch):
         start = time.perf_counter()
         with torch.no_grad():
@@ -188,7 +198,25 @@ def run_reference(a, gguf: Path, samples, tokenizer, stops, done, path, bar) -> 
             append(path, r)
             done[("transformers", s.key)] = r
         bar.update(len(batch))
-    del model
+
+
+_REFERENCE: dict = {}
+
+
+def rounds(samples, size: int):
+    """``samples`` in rounds of at most ``size`` prompts: seed by seed, task by task (so the
+    first rounds already cover every task), the depths of one task and seed together."""
+    from flexgen_infinigen.evals.retrieval_tasks import TASKS
+
+    order = sorted(samples, key=lambda s: (s.seed, TASKS.index(s.task), s.depth))
+    chunk: list = []
+    for s in order:
+        if chunk and (len(chunk) == size or (chunk[0].seed, chunk[0].task) != (s.seed, s.task)):
+            yield chunk
+            chunk = []
+        chunk.append(s)
+    if chunk:
+        yield chunk
 
 
 def main(argv=None) -> int:
@@ -261,17 +289,20 @@ def main(argv=None) -> int:
     try:
         with tqdm(total=max(total, 0), desc="prompts", unit="prompt") as bar:
             for n in lengths:
-                run_policies(a, a.model, plan[n], a.policies, done, path, bar,
-                             PrefillCache(folder, keep=4))
-                if n in refs:
-                    run_reference(a, Path(gguf), plan[n], tokenizer, stops, done, path, bar)
+                # a round at a time (one seed of one task: ``--batch`` prompts), every policy
+                # on it before the next, so a stopped run has whole rounds for all policies
+                for chunk in rounds(plan[n], a.batch):
+                    run_policies(a, a.model, chunk, a.policies, done, path, bar,
+                                 PrefillCache(folder, keep=1))
+                    if n in refs:
+                        run_reference(a, Path(gguf), chunk, tokenizer, stops, done, path, bar)
     finally:
         if a.prefill_dir is None:
             shutil.rmtree(folder, ignore_errors=True)
     # every result of this tag so far (runs with other lengths or depths add up)
     rows = list(done.values())
     summary = write_outputs(rows, OUT / f"long_context_accuracy_{a.tag}",
-                            {"model": store.config.name, "filler": source,
+                            {"model": store.config.name, "filler": source, "tag": a.tag,
                              "tasks": sorted({r["task"] for r in rows}, key=TASKS.index),
                              "depths": sorted({r["depth"] for r in rows}),
                              "seeds": len({r["seed"] for r in rows}),

@@ -1,9 +1,24 @@
 """The long-context accuracy benchmark's outputs: a summary JSON, a markdown table and a plot
-(score against relative KV size, one curve per policy, one panel per length)."""
+(score against relative KV size, one curve per policy, one panel per length), all rebuilt from
+the results file the benchmark appends to:
+
+    python benchmarks/long_context_accuracy_report.py --tag qwen_n24
+
+Every score carries a 95% interval: a percentile bootstrap over the prompts (2,000 resamples of
+the prompts with replacement, a fixed seed; a prompt's score is the share of its answers found,
+so it is not a yes/no outcome that a Wilson interval fits). A policy's difference to the full
+cache is bootstrapped over the prompts both ran (paired: the same resample for both).
+"""
 from __future__ import annotations
 
+import argparse
 import json
+import random
+import sys
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RESAMPLES = 2000
 
 # a 4-bit cache's bytes over an fp16 cache's: half a byte per value plus a 2-byte scale and
 # minimum per group of 64 (as in accuracy_sweep)
@@ -16,6 +31,15 @@ def _kind(label: str) -> str:
     base, _, first = label.removesuffix("-w4").partition(":L")
     kind, _, tokens = base.partition("@")[0].partition("#")
     return kind + (" (token cap)" if tokens else "") + (f" from layer {first}" if first else "")
+
+
+def interval(scores: list[float], seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of ``scores`` (0-100)."""
+    if len(scores) < 2:
+        return (scores[0], scores[0]) if scores else (float("nan"), float("nan"))
+    rng, n = random.Random(seed), len(scores)
+    means = sorted(sum(rng.choices(scores, k=n)) / n for _ in range(RESAMPLES))
+    return means[int(0.025 * RESAMPLES)], means[int(0.975 * RESAMPLES) - 1]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -34,12 +58,21 @@ def summarize(rows: list[dict]) -> dict:
             tasks: dict[str, list[float]] = {}
             for r in rs:
                 tasks.setdefault(r["task"], []).append(r["score"])
+            scores = [100 * r["score"] for r in rs]
             out[length][label] = {
-                "score": 100 * sum(r["score"] for r in rs) / len(rs), "n": len(rs),
+                "score": sum(scores) / len(scores), "n": len(rs),
+                "interval95": interval(scores),
                 "relative_kv_size": rel if label != "transformers" else 1.0,
                 "by_task": {t: 100 * sum(v) / len(v) for t, v in sorted(tasks.items())},
                 "seconds_per_prompt": sum(r["seconds"] for r in rs) / len(rs)}
         full = {r["sample"]: r for r in by_policy.get("full", [])}
+        for label, rs in by_policy.items():
+            paired = [100 * (r["score"] - full[r["sample"]]["score"]) for r in rs
+                      if r["sample"] in full]
+            if label != "full" and paired:
+                out[length][label]["minus_full"] = {
+                    "prompts": len(paired), "mean": sum(paired) / len(paired),
+                    "interval95": interval(paired)}
         ref = {r["sample"]: r for r in by_policy.get("transformers", [])}
         both = sorted(set(full) & set(ref))
         if both:
@@ -50,43 +83,44 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def _cell(c: dict) -> str:
+    lo, hi = c["interval95"]
+    return f"{c['score']:.1f} [{lo:.1f}, {hi:.1f}]"
+
+
 def markdown(summary: dict, settings: dict) -> str:
     lengths = sorted(summary)
-    labels = []
-    for n in lengths:
-        labels += [k for k in summary[n] if k not in labels and k != "full_vs_transformers"]
+    tasks = settings["tasks"]
     lines = [f"# Long-context retrieval: {settings['model']}", "",
-             f"Tasks {', '.join(settings['tasks'])}; needle depths {settings['depths']} (not "
-             f"every depth at every length: n counts the prompts); {settings['seeds']} seed(s); "
+             f"Tasks {', '.join(tasks)}; needle depths {settings['depths']}; "
+             f"{settings['seeds']} seed(s) (n counts the prompts of each cell); "
              f"filler: {settings['filler']}. "
-             "Score: share of the expected answers found in the generated tokens (0-100). "
-             "Relative KV: rows attention read over rows cached, all layers; 4-bit rows also "
-             "count their bytes against an fp16 cache.", "",
-             "| policy | " + " | ".join(f"{n} tokens: score (rel. KV)" for n in lengths) + " |",
-             "|---|" + "---|" * len(lengths)]
-    for label in labels:
-        cells = []
-        for n in lengths:
-            c = summary[n].get(label)
-            cells.append(f"{c['score']:.1f} ({c['relative_kv_size']:.3f}), n={c['n']}"
-                         if c else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "By task (score):", "",
-              "| policy | length | " + " | ".join(settings["tasks"]) + " |",
-              "|---|---|" + "---|" * len(settings["tasks"])]
-    for label in labels:
-        for n in lengths:
-            c = summary[n].get(label)
-            if c:
-                lines.append(f"| {label} | {n} | " + " | ".join(
-                    f"{c['by_task'][t]:.0f}" if t in c["by_task"] else ""
-                    for t in settings["tasks"]) + " |")
-    agree = [(n, summary[n]["full_vs_transformers"]) for n in lengths
-             if "full_vs_transformers" in summary[n]]
-    if agree:
-        lines += ["", "Full cache against transformers on the same token ids: " + "; ".join(
-            f"{n}: {a['same_tokens']}/{a['prompts']} same tokens, {a['same_score']}/"
-            f"{a['prompts']} same score" for n, a in agree) + "."]
+             "Score: share of the expected answers found in the generated tokens (0-100), "
+             "with a 95% interval: percentile bootstrap over the prompts (2,000 resamples). "
+             "Minus full: the paired difference to the full cache on the same prompts, with its "
+             "bootstrap interval. Relative KV: rows attention read over rows cached, all "
+             "layers; 4-bit rows also count their bytes against an fp16 cache.",
+             "", "Regenerate from the JSONL: `python benchmarks/long_context_accuracy_report.py "
+             f"--tag {settings.get('tag', 'TAG')}`."]
+    for n in lengths:
+        labels = [k for k in summary[n] if k != "full_vs_transformers"]
+        lines += ["", f"## {n} tokens", "",
+                  "| policy | n | score [95%] | minus full [95%] | rel. KV | "
+                  + " | ".join(tasks) + " |", "|---|---|---|---|---|" + "---|" * len(tasks)]
+        for label in labels:
+            c = summary[n][label]
+            d = c.get("minus_full")
+            diff = f"{d['mean']:+.1f} [{d['interval95'][0]:+.1f}, {d['interval95'][1]:+.1f}]" \
+                if d else ""
+            lines.append(f"| {label} | {c['n']} | {_cell(c)} | {diff} | "
+                         f"{c['relative_kv_size']:.3f} | " + " | ".join(
+                             f"{c['by_task'][t]:.0f}" if t in c["by_task"] else ""
+                             for t in tasks) + " |")
+        a = summary[n].get("full_vs_transformers")
+        if a:
+            lines += ["", f"Full cache against transformers on the same token ids: "
+                      f"{a['same_tokens']}/{a['prompts']} same tokens, {a['same_score']}/"
+                      f"{a['prompts']} same score."]
     return "\n".join(lines) + "\n"
 
 
@@ -101,7 +135,8 @@ def plot(summary: dict, path: Path) -> None:
         cells = {k: v for k, v in summary[n].items() if k != "full_vs_transformers"}
         curves: dict[str, list] = {}
         for label, c in cells.items():
-            curves.setdefault(_kind(label), []).append((c["relative_kv_size"], c["score"]))
+            curves.setdefault(_kind(label), []).append(
+                (c["relative_kv_size"], c["score"], *c.get("interval95", (c["score"],) * 2)))
         for kind, pts in sorted(curves.items()):
             pts.sort()
             style = "--" if kind in ("full", "transformers") else "-o"
@@ -110,7 +145,9 @@ def plot(summary: dict, path: Path) -> None:
                            label=f"{kind} ({pts[0][1]:.0f})", color="k" if kind == "full"
                            else "gray")
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=kind)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], fmt=style, label=kind,
+                        yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                        capsize=3)
         ax.set(xscale="log", xlabel="relative KV size", ylabel="score (0-100)",
                title=f"{n} tokens", ylim=(-5, 105))
         ax.grid(alpha=0.3)
@@ -128,3 +165,52 @@ def write_outputs(rows: list[dict], stem: Path, settings: dict) -> str:
     stem.with_suffix(".md").write_text(text)
     plot(summary, stem.with_suffix(".png"))
     return text
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The last result of each (policy, prompt) in a benchmark's JSONL."""
+    done = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            done[(row["policy"], row["sample"])] = row
+    return list(done.values())
+
+
+def settings_of(rows: list[dict], tag: str, base: dict) -> dict:
+    """The report's settings from the rows (and what only the run knew, from ``base``)."""
+    order = ("single", "multikey", "multivalue", "vartrack")
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: (order + (t,)).index(t))
+    return {"model": base.get("model", "?"), "filler": base.get("filler", "?"), "tag": tag,
+            "tasks": tasks, "depths": sorted({r["depth"] for r in rows}),
+            "seeds": len({r["seed"] for r in rows}),
+            "lengths": sorted({r["length"] for r in rows}),
+            "policies": sorted({r["policy"] for r in rows}),
+            "reference": any(r["policy"] == "transformers" for r in rows)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tag", required=True, help="the benchmark's --tag (results/..._TAG.jsonl)")
+    p.add_argument("--model-name", default=None,
+                   help="the model's name in the title (default: the last report's)")
+    p.add_argument("--filler", default=None, help="the filler text's name (default: the last "
+                   "report's)")
+    a = p.parse_args(argv)
+    stem = RESULTS / f"long_context_accuracy_{a.tag}"
+    path = stem.with_suffix(".jsonl")
+    if not path.is_file():
+        print(f"error: {path} does not exist; run benchmarks/long_context_accuracy.py "
+              f"--tag {a.tag} first", file=sys.stderr)
+        return 2
+    rows = load_rows(path)
+    old = stem.with_suffix(".json")
+    base = json.loads(old.read_text()).get("settings", {}) if old.is_file() else {}
+    base.update({k: v for k, v in (("model", a.model_name), ("filler", a.filler)) if v})
+    print(write_outputs(rows, stem, settings_of(rows, a.tag, base)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

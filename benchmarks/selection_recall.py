@@ -58,6 +58,7 @@ VARIANTS = [
     ("keys=partial ratio=1.0", dict(keys="partial", ratio=1.0)),
     ("keys=int4 ratio=0.5", dict(ratio=0.5)),
     ("keys=int2", dict(keys="int2")),
+    ("keys=int8", dict(keys="int8")),
     ("keys=partial 0.3, calibration=paragraph", dict(keys="partial", ratio=0.3,
                                                      calibration="paragraph")),
     ("keys=partial 0.3, calibration=corpus", dict(keys="partial", ratio=0.3,
@@ -198,18 +199,22 @@ def evaluate(rec_windows, cfg, fam, calib: dict, prefill: int, exact=False, **ov
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registry name or .gguf / folder")
     p.add_argument("--text", default=str(TEXT))
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--fraction", type=float, default=DEFAULT["fraction"],
+                   help="the budget of the variants that set none (a share of each head's "
+                        "cached tokens per selecting layer)")
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                    help="run the variants whose name contains one of these")
     a = p.parse_args(argv)
     if not Path(a.text).is_file():
         print(f"error: {a.text} is absent; pass --text (wikitext-2 test split)", file=sys.stderr)
         return 2
-    lm = OffloadedLM.load(progress=False)
+    lm = OffloadedLM.load(model=a.model, progress=False)
     with lm:
         record = Recorder(lm)
         ids = lm.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))
@@ -224,6 +229,7 @@ def main(argv=None) -> int:
             if a.only and not any(x in name for x in a.only):
                 continue
             start = time.perf_counter()
+            over = {"fraction": a.fraction, **over}
             rows[name] = evaluate(windows, lm.cfg, record.fam, calib, a.prefill_len, **over)
             r = rows[name]
             print(f"{name:52s} recall {r['recall']:.4f}  error {r['output_error']:.4f}  "
@@ -240,8 +246,8 @@ def main(argv=None) -> int:
             rows = {name: merged[name] for name, _ in VARIANTS if name in merged}
     out.with_suffix(".json").write_text(json.dumps({"settings": vars(a), "variants": rows},
                                                    indent=1))
-    lines = [f"# Selection recall: SmolLM2-135M, {a.windows} wikitext-2 windows of {a.seq_len} "
-             f"tokens, decode positions {a.prefill_len}+, layers 2-29", "",
+    lines = [f"# Selection recall: {lm.cfg.name}, {a.windows} wikitext-2 windows of {a.seq_len} "
+             f"tokens, decode positions {a.prefill_len}+, layers 2-{lm.cfg.num_layers - 1}", "",
              "| variant | attention mass recall | output error | relative KV size | "
              "speculation key bytes (fp16) |", "|---|---:|---:|---:|---:|"]
     for name, r in rows.items():

@@ -24,7 +24,7 @@ def _int8_query(pq: torch.Tensor) -> torch.Tensor:
     return torch.round(pq / scale) * scale
 
 
-@pytest.mark.parametrize("kind", ["int4", "int2"])
+@pytest.mark.parametrize("kind", ["int4", "int2", "int8"])
 @pytest.mark.parametrize("length,cols,group,width", [(1, 2, 1, 64), (700, 6, 3, 64),
                                                     (1300, 4, 7, 50), (33, 3, 2, 128),
                                                     (1029, 2, 7, 128), (901, 3, 3, 32),
@@ -45,7 +45,7 @@ def test_kernel_scores_equal_torch(kind, length, cols, group, width):
     slow = keys.scores(pq, length)
     assert fast.shape == slow.shape == (1, cols, group, length)
     tol = 1e-5 * slow.abs().max().item() + 1e-5
-    if kind == "int2" or width not in (32, 64, 128):  # codes expanded to floats: the same sums
+    if kind != "int4" or width not in (32, 64, 128):  # codes expanded to floats: the same sums
         assert (fast - slow).abs().max().item() <= tol
         return
     rounded = _int8_query(pq)  # q . codes on the rounded query, the minimum times sum(q)
@@ -346,7 +346,8 @@ def test_fused_mass_selection_chooses_what_select_chooses(b, kv, group, length):
             assert all(visible[i, t] for t in fused[i, h, :n].tolist())
 
 
-@pytest.mark.parametrize("kind,width", [("int4", 64), ("int4", 19), ("int2", 64), ("int2", 19)])
+@pytest.mark.parametrize("kind,width", [("int4", 64), ("int4", 19), ("int2", 64), ("int2", 19),
+                                        ("int8", 64)])
 def test_kernel_packs_speculation_keys_as_torch_does(kind, width):
     torch.manual_seed(width)
     fast = SpeculationKeys(kind, 50, 6, width, torch.float32, Tiers("cpu"))

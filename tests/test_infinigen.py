@@ -257,7 +257,7 @@ def test_cli_rejects_bad_infinigen_flags_before_loading(capsys, monkeypatch, arg
 
 @pytest.mark.parametrize("rule", ["margin", "cap", "artifact", "head-union", "mass"])
 @pytest.mark.parametrize("keys, prompt_skew", [("int4", False), ("partial", True),
-                                               ("int2", False)])
+                                               ("int2", False), ("int8", False)])
 def test_every_rule_keeping_everything_equals_full(tiny_opt, full_outputs, rule, keys,
                                                    prompt_skew):
     options = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,

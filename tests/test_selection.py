@@ -114,7 +114,7 @@ def test_fetch_moves_exactly_the_selected_rows(tmp_path):
 
 
 @pytest.mark.parametrize("kind, width", [("int4", 64), ("int4", 19), ("int2", 19),
-                                         ("partial", 19)])
+                                         ("int8", 64), ("partial", 19)])
 def test_speculation_keys_score_like_their_dequantized_keys(kind, width):
     """Scores from packed codes equal q . (codes * scale + min), and every dequantized value
     is within half a quantization step of the key written."""

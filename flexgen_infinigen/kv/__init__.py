@@ -13,11 +13,13 @@ from .base import CacheSpec, DecodeWork, KVCache, KVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
 from .infinigen import InfiniGenPolicy
+from .kivi import KiviPolicy
 from .options import InfiniGenOptions, SelectionOptions
 from .oracle import OraclePolicy
 
 POLICIES: dict[str, type[KVPolicy]] = {
-    cls.name: cls for cls in (FullPolicy, InfiniGenPolicy, H2OPolicy, OraclePolicy)}
+    cls.name: cls for cls in (FullPolicy, InfiniGenPolicy, H2OPolicy, OraclePolicy,
+                               KiviPolicy)}
 
 
 def policy_class(name: str, plannable: bool = False) -> type[KVPolicy]:
@@ -56,6 +58,6 @@ def kv_policy_from_args(args: argparse.Namespace) -> KVPolicy:
 
 
 __all__ = ["CacheSpec", "DecodeWork", "FullPolicy", "H2OPolicy", "InfiniGenOptions",
-           "InfiniGenPolicy", "KVCache", "KVPolicy", "OraclePolicy", "POLICIES",
+           "InfiniGenPolicy", "KVCache", "KiviPolicy", "KVPolicy", "OraclePolicy", "POLICIES",
            "SelectionOptions", "add_kv_args", "kv_policy_from_args", "make_kv_policy",
            "plannable_names", "policy_class"]

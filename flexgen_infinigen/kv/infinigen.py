@@ -72,7 +72,7 @@ class InfiniGenPolicy(SelectivePolicy):
         g = parser.add_argument_group("InfiniGen (with --kv-policy infinigen)")
         g.add_argument("--speculation-keys", default="int4",
                        help="the device copy of the keys that speculation scores against: every "
-                            "skewed column quantized to 4 (default) or 2 bits, the paper's "
+                            "skewed column quantized to 4 (default), 8 or 2 bits, the paper's "
                             "partial columns in the runtime dtype, or page summaries "
                             "(pages8/16/32: the minimum and maximum of each page's keys; whole "
                             "pages are chosen, scoring costs pages, not tokens)")

@@ -97,7 +97,7 @@ class InfiniGenOptions(SelectionOptions):
 
 
 # partial-weight ratio by speculation key kind when none is given
-DEFAULT_RATIO = {"partial": 0.3, "int4": 1.0, "int2": 1.0}
+DEFAULT_RATIO = {"partial": 0.3, "int8": 1.0, "int4": 1.0, "int2": 1.0}
 
 
 def add_selection_args(parser) -> None:

@@ -4,8 +4,9 @@ InfiniGen scores layer i+1's cached tokens during layer i without reading the KV
 a cheap copy of the keys. Two kinds (``--speculation-keys``):
 
 * ``partial``: the ``r`` kept skewed columns of each key in the runtime dtype (the paper's);
-* ``int4`` / ``int2``: the same projected key quantized per token and KV head (asymmetric,
-  min and scale in the runtime dtype), so all ``head_dim`` columns fit where a few did.
+* ``int4`` / ``int8`` / ``int2``: the same projected key quantized per token and KV head
+  (asymmetric, min and scale in the runtime dtype), so all ``head_dim`` columns fit where a few
+  did. The CPU kernel multiplies 4-bit codes as bytes; 8- and 2-bit codes are expanded.
 
 Rows are preallocated for the whole sequence and written in place, head-major.
 """
@@ -16,7 +17,7 @@ import torch
 from .spec_pages import PAGE_KINDS
 from ..runtime.cpu_kernels import library, score_packed, spec_write, speculate_mass
 
-KINDS = {"partial": None, "int4": 4, "int2": 2}
+KINDS = {"partial": None, "int8": 8, "int4": 4, "int2": 2}
 
 
 def bytes_per_key(kind: str, columns: int, item: int) -> float:
