@@ -8,9 +8,9 @@ is loaded, never per step:
 - **Everything fused** (one call): the layer's weights are float32 rows, or 4-bit/8-bit codes
   with float32 or float16 scales (``PackedWeight``), kept in CPU memory; the KV cache is the
   full cache (``kv/full.py``) in CPU memory as floats, read in place; the next layer's cache
-  speculates on nothing (a full cache) and is in this process. The call normalizes, projects, rotates,
-  writes the new token into the cache, attends over every row, projects out, adds the
-  residual and runs the MLP.
+  speculates on nothing (a full cache) and is in this process. The call normalizes,
+  projects, rotates, writes the new token into the cache, attends over every row, projects
+  out, adds the residual and runs the MLP.
 - **Around the policy's attention** (two calls): any other KV policy (InfiniGen's chosen rows
   and its speculation, a 4-bit cache, H2O ...). The first call gives the attention input and
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
