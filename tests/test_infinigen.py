@@ -449,6 +449,8 @@ def test_a_step_that_reads_a_layer_whole_stores_its_new_row_once(tiny_llama, mon
     tokens are the full cache's."""
     from flexgen_infinigen.kv import full
 
+    # the per-operation path's write; the fused call writes the row in C (test_fused_decode)
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")
     writes = []
     real = full.FullCache._store
 

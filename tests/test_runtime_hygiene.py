@@ -34,13 +34,20 @@ class _Patched:
         return self._replace.get(name, getattr(self._family, name))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kv", ["infinigen", "h2o", "full"])
-def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
+def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv, fused, monkeypatch):
     """InfiniGen's load lane waits for a speculation: when compute fails it must not wait
-    (it used to wait 600 s); the error itself reaches the caller."""
+    (it used to wait 600 s); the error itself reaches the caller, from the per-operation
+    path's MLP or from the fused decode call."""
+    from flexgen_infinigen.runtime import fused_decode
+
+    monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
     _, store = tiny_llama
     lm = _load(store, kv=kv)
     family, calls = lm.engine.family, {"n": 0}
+    if fused and lm.engine.fused is None:
+        pytest.skip("no C compiler: no fused decode call")
 
     def failing_mlp(cfg, w, h):
         calls["n"] += 1
@@ -48,6 +55,12 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
             raise MemoryError("simulated out of memory")
         return family.mlp(cfg, w, h)
 
+    real_call = fused_decode.LayerPlan._call
+
+    def failing_call(self, mode):  # the fused path's first decode step
+        raise MemoryError("simulated out of memory")
+
+    monkeypatch.setattr(fused_decode.LayerPlan, "_call", failing_call if fused else real_call)
     lm.engine.family = _Patched(family, mlp=failing_mlp)
     outcome = {}
 
@@ -63,6 +76,7 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv):
     assert not worker.is_alive(), "generation hung after an error in compute"
     assert "simulated" in str(outcome.get("error"))
     lm.engine.family = family  # the engine still works afterwards
+    monkeypatch.setattr(fused_decode.LayerPlan, "_call", real_call)
     assert len(lm.generate([PROMPTS[0]], 2, stop_token_id=None).token_ids[0]) == 2
     lm.close()
 
