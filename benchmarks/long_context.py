@@ -207,8 +207,10 @@ def run_reference(spec: dict) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def in_subprocess(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--one", json.dumps(spec)]
+def in_subprocess(spec: dict, timeout: float, script: str = __file__) -> dict:
+    """``script --one SPEC`` in a fresh process (a row's peak memory is its own): the row it
+    prints last, or the spec with an ``error`` (never an exception, never a hang)."""
+    cmd = [sys.executable, script, "--one", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

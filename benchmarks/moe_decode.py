@@ -36,7 +36,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -141,15 +140,8 @@ def paused(pid_file: str | None):
 
 
 def in_subprocess(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--one", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**spec, "error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0:
-        lines = (proc.stderr or "").strip().splitlines()
-        return {**spec, "error": lines[-1] if lines else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from long_context import in_subprocess as run_row
+    return run_row(spec, timeout, __file__)
 
 
 def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) -> list[dict]:
