@@ -84,10 +84,16 @@ def run_one(spec: dict) -> dict:
     if kv == "infinigen":  # the full model's share of layers that read the whole cache
         spec["infinigen_first_layer"] = max(1, spec["infinigen_first_layer"])
         options = {**options, "first_layer": spec["infinigen_first_layer"]}
+    # dummy weights are 4-bit with --compress-weight; a GGUF's Q4_0 codes are kept as stored
+    gguf = spec.get("gguf")
+    eg, ec = spec.get("experts_percent") or (None, None)  # None: experts as the weights
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
-                                 compress_weight=True)
-    with OffloadedLM.load(model=cfg.name, dummy=True, policy=policy, kv_policy=kv,
-                          kv_options=options, max_len_hint=(ctx, GEN), progress=False) as lm:
+                                 compress_weight=gguf is None, expert_gpu_percent=eg,
+                                 expert_cpu_percent=ec)
+    source = {"model": gguf} if gguf else {"model": cfg.name, "dummy": True}
+    with OffloadedLM.load(**source, policy=policy, kv_policy=kv, kv_options=options,
+                          max_len_hint=(ctx, GEN), progress=False,
+                          offload_dir=spec.get("offload_dir")) as lm:
         gen = torch.Generator().manual_seed(ctx + b)
         prompts = [torch.randint(3, cfg.vocab_size, (ctx,), generator=gen).tolist()
                    for _ in range(b)]
@@ -175,6 +181,13 @@ def main(argv=None) -> int:
     p.add_argument("--llama-args", default="",
                    help="more llama-bench arguments, e.g. '--repack 0' where its repacked "
                         "(AMX) kernels stop on an illegal instruction")
+    p.add_argument("--gguf-weights", action="store_true",
+                   help="load the random Q4_0 GGUF llama-bench reads (16-bit scales, 4.5 bits "
+                        "a weight) instead of 4-bit dummy weights (6 bits): a whole "
+                        "Qwen3-30B-A3B (--layers 48) then fits in 24 GB")
+    p.add_argument("--experts-percent", type=float, nargs=2, default=None,
+                   metavar=("GPU", "CPU"), help="the routed experts' placement (disk the "
+                   "rest, under the prefill folder); default: in memory with the weights")
     p.add_argument("--pause-pid-file", default="/work/notes/accuracy_run.pid")
     p.add_argument("--timeout", type=float, default=590.0, help="seconds per row")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
@@ -183,8 +196,10 @@ def main(argv=None) -> int:
                    help="keep prefills there and reuse them (default: a temporary folder)")
     p.add_argument("--update", action="store_true",
                    help="merge these rows into the existing results (same row: replaced)")
+    p.add_argument("--out", default=str(OUT), help="results path, without the suffix")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    out = Path(a.out)
     if a.one:
         print(json.dumps(run_one(json.loads(a.one))))
         return 0
@@ -200,8 +215,8 @@ def main(argv=None) -> int:
 
     prefills = a.prefill_dir or tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
     earlier = []
-    if a.update and OUT.with_suffix(".json").is_file():
-        earlier = json.loads(OUT.with_suffix(".json").read_text())["rows"]
+    if a.update and out.with_suffix(".json").is_file():
+        earlier = json.loads(out.with_suffix(".json").read_text())["rows"]
     ggufs = a.gguf_dir or tempfile.mkdtemp(prefix="moe-gguf-")
     rows = []
     try:
@@ -209,9 +224,15 @@ def main(argv=None) -> int:
             layers = a.layers or MODELS[model][0]
             contexts = [1024, 2048] if a.quick else a.contexts or MODELS[model][1]
             batches = [1] if a.quick else a.batches
+            gguf = gguf_for(model, layers, contexts, ggufs) if a.gguf_weights else None
             for spec in specs_for(model, layers, contexts, batches):
                 if spec["policy"] not in a.policies:
                     continue
+                if gguf:
+                    spec["gguf"] = gguf
+                if a.experts_percent:
+                    spec.update(experts_percent=a.experts_percent,
+                                offload_dir=str(Path(prefills) / "offload"))
                 with paused(a.pause_pid_file):
                     spec.update(bandwidth=read_bandwidth(), prefill_dir=prefills)
                     row = in_subprocess(spec, a.timeout)
@@ -219,16 +240,16 @@ def main(argv=None) -> int:
                 print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
                       flush=True)
                 # what is done so far, kept
-                write_outputs(result(merged(earlier, rows), a.models), OUT)
+                write_outputs(result(merged(earlier, rows), a.models), out)
             if a.llama_bench:
                 rows += llama_rows(a, model, layers, contexts, ggufs)
-                write_outputs(result(merged(earlier, rows), a.models), OUT)
+                write_outputs(result(merged(earlier, rows), a.models), out)
     finally:
         if a.prefill_dir is None:
             shutil.rmtree(prefills, ignore_errors=True)
         if a.gguf_dir is None:
             shutil.rmtree(ggufs, ignore_errors=True)
-    write_outputs(result(merged(earlier, rows), a.models), OUT)
+    write_outputs(result(merged(earlier, rows), a.models), out)
     return 0
 
 
@@ -249,23 +270,33 @@ def result(rows: list[dict], models: list[str]) -> dict:
                                    for m in sorted({r["model"] for r in rows} | set(models))},
             "shapes": "each model's real layer shapes, fewer layers, vocabulary cut in the "
                       "same ratio; full_model_tokens_s = measured * layers / full layers",
-            "weights": "seeded random, 4-bit codes with a float32 scale and minimum per "
-                       "group of 32 (6 bits a parameter), multiplied as stored",
+            "weights": "seeded random, 4-bit codes multiplied as stored: dummy rows with a "
+                       "float32 scale and minimum per group of 32 (6 bits a parameter); rows "
+                       "with a 'gguf' load llama.cpp's random Q4_0 file (a float16 scale per "
+                       "32, 4.5 bits)",
             "kv_cache": "float32, in CPU memory", "generated_tokens": GEN, "rows": rows}
+
+
+def gguf_for(model: str, layers: int, contexts: list[int], folder: str) -> str:
+    """The random-Q4_0 GGUF of ``model`` cut to ``layers`` layers in ``folder``, written once."""
+    from random_gguf import write_random_gguf
+
+    cfg = cut_config(model, layers, max(contexts) + 64)
+    path = str(Path(folder) / f"{cfg.name}.gguf")
+    if not Path(path).is_file():
+        write_random_gguf(cfg, path)
+    return path
 
 
 def llama_rows(a, model: str, layers: int, contexts: list[int], folder: str) -> list[dict]:
     """llama-bench on a random-Q4_0 GGUF of the same cut shapes, each context a depth."""
     from llama_cpp import llama_bench_rows
     from long_context import read_bandwidth
-    from random_gguf import write_random_gguf
 
     from flexgen_infinigen.config import get_config
 
+    path = gguf_for(model, layers, contexts, folder)
     cfg = cut_config(model, layers, max(contexts) + 64)
-    path = str(Path(folder) / f"{cfg.name}.gguf")
-    if not Path(path).is_file():
-        write_random_gguf(cfg, path)
     with paused(a.pause_pid_file):
         bandwidth = read_bandwidth()
         rows = llama_bench_rows(a.llama_bench, path, contexts, torch.get_num_threads(),

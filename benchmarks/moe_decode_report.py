@@ -23,12 +23,16 @@ def _line(r: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Mixture-of-experts decode (dummy 4-bit weights, KV cache float32 in CPU memory)",
-             "", "Each model keeps its real layer shapes with fewer layers and its vocabulary "
-             "cut in the same ratio; 'full model' is the measured rate times layers kept / "
-             "all layers. Bound: must-read bytes (dense weights + routed experts + KV) over the "
-             "read bandwidth measured just before the row. llama.cpp: llama-bench on a GGUF of "
-             "the same cut shapes with random Q4_0 codes, in the same run.", "",
+    gguf = any(r.get("gguf") for r in result["rows"])
+    weights = ("random Q4_0 weights from the GGUF llama.cpp reads" if gguf
+               else "dummy 4-bit weights")
+    lines = [f"# Mixture-of-experts decode ({weights}, KV cache float32 in CPU memory)",
+             "", "Each model keeps its real layer shapes, with all or fewer layers (the "
+             "vocabulary cut in the same ratio); 'full model' is the measured rate times "
+             "layers kept / all layers. Bound: must-read bytes (dense weights + routed "
+             "experts + KV) over the read bandwidth measured just before the row. llama.cpp: "
+             "llama-bench on a GGUF of the same shapes with random Q4_0 codes, in the same "
+             "run.", "",
              "| model | policy | context | batch | decode tok/s | full model tok/s | "
              "bound / step ms | step/bound | experts read per layer | must-read GB "
              "(dense + experts + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,8 @@ config's size (llama.cpp needs one; llama-bench feeds random token ids).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # values per block; bytes per block (float16 scale + 16)
@@ -47,12 +49,31 @@ def tensor_shapes(cfg) -> dict[str, tuple[tuple[int, ...], bool]]:
     return out
 
 
+def _tensors(shapes: dict, seed: int, infos_only: bool = False):
+    """(name, array) in file order; with ``infos_only`` each array is an empty stand-in of the
+    right shape and dtype (its bytes are not drawn)."""
+    rng = np.random.default_rng(seed)
+    for name, (shape, quant) in shapes.items():
+        if quant:
+            *outer, cols = shape
+            if infos_only:
+                yield name, np.empty((*outer, cols // Q4_0_BLOCK * Q4_0_BYTES), np.uint8)
+            else:
+                yield name, _q4_0(rng, shape, 0.02 / 8)
+        elif infos_only:
+            yield name, np.empty(shape, np.float32)
+        else:
+            yield name, (np.ones(shape, np.float32) if len(shape) == 1
+                         else rng.standard_normal(shape, dtype=np.float32))
+
+
 def write_random_gguf(cfg, path: str, seed: int = 0) -> int:
     """Write the file; returns the bytes of its tensors."""
     import gguf
 
     arch = "olmoe" if cfg.qk_norm_full else "qwen3moe"
-    w = gguf.GGUFWriter(path, arch)
+    part = path + ".part"  # renamed when complete: a stopped write never looks like a file
+    w = gguf.GGUFWriter(part, arch)
     w.add_name(cfg.name)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_positions)
@@ -80,19 +101,20 @@ def write_random_gguf(cfg, path: str, seed: int = 0) -> int:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    rng = np.random.default_rng(seed)
-    total = 0
-    for name, (shape, quant) in tensor_shapes(cfg).items():
-        if quant:
-            data = _q4_0(rng, shape, 0.02 / 8)
-            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        else:
-            data = (np.ones(shape, np.float32) if len(shape) == 1
-                    else rng.standard_normal(shape, dtype=np.float32))
-            w.add_tensor(name, data)
-        total += data.nbytes
+    # the tensors' infos first, then their data drawn one tensor at a time: a whole model's
+    # file (~17 GB for Qwen3-30B-A3B) is never in memory
+    shapes = tensor_shapes(cfg)
+    for name, data in _tensors(shapes, seed, infos_only=True):
+        quant = shapes[name][1]
+        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes,
+                          raw_dtype=gguf.GGMLQuantizationType.Q4_0 if quant else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    total = 0
+    for _, data in _tensors(shapes, seed):
+        w.write_tensor_data(data)
+        total += data.nbytes
     w.close()
+    os.replace(part, path)
     return total
