@@ -24,6 +24,7 @@ from .runtime.guards import raise_if_interrupted
 from .runtime.loading import (find_weights, place_weights, resolve_device, resolve_dtype,
                               weight_layouts)
 from .runtime.prefill_cache import PrefillCache, Prefilled
+from .runtime.routing_profile import expert_order
 from .runtime.stages import LayerSlice
 from .runtime.tiers import TIERS, Tiers
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
@@ -63,7 +64,8 @@ class OffloadedLM:
              kv_policy: str | KVPolicy = "full", kv_options: dict | None = None,
              offload_dir: str | None = None, seed: int = 0, progress: bool = True,
              max_len_hint: tuple[int, int] | None = None, part: LayerSlice | None = None,
-             make_engine: Callable[..., Engine] = Engine) -> "OffloadedLM":
+             make_engine: Callable[..., Engine] = Engine,
+             expert_profile: str | None = None) -> "OffloadedLM":
         """Find the weights, check that the policy fits, and place the weights on the tiers.
 
         ``kv_policy``: a :class:`~.kv.base.KVPolicy` (``InfiniGenPolicy(max_kv_fraction=0.2)``)
@@ -71,6 +73,8 @@ class OffloadedLM:
         lets the memory check include the KV cache. ``part`` and ``make_engine``: one rank
         of a pipeline loads and runs only its layers, with an engine that talks to the other
         ranks (:func:`.pipeline.engine.rank_engine`; this module knows nothing of them).
+        ``expert_profile``: a routing profile (:mod:`.runtime.routing_profile`) whose
+        most-read experts take the fastest tiers of the policy's expert split.
         """
         start = time.perf_counter()
         policy = (policy or Policy()).validate()
@@ -89,6 +93,7 @@ class OffloadedLM:
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
+        order = expert_order(expert_profile, cfg) if expert_profile else None
         layouts = weight_layouts(source, cfg)
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
                                 part=part, device=dev, layouts=layouts)
@@ -97,7 +102,8 @@ class OffloadedLM:
                       host_in_place=policy.host_in_place)
         try:
             names = part.weight_names(cfg) if part is not None else None
-            weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names)
+            weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names,
+                                    expert_order=order)
         except BaseException:
             tiers.close()
             raise

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the tokens as they come (one prompt; default: on when the "
                         "output is a terminal and one prompt runs)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    g = p.add_argument_group("mixture-of-experts placement")
+    g.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="count how often each routed expert is read in this run and write the "
+                        "counts (a routing profile, JSON) to FILE")
+    g.add_argument("--experts-profile", default=None, metavar="FILE",
+                   help="a routing profile from --record-routing: each layer's most-read "
+                        "experts take the fastest tiers of --experts-percent")
     g.add_argument("--verbose", action="store_true",
                    help="also print the memory plan per tier and the time of every step")
     add_pipeline_args(p)
@@ -80,6 +87,7 @@ def check_args(a) -> list[str]:
     if a.prompt_file:
         texts.append(read_text(a.prompt_file, "--prompt-file"))
     check_output_path(a.json, "--json")
+    check_output_path(a.record_routing, "--record-routing")
     check_policy_args(a)
     check_pipeline_args(a)
     if a.stream and (len(texts) > 1 or a.synthesize):
@@ -156,8 +164,14 @@ def _main(argv=None) -> int:
     hint = None if texts else (a.prompt_len, a.gen_len)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                           device=a.device, dtype=a.dtype, kv_policy=kv,
-                          offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint)
+                          offload_dir=a.offload_dir, seed=a.seed, max_len_hint=hint,
+                          expert_profile=a.experts_profile)
     with lm:
+        if a.record_routing:
+            if not lm.cfg.num_experts:
+                raise ConfigError(f"--record-routing needs a mixture-of-experts model; "
+                                  f"{lm.cfg.name} has no routed experts")
+            lm.engine.routing_counts = {}
         prompts = make_prompts(lm, a, texts)
         stream = a.stream if a.stream is not None else \
             sys.stdout.isatty() and len(prompts) == 1 and lm.tokenizer is not None
@@ -168,6 +182,9 @@ def _main(argv=None) -> int:
                           on_tokens=printer)
         if printer is not None:
             printer.finish()
+        if a.record_routing:
+            from .runtime.routing_profile import save
+            save(a.record_routing, lm.cfg, lm.engine.routing_counts)
         report = build_report(lm, gen, str(lm.tiers.device),
                               {"auto_plan": plan} if plan else None)
         if a.verbose:

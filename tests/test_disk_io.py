@@ -77,6 +77,31 @@ def test_files_are_removed_with_their_tensors(tiers):
     assert not os.path.exists(path)
 
 
+def test_small_tensors_share_files_and_leave_with_the_last(tiers, monkeypatch):
+    """Small disk tensors are block-aligned pieces of shared files (a MoE model has tens of
+    thousands of expert tensors, and a file holds descriptors): each reads back what was
+    written to it, a shared file is full before the next starts, and a file is removed when
+    its last tensor goes; a large tensor still gets a file of its own."""
+    monkeypatch.setattr(disk_io, "SHARED_FILE_BYTES", 64 * 4096)
+    data = [torch.randn(1100 + 20 * i) for i in range(40)]  # 4.3-7.4 KiB: two blocks each
+    disk = [tiers.empty(DISK, (len(d),), torch.float32) for d in data]
+    for d, t in zip(data, disk):
+        tiers.write(t, DISK, d, "weights", src_tier=HOST)
+    paths = [tiers.disk.locate(t)[0].path for t in disk]
+    assert len(set(paths)) == 2  # 32 two-block pieces fill a 64-block file
+    for d, t in zip(data, disk):
+        assert torch.equal(tiers.to_compute(t, DISK, "weights"), d)
+    big = tiers.empty(DISK, ((disk_io.SMALL_BYTES >> 2) + 1,), torch.float32)
+    assert tiers.disk.locate(big)[0].path not in paths
+    first = paths[0]
+    del disk[:31], data, d, t  # the loops' names hold a tensor too
+    assert os.path.exists(first)  # one piece of it is still held
+    del disk[0]
+    assert not os.path.exists(first) and os.path.exists(paths[-1])
+    del disk
+    assert not os.path.exists(paths[-1])
+
+
 @pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
 def test_weights_and_cache_on_disk_equal_the_run_in_memory(tiny_opt, tmp_path, direct_io):
     prompts = [[2, 5, 17, 99, 45, 8, 200, 31], [2, 40, 41, 42]]

@@ -134,6 +134,11 @@ def expert_reads(ref, prompts, token_ids, steps: int) -> int:
     one block) takes, counted from transformers' own router choices on the tokens the run
     produced (``token_ids``): per MoE layer and iteration, the union of the experts every row
     was routed to (each expert read once a stage, shared by the block's GPU batches)."""
+    return sum(expert_read_counts(ref, prompts, token_ids, steps).values())
+
+
+def expert_read_counts(ref, prompts, token_ids, steps: int) -> dict[tuple[int, int], int]:
+    """:func:`expert_reads` per (layer, expert): the iterations that read the expert."""
     routers = _routers(ref)
     choices = {i: [] for i in routers}  # layer -> per prompt, the top-k indices per position
     hooks = [r.register_forward_hook(lambda m, a, o, i=i: choices[i].append(o[2]))
@@ -146,8 +151,12 @@ def expert_reads(ref, prompts, token_ids, steps: int) -> int:
     length = len(prompts[0])
     # iteration 0 routes every prompt token, iteration t the t-th fed token, of both rows
     positions = [range(length)] + [[length + t - 1] for t in range(1, steps)]
-    return sum(len({int(e) for per_row in choices[i] for p in pos for e in per_row[p]})
-               for i in routers for pos in positions)
+    counts: dict[tuple[int, int], int] = {}
+    for i in routers:
+        for pos in positions:
+            for e in {int(e) for per_row in choices[i] for p in pos for e in per_row[p]}:
+                counts[(i, e)] = counts.get((i, e), 0) + 1
+    return counts
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"], indirect=True)
@@ -171,6 +180,72 @@ def test_expert_bytes_equal_the_routers_choices(family, tier):
     dense = sum(math.prod(s) * 4 for n, s in family_of(cfg).weight_shapes(cfg).items()
                 if not is_expert_weight(n))
     assert moved["host->device"]["weights"] == STEPS * dense
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_routing_profile_counts_and_places_the_most_read_experts(family, tmp_path):
+    """--record-routing counts each expert's reads per layer: equal to transformers' router
+    choices on the same tokens. --experts-profile then puts each layer's most-read experts on
+    the fastest tier (here a quarter on the device, the rest on disk), with the same output;
+    a profile of another model is one error before loading."""
+    from flexgen_infinigen.config import ConfigError
+    from flexgen_infinigen.runtime import routing_profile
+    from flexgen_infinigen.runtime.expert_homes import expert_of
+    from flexgen_infinigen.runtime.tiers import DEVICE, DISK
+
+    name, ref, store = family
+    prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
+    one_block = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2)
+    with OffloadedLM.load(path=store, policy=one_block, progress=False) as lm:
+        lm.engine.routing_counts = {}
+        out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
+        counts, cfg = lm.engine.routing_counts, lm.cfg
+        profile = tmp_path / "routing.json"
+        routing_profile.save(profile, cfg, counts)
+    assert counts == expert_read_counts(ref, prompts, out.token_ids, STEPS)
+    order = routing_profile.expert_order(profile, cfg)
+    assert set(order) == set(_routers(ref))
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+                                 expert_gpu_percent=25, expert_cpu_percent=0)
+    with OffloadedLM.load(path=store, policy=policy, progress=False,
+                          expert_profile=str(profile)) as lm:
+        again = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
+        tier = {expert_of(n): t.segments[0].tier for n, t in lm.engine.weights.items()
+                if expert_of(n)}
+    fast = round(cfg.num_experts * 0.25)
+    for layer, ranked in order.items():
+        most = sorted(range(cfg.num_experts), key=lambda e: -counts.get((layer, e), 0))
+        assert counts.get((layer, ranked[0]), 0) == counts.get((layer, most[0]), 0)
+        assert {tier[(layer, e)] for e in ranked[:fast]} == {DEVICE}
+        assert {tier[(layer, e)] for e in ranked[fast:]} == {DISK}
+    assert again.token_ids == out.token_ids
+    other = dict(QWEN3_30B_A3B)
+    from flexgen_infinigen.weights.hf_config import config_from_hf
+    routing_profile.save(tmp_path / "other.json", config_from_hf(other, "other"), {})
+    with pytest.raises(ConfigError, match="recorded for other"):
+        OffloadedLM.load(path=store, policy=policy, progress=False,
+                         expert_profile=str(tmp_path / "other.json"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_routing_profile_from_the_command_line(family, tmp_path, capsys):
+    """`run --record-routing FILE` writes a profile that `run --experts-profile FILE` uses;
+    on a dense model --record-routing is one error."""
+    import json
+
+    from flexgen_infinigen import run
+
+    _, _, store = family
+    profile = tmp_path / "routing.json"
+    base = ["--path", str(store), "--prompt-len", "8", "--gen-len", "3", "--no-stop"]
+    assert run.main(base + ["--record-routing", str(profile)]) == 0
+    data = json.loads(profile.read_text())
+    assert set(data["layers"]) == {"0", "2"} and sum(map(sum, data["layers"].values())) > 0
+    assert run.main(base + ["--experts-profile", str(profile),
+                            "--experts-percent", "25", "0"]) == 0
+    assert run.main(["--model", "smollm2-135m", "--dummy", "--prompt-len", "8", "--gen-len",
+                     "2", "--record-routing", str(tmp_path / "x.json")]) == 2
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err
 
 
 def test_refused_by_name(tmp_path):
@@ -270,6 +345,40 @@ def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypa
     monkeypatch.setattr(api, "place_weights", lambda *a, **k: pytest.fail("placed"))
     with pytest.raises(ConfigError, match="needs"):
         OffloadedLM.load(path=store, policy=Policy(), progress=False)
+
+
+def test_cpu_plan_counts_expert_codes_as_read():
+    """On a CPU, 4-bit experts (a GGUF's Q4_0 codes) in its memory are multiplied where they
+    are and those on disk are read as codes: a Qwen3-30B-A3B with a quarter of its experts
+    in memory plans one layer's disk experts' codes for a stage (a prefill may route to
+    all), not their floats, and nothing for the experts in memory; the experts' bytes per
+    tier are whole experts'."""
+    from flexgen_infinigen.models import family_of
+    from flexgen_infinigen.models.moe import is_expert_weight
+    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.runtime.compression import CodeLayout, stored_bytes
+    from flexgen_infinigen.weights.hf_config import config_from_hf
+
+    big = config_from_hf(QWEN3_30B_A3B, "qwen3-30b-a3b")
+    shapes = family_of(big).weight_shapes(big)
+    q4 = CodeLayout(4, 32, True)
+    layouts = {n: q4 for n in shapes if is_expert_weight(n)}
+    one = sum(stored_bytes(shapes[f"layers.0.experts.0.{m}.weight"], 4, True, q4)
+              for m in ("gate_proj", "up_proj", "down_proj"))
+    cpu = torch.device("cpu")
+
+    def plan(gpu: int, host: int) -> dict:
+        policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=gpu,
+                                     expert_cpu_percent=host)
+        return memory_plan.plan(big, policy, torch.float32, 4096, 32, device=cpu,
+                                layouts=layouts)
+
+    quarter = plan(0, 25)
+    assert quarter["stage_copies"] == 96 * one  # 128 experts a layer, 32 of them in memory
+    assert quarter["experts"] == {"device": 0, "host": 48 * 32 * one, "disk": 48 * 96 * one}
+    assert plan(0, 100)["stage_copies"] == plan(100, 0)["stage_copies"] == 0
+    floats = 3 * 768 * 2048 * 4 * 128  # a layer's experts as floats: what was planned before
+    assert quarter["stage_copies"] < floats / 6
 
 
 def test_experts_percent_flag():

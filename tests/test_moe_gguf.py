@@ -263,6 +263,51 @@ def test_expert_bytes_equal_the_routers_choices(family, fmt):
     assert moved["host->device"]["weights"] == moved["disk->host"]["weights"] == 0
 
 
+@pytest.mark.parametrize("family", ["qwen2moe"], indirect=True)
+def test_experts_placed_whole_across_tiers(family):
+    """--experts-percent 25 50 (the rest on disk): each expert lives whole in one tier, the
+    first of a layer on the device, the next in CPU memory, the rest on disk; the memory
+    plan's expert bytes per tier are what the loaded experts hold; experts on disk come to
+    the CPU as their codes (multiplied as read, never expanded to floats); greedy tokens and
+    logits equal transformers'."""
+    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.runtime.expert_homes import expert_of
+    from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST, TIERS
+
+    name, built = family
+    model, _, store = built["quantized"]
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=25,
+                                 expert_cpu_percent=50)
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+        cfg, moved, weights = lm.cfg, lm.tiers.bytes_moved, lm.engine.weights
+        held, homes = {t: 0 for t in TIERS}, {}
+        for n, t in weights.items():
+            if expert_of(n) is None:
+                continue
+            tiers = {s.tier for s in t.segments}
+            assert len(tiers) == 1, n  # never split
+            homes.setdefault(expert_of(n), set()).update(tiers)
+            for tier, b in t.bytes_by_tier().items():
+                held[tier] += b
+        disk_expert = next(t for n, t in weights.items()
+                           if expert_of(n) and t.segments[0].tier == DISK)
+        assert isinstance(disk_expert.read_for_compute(), PackedWeight)
+        plan = memory_plan.plan(cfg, policy, torch.float32, len(PROMPTS[0]), STEPS,
+                                device=torch.device("cpu"),
+                                layouts=lm.weight_layouts)
+    assert all(len(h) == 1 for h in homes.values())
+    e = cfg.num_experts
+    quarter, half = round(e * 0.25), round(e * 0.75) - round(e * 0.25)
+    for (layer, expert), (tier,) in homes.items():
+        assert tier == (DEVICE if expert < quarter else HOST if expert < quarter + half
+                        else DISK), (layer, expert)
+    assert plan["experts"] == held
+    assert moved["disk->host"]["experts"] > 0 and moved["host->device"]["weights"] == 0
+    _assert_matches(out, model, True)
+
+
 def test_config_and_expert_tensors(family):
     """The config is the transformers model's; every expert is its own store tensor, and a
     quantized expert holds exactly its rows of the file's blocks (codes unchanged)."""

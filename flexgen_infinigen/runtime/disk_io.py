@@ -28,6 +28,10 @@ from ..config import ConfigError
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffer addresses in whole blocks
 REQUEST_BYTES = 16 << 20
+# tensors up to SMALL_BYTES share files of SHARED_FILE_BYTES (descriptors are limited: a file
+# holds two, and a MoE model has tens of thousands of expert tensors)
+SMALL_BYTES = 16 << 20
+SHARED_FILE_BYTES = 256 << 20
 READERS = 4
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
                   torch.bfloat16: np.int16, torch.uint8: np.uint8, torch.int8: np.int8,
@@ -47,6 +51,16 @@ class DiskFile:
     direct_fd: int | None  # O_DIRECT, read only; None where the filesystem refuses it
 
 
+@dataclass(eq=False)
+class _SharedFile:
+    """A file that holds many small tensors, each a block-aligned piece of it."""
+
+    entry: DiskFile
+    arr: np.memmap  # the whole file, as bytes
+    used: int = 0
+    live: int = 0  # pieces not yet freed
+
+
 def _buffer(t: torch.Tensor):
     """A writable byte view of a contiguous CPU tensor's memory (pinned or not)."""
     return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
@@ -61,18 +75,63 @@ class DiskFiles:
         self._files: list[DiskFile] = []
         self._bases: list[int] = []
         self._lock = threading.Lock()
+        self._piece_lock = threading.Lock()
         # threads start on first use; read by every lane that reads the disk
         self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="disk-read")
         self.direct_bytes = self.buffered_bytes = 0  # what was read each way
-        self.created = 0  # files made so far (each is removed when its tensor is freed)
+        self.created = 0  # tensors made so far (each file is removed when its tensors are)
+        self._shared: _SharedFile | None = None  # the shared file small tensors go to now
 
     # ---- files ------------------------------------------------------------------------------
     def allocate(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """A file of ``count`` elements (blocks reserved now: a full disk is one clear error
-        here, never a bus error later), as a flat memory-mapped tensor."""
-        path = os.path.join(self._folder(), uuid.uuid4().hex + ".bin")
+        """``count`` elements on disk (blocks reserved now: a full disk is one clear error
+        here, never a bus error later), as a flat memory-mapped tensor: a file of its own,
+        or, when small, a block-aligned piece of a shared file (a model of tens of thousands
+        of small tensors, a MoE's experts, would otherwise need two descriptors each)."""
         storage = _NUMPY_STORAGE[dtype]
         size = max(count, 1) * np.dtype(storage).itemsize
+        with self._lock:
+            self.created += 1
+        if size <= SMALL_BYTES:
+            return self._piece(size, storage, count, dtype)
+        arr, _ = self._new_file(size, storage)
+        # when the last view is gone the file goes too (and a later map may reuse the address)
+        return torch.from_numpy(arr)[:count].view(dtype)
+
+    def _piece(self, size: int, storage, count: int, dtype: torch.dtype) -> torch.Tensor:
+        with self._piece_lock:  # one shared file filled at a time
+            with self._lock:
+                shared = self._shared
+            if shared is None or shared.used + size > SHARED_FILE_BYTES:
+                try:
+                    arr, entry = self._new_file(SHARED_FILE_BYTES, np.uint8, release=False)
+                except ConfigError:  # no room for a shared file: this one alone may fit
+                    return torch.from_numpy(self._new_file(size, storage)[0])[:count].view(
+                        dtype)
+                shared = _SharedFile(entry, arr)
+            with self._lock:
+                self._shared = shared
+                start, shared.used = shared.used, shared.used + -(-size // ALIGN) * ALIGN
+                shared.live += 1
+        piece = shared.arr[start:start + size].view(storage)
+        weakref.finalize(piece, self._release_piece, shared)
+        return torch.from_numpy(piece)[:count].view(dtype)
+
+    def _release_piece(self, shared: "_SharedFile") -> None:
+        """A piece of a shared file is gone; the file goes with its last piece (a new one
+        is started for the next small tensor)."""
+        with self._lock:
+            shared.live -= 1
+            if shared.live:
+                return
+            if self._shared is shared:
+                self._shared = None
+        self._release(shared.entry)
+
+    def _new_file(self, size: int, storage, release: bool = True):
+        """(flat memory map, entry) of a new file of ``size`` bytes; ``release``: the file
+        goes when the map does."""
+        path = os.path.join(self._folder(), uuid.uuid4().hex + ".bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -94,17 +153,16 @@ class DiskFiles:
                 direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
             except OSError:  # tmpfs and some others: buffered reads only
                 direct_fd = None
-        arr = np.memmap(path, dtype=storage, mode="r+", shape=(max(count, 1),))
-        t = torch.from_numpy(arr)[:count].view(dtype)
-        entry = DiskFile(path, t.data_ptr(), size, fd, direct_fd)
+        arr = np.memmap(path, dtype=storage, mode="r+",
+                        shape=(size // np.dtype(storage).itemsize,))
+        entry = DiskFile(path, arr.ctypes.data, size, fd, direct_fd)
         with self._lock:
             i = bisect.bisect(self._bases, entry.base)
             self._bases.insert(i, entry.base)
             self._files.insert(i, entry)
-            self.created += 1
-        # when the last view is gone the file goes too (and a later map may reuse the address)
-        weakref.finalize(arr, self._release, entry)
-        return t
+        if release:
+            weakref.finalize(arr, self._release, entry)
+        return arr, entry
 
     def _release(self, entry: DiskFile) -> None:
         with self._lock:

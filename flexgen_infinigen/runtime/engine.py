@@ -31,8 +31,10 @@ from ..policy import Policy
 from ..sampling import Sampler
 from .compression import PackedWeight
 from .attention import attend_prompt, mask_bias, score_rows, visible
+from .expert_homes import expert_of
 from .fused_decode import FusedDecode
 from .prefill_cache import Prefilled
+from .routing_profile import COUNTED_MATRIX, CountedRead
 from .stages import LayerSlice, Stage, build_stages  # noqa: F401 (re-exported)
 from .streams import Lanes
 from .tiered import OnDemand, TieredTensor
@@ -84,6 +86,8 @@ class Engine:
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage
         self.record: PromptRecorder | None = None
+        # (layer, expert) -> stages that read it, while a routing profile is recorded
+        self.routing_counts: dict[tuple[int, int], int] | None = None
         self.prefilled: Prefilled | None = None  # the block starts from this prefill
         self.capture: Prefilled | None = None  # the block's prefill is kept here
         self.prefill_chunk = 1 << 30  # tokens per prefill chunk, set for each block
@@ -242,8 +246,12 @@ class Engine:
         out = {}
         for short, full in self.stages[j].weights.items():
             t = self.weights[full]
-            out[short] = OnDemand(t) if t.kind == "experts" and not t.resident \
-                else t.read_for_compute()
+            if t.kind == "experts" and self.routing_counts is not None:
+                out[short] = CountedRead(t, self.routing_counts, expert_of(full),
+                                         counted=full.endswith(COUNTED_MATRIX))
+            else:
+                out[short] = OnDemand(t) if t.kind == "experts" and not t.resident \
+                    else t.read_for_compute()
         return out
 
     def _load_cache(self, decode: bool, j: int, k: int):

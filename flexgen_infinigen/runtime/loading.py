@@ -13,6 +13,7 @@ from ..policy import Policy
 from ..weights.sources import DummySource, StoreSource
 from ..weights.store import WeightStore
 from .compression import CodeLayout
+from .expert_homes import home_split
 from .guards import raise_if_interrupted
 from .tiered import TieredTensor
 from .tiers import Tiers
@@ -112,12 +113,14 @@ def weight_layouts(source, cfg: ModelConfig) -> dict[str, CodeLayout]:
 
 
 def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype: torch.dtype,
-                  progress: bool = True, names: set[str] | None = None
+                  progress: bool = True, names: set[str] | None = None,
+                  expert_order: dict[int, list[int]] | None = None
                   ) -> dict[str, TieredTensor]:
     """Every weight (or those in ``names``: one pipeline rank's), split along its rows across
     the tiers as the policy's percentages say. Routed experts are tensors of their own kind
-    (``experts``), placed by the policy's ``expert_split`` (``--experts-percent``), and the
-    bytes they move are counted apart. Weights a quantized file brought are placed as their
+    (``experts``), placed whole by the policy's ``expert_split`` (``--experts-percent``,
+    :mod:`.expert_homes`; ``expert_order``: a routing profile's order, most used first), and
+    the bytes they move are counted apart. Weights a quantized file brought are placed as their
     codes (one tensor's codes built at a time; ``--compress-weight`` changes nothing then),
     floats in ``dtype`` (4-bit with ``--compress-weight``)."""
     shapes = family_of(cfg).weight_shapes(cfg)
@@ -130,8 +133,9 @@ def place_weights(cfg: ModelConfig, source, policy: Policy, tiers: Tiers, dtype:
                             disable=not progress, leave=False):
         raise_if_interrupted()
         expert = is_expert_weight(name)
-        tensor = TieredTensor(tiers, shape, dtype,
-                              policy.expert_split if expert else policy.weight_split,
+        split = home_split(name, policy.expert_split, cfg.num_experts, expert_order) \
+            if expert else policy.weight_split
+        tensor = TieredTensor(tiers, shape, dtype, split,
                               "experts" if expert else "weights",
                               compress=compress, pin=policy.pin_weight,
                               layout=layouts.get(name))

@@ -72,11 +72,41 @@ def prompt_activation_bytes(cfg: ModelConfig, batch: int, prompt_len: int, item:
 
 def _packed_in_place(policy: Policy, device: torch.device | None, coded: bool = False) -> bool:
     """Weight codes that a CPU multiplies where they are stored (``cpu_layers.linear_q4``):
-    all on the compute device, which is the CPU. No stage of them is ever expanded; a product
+    the dense weights all on the compute device, which is the CPU (routed experts are
+    counted apart: :func:`_expert_copies`). No stage of them is ever expanded; a product
     the kernel does not take expands one matrix, for that product only. ``coded``: the
     weights came as a quantized file's codes."""
     return (device is not None and device.type == "cpu" and (policy.compress_weight or coded)
-            and min(policy.weight_split[0], policy.expert_split[0]) >= 1.0)
+            and policy.weight_split[0] >= 1.0)
+
+
+def _expert_copies(cfg: ModelConfig, policy: Policy, device: torch.device | None,
+                   layouts: dict, item: int, per_layer: int) -> int:
+    """The most bytes of one layer's routed experts a stage holds copied while it computes
+    (a prefill may route to every expert; each routed one is kept for the whole stage). On
+    a CPU, 4-bit experts (a quantized file's codes, or ``--compress-weight``) in its memory
+    are multiplied where they are and those on disk are read as codes; elsewhere an expert
+    off the device comes as floats (a GPU expands codes as it reads them)."""
+    if not cfg.num_experts:
+        return 0
+    dev, host, disk = split_sizes(cfg.num_experts, policy.expert_split)
+    coded = policy.compress_weight or any(is_expert_weight(n) for n in layouts)
+    cpu = device is not None and device.type == "cpu"
+    if cpu and coded:
+        copied = disk + host * (not policy.host_in_place)
+        layout = next((lay for n, lay in layouts.items() if is_expert_weight(n)), None)
+        shapes = [s for n, s in _weight_shapes(cfg).items()
+                  if is_expert_weight(n) and n.startswith(f"layers.{_moe_layer(cfg)}.")
+                  and ".experts.0." in n]
+        each = sum(stored_bytes(s, item, True, layout) for s in shapes)
+        return copied * each
+    copied = host + disk + (dev if coded and not cpu else 0)
+    return copied * per_layer // cfg.num_experts * item
+
+
+def _moe_layer(cfg: ModelConfig) -> int:
+    from ..models.moe import is_moe_layer
+    return next(i for i in range(cfg.num_layers) if is_moe_layer(cfg, i))
 
 
 def _expanded_matrix(cfg: ModelConfig, shapes: dict, policy: Policy, item: int,
@@ -163,12 +193,18 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
         groups = _group_shapes(((name, shape) for name, shape in shapes.items()
                                 if part is None or name in names), layouts)
     weights, experts = [0, 0, 0], [0, 0, 0]
+    homes = split_sizes(max(cfg.num_experts, 1), policy.expert_split)  # whole experts a tier
     for shape, expert, layout, count in groups:
-        split = policy.expert_split if expert else policy.weight_split
-        for t, n in enumerate(_split_bytes(shape, 0, split, item,
+        if expert:  # each layer's experts in the same shapes: a tier holds its share whole
+            whole = stored_bytes(shape, item, policy.compress_weight and can_compress(shape),
+                                 layout)
+            for t, n in enumerate(homes):
+                weights[t] += whole * count * n // cfg.num_experts
+                experts[t] += whole * count * n // cfg.num_experts
+            continue
+        for t, n in enumerate(_split_bytes(shape, 0, policy.weight_split, item,
                                            policy.compress_weight, layout)):
             weights[t] += n * count
-            experts[t] += n * count if expert else 0
     b, max_len = policy.gpu_batch_size, prompt_len + gen_len
     cache_shape = (max_len, b * cfg.num_kv_heads, cfg.head_dim)
     per_cache = _split_bytes(cache_shape, 1, policy.cache_split, item, policy.compress_cache)
@@ -193,11 +229,12 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # a stage's weights are copied (brought to the device, or expanded from 4 bits) unless
     # they all sit on the device as they are: then compute reads them in place (4-bit ones
     # too on a CPU, but for one matrix at a time in a product the kernel does not take)
-    resident = (min(policy.weight_split[0], policy.expert_split[0]) >= 1.0
+    resident = (policy.weight_split[0] >= 1.0
                 and (not (policy.compress_weight or layouts) or in_place))
-    stage_copies = 2 * biggest_stage + max(layer_experts) * item
+    stage_copies = 2 * biggest_stage * (not resident) + _expert_copies(
+        cfg, policy, device, layouts, item, max(layer_experts))
     expanded = _expanded_matrix(cfg, shapes, policy, item, head) if in_place else 0
-    working = (stage_copies * (not resident) + expanded + loads
+    working = (stage_copies + expanded + loads
                + b * rows * prompt_len  # one fused attention chunk's boolean mask
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)
@@ -218,8 +255,11 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     return {"weights": dict(zip(TIERS, weights)), "experts": dict(zip(TIERS, experts)),
             "kv_cache": dict(zip(TIERS, cache)),
             "activations": dict(zip(TIERS, act)), "working_set_device": working,
-            # two stages of weights in flight (in ``working`` unless the weights are resident)
-            "stage_copies_if_offloaded": stage_copies,
+            # two stages of weights in flight unless resident, and a layer's routed experts
+            # copied for a stage (both in ``working``); and what that is with every weight
+            # off the device, as floats (the placement optimizer's fixed term)
+            "stage_copies": stage_copies,
+            "stage_copies_if_offloaded": 2 * biggest_stage + max(layer_experts) * item,
             "kv_policy_device": kv_terms, "allocator_headroom_device": headroom,
             "staging_host": staging,
             "total": totals}
