@@ -81,7 +81,12 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(cfg, flat, w[ROUTER])
     out = torch.zeros_like(flat)
-    for e in torch.unique(experts).tolist():  # the experts this stage's tokens use, in order
+    used = torch.unique(experts).tolist()  # the experts this stage's tokens use, in order
+    for e in used:  # reads from disk all in flight before the first is needed
+        for m in EXPERT_MATRICES:
+            if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
+                w[f"experts.{e}.{m}.weight"].start()
+    for e in used:
         rows, slot = torch.where(experts == e)
         mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
         out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])

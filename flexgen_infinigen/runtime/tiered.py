@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from . import compression
-from .tiers import DEVICE, HOST, TIERS, Tiers, nbytes
+from .tiers import DEVICE, DISK, HOST, TIERS, Tiers, nbytes
+
+EXPERT_READERS = 4  # routed experts read from disk at once
 
 
 def split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
@@ -275,12 +278,35 @@ def _rows_of(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, flat: torc
 
 class OnDemand:
     """A weight read for compute only when the math first asks for it (:meth:`get`), then
-    kept: a routed expert, read by a stage only when a token is routed to it."""
+    kept: a routed expert, read by a stage only when a token is routed to it. :meth:`start`
+    begins a read from disk in the background, so that the reads of every expert a stage's
+    tokens chose are in flight together (a disk serves several small requests at once
+    faster than one after another)."""
 
     def __init__(self, tensor: TieredTensor):
-        self.tensor, self._value = tensor, None
+        self.tensor, self._value, self._pending = tensor, None, None
+
+    def start(self) -> None:
+        if self._value is None and self._pending is None and any(
+                seg.tier == DISK for seg in self.tensor.segments):
+            self._pending = _readers().submit(self.tensor.read_for_compute)
 
     def get(self):
         if self._value is None:
-            self._value = self.tensor.read_for_compute()
+            pending, self._pending = self._pending, None
+            self._value = pending.result() if pending is not None \
+                else self.tensor.read_for_compute()
         return self._value
+
+
+_READERS = None
+_READERS_LOCK = threading.Lock()
+
+
+def _readers() -> ThreadPoolExecutor:
+    """Threads that read routed experts from disk ahead of the math (made on first use)."""
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(EXPERT_READERS, thread_name_prefix="expert-read")
+        return _READERS
