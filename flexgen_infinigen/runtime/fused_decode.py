@@ -11,8 +11,11 @@ is loaded, never per step:
   speculates on nothing (a full cache) and is in this process. The call normalizes,
   projects, rotates, writes the new token into the cache, attends over every row, projects
   out, adds the residual and runs the MLP.
-- **Around the policy's attention** (two calls): any other KV policy (InfiniGen's chosen rows
-  and its speculation, a 4-bit cache, H2O ...). The first call gives the attention input and
+- **InfiniGen in the call** (one call): an InfiniGen cache in CPU memory as floats; the
+  call attends over the rows the previous layer chose (or every row, a step read whole) and
+  speculates for the next layer (:mod:`.fused_select`, ``kernels/decode_select.c``).
+- **Around the policy's attention** (two calls): any other KV policy (a 4-bit cache, H2O ...)
+  or an InfiniGen step the call does not take. The first call gives the attention input and
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
