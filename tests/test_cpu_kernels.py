@@ -138,6 +138,7 @@ def test_byte_products_change_few_selections_on_a_real_model(smollm2_store, monk
         return order, counts
 
     monkeypatch.setattr(infinigen.InfiniGenCache, "_rank", record)
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")  # the path through _rank's kernels
     runs = []
     for use in (True, False):
         if not use:
@@ -305,6 +306,7 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
         return out
 
     monkeypatch.setattr(kernels, "attend_indexed", counted)
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")  # the policy's own attention
     runs = []
     for in_place in (True, False):
         if not in_place:

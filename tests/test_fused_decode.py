@@ -1,14 +1,15 @@
 """The fused CPU decode step (``kernels/decode_layer.c`` through ``runtime/fused_decode.py``)
 against the per-operation path it replaces: the same tokens and the same logits to float
-rounding, for the full cache (attention inside the call) and InfiniGen (its attention and
-speculation between two calls), and the cases that must fall back to the per-operation path."""
+rounding, for the full cache and InfiniGen (attention over its chosen rows and the next
+layer's speculation inside the call: ``tests/test_fused_select.py`` tests its fallbacks), and
+the cases that must fall back to the per-operation path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import cpu_kernels, fused_decode
+from flexgen_infinigen.runtime import cpu_kernels, fused_decode, fused_select
 from flexgen_infinigen.runtime.cpu_kernels import library
 
 needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
@@ -70,8 +71,12 @@ def test_fused_step_equals_the_per_operation_path(tiny_llama, kv, batch, compres
         assert whole and all(w for kind, w, m in modes if kind != "mlp")
         layers = 4 * 7  # 4 layers, 7 decode steps
         assert len(modes) == layers * (2 if sep else 1)
-    else:  # InfiniGen's layers attend between an input call and an output call
-        assert any(m == fused_decode.IN for _, _, m in modes)
+    else:  # InfiniGen's layers in one call too: the chosen rows (or every row, in the
+        # layers before the first that selects) and the next layer's speculation
+        attending = fused_decode.ATTEND | fused_select.CHOSEN
+        assert all(m & attending for kind, w, m in modes if kind != "mlp")
+        assert any(m & fused_select.CHOSEN for _, _, m in modes)
+        assert any(m & fused_select.SPECULATE for _, _, m in modes)
     # 4-bit weights round their inputs to 16 bits a group: a last-bit difference can move
     # one by a step (see the default model's test below)
     _assert_same(fused, _generate(tiny_llama[1], prompts, kv, monkeypatch, False, **kw),

@@ -365,6 +365,9 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
         return real_rank(self, x, pos_enc, valid, visible)
 
     monkeypatch.setattr(infinigen_cache.InfiniGenCache, "_rank", record)
+    # the per-operation path, whose _rank this records (the fused call scores in C, with the
+    # same deferred keys: tests/test_fused_select.py)
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")
     # a cache (one sequence) holds 2 KV heads x 256 bytes a token: it reads whole below 70
     # cached tokens and selects from there (the prompts hold 41 and 54, the generation 30)
     options = InfiniGenOptions(max_kv_fraction=0.3, select_from_mb=70 * 512 / 1e6)

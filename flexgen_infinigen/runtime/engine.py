@@ -362,6 +362,13 @@ class Engine:
             return plan.mlp(h), None
         if plan.whole:  # attention over the full cache inside the call: nothing to store
             return plan.whole_layer(h, state), None
+        if plan.select is not None:  # InfiniGen's layer in the call (the row written there)
+            got = plan.select.layer(h, state, loaded)
+            if got is not None:
+                out, x = got
+                if x is not None:  # the next layer's speculation, not taken by the call
+                    self._speculate_next(j, k_batch, x)
+                return out, None
         x, q, k, v = plan.attention_inputs(h, state)
         self._speculate_next(j, k_batch, x)
         out = self.caches[(j, k_batch)].attend(loaded, q, k, v, state.visible, state.bias)

@@ -11,8 +11,11 @@ is loaded, never per step:
   speculates on nothing (a full cache) and is in this process. The call normalizes,
   projects, rotates, writes the new token into the cache, attends over every row, projects
   out, adds the residual and runs the MLP.
-- **Around the policy's attention** (two calls): any other KV policy (InfiniGen's chosen rows
-  and its speculation, a 4-bit cache, H2O ...). The first call gives the attention input and
+- **InfiniGen in the call** (one call): an InfiniGen cache in CPU memory as floats; the
+  call attends over the rows the previous layer chose (or every row, a step read whole) and
+  speculates for the next layer (:mod:`.fused_select`, ``kernels/decode_select.c``).
+- **Around the policy's attention** (two calls): any other KV policy (a 4-bit cache, H2O ...)
+  or an InfiniGen step the call does not take. The first call gives the attention input and
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
@@ -60,7 +63,7 @@ class _Args(ctypes.Structure):  # kernels/decode_layer.c's dl_args, field for fi
                    ("bias_stride", _I), ("kc", _P), ("vc", _P)]
                 + [(n, _I) for n in ("st", "sc", "position", "first")]
                 + [(n, _P) for n in ("x", "q_rot", "kn", "vn", "attn", "lin", "mid", "x2", "g",
-                                     "u", "bias_rows")])
+                                     "u", "bias_rows", "sel")])
 
 
 def enabled() -> bool:
@@ -106,10 +109,12 @@ class LayerPlan:
     """One stage's fused call for one batch: the argument block and its scratch buffers."""
 
     def __init__(self, lib, cfg: ModelConfig, kind: str, w: dict, batch: int,
-                 cache: KVCache | None, whole: bool):
+                 cache: KVCache | None, whole: bool, next_cache: KVCache | None = None,
+                 selects: bool = False):
         self.lib, self.cfg, self.kind, self.batch = lib, cfg, kind, batch
         self.weights = tuple(w.values())  # kept alive: the block holds their pointers
         self.whole = whole  # attention inside the call (the full cache, read in place)
+        self.select = None  # InfiniGen's layer inside the call (fused_select), when it takes it
         a = self.args = _Args()
         b, h, kv, d = batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         a.B, a.H, a.KV, a.D = b, h, kv, d
@@ -136,7 +141,7 @@ class LayerPlan:
         hidden, f = cfg.hidden_size, cfg.intermediate_size
         self.buffers = {"lin": b * h * d, "mid": b * hidden, "x2": b * hidden, "g": b * f,
                         "u": b * f}
-        if whole:
+        if whole or selects:
             self.buffers.update(x=b * hidden, q_rot=b * h * d, kn=b * kv * d, vn=b * kv * d,
                                 attn=b * h * d, bias_rows=b * kv * cache.spec.max_len)
             self._point_cache(cache)
@@ -144,8 +149,13 @@ class LayerPlan:
                         for n, size in self.buffers.items()}
         for n, t in self.buffers.items():
             setattr(a, n, t.data_ptr())
+        if selects:
+            from .fused_select import SelectPlan
+            made = SelectPlan(self, cache, next_cache, q4)
+            self.select = made if made.ok else None
 
-    def _point_cache(self, cache: FullCache) -> None:
+    def _point_cache(self, cache) -> None:
+        """The cache's rows where they are (a full cache, or InfiniGen's in CPU memory)."""
         a = self.args
         k, v = cache.k.view(), cache.v.view()
         a.st, a.sc = k.stride(0), k.stride(1)
@@ -173,16 +183,25 @@ class LayerPlan:
 
     def whole_layer(self, h: torch.Tensor, state) -> torch.Tensor:
         """The stage in one call, attention over the full cache included."""
-        a = self.args
         out = self._step(h, state)
+        self.point_mask(state)
+        self._call(IN | ATTEND | OUT | (MLP if self.kind == "layer" else 0))
+        self.count_row()
+        return out
+
+    def point_mask(self, state) -> None:
+        """This step's position and mask, for attention over every visible row."""
+        a = self.args
         length = state.visible.shape[1] - 1
         a.position, a.first = length, self.first_visible(length)
         a.bias, a.bias_stride = state.bias.data_ptr(), state.bias.shape[-1]
-        self._call(IN | ATTEND | OUT | (MLP if self.kind == "layer" else 0))
+
+    def count_row(self) -> None:
+        """The new token's row, written into the cache by the call, counted as the
+        per-operation path's cache write counts it."""
         if self.count is not None:
             tiers, n = self.count
             tiers.count("device->host", "kv_cache", n)
-        return out
 
     def attention_inputs(self, h: torch.Tensor, state):
         """x [b, 1, hidden] and the rotated q [b, 1, H, d], k and v [b, 1, KV, d] (fresh
@@ -248,7 +267,10 @@ class FusedDecode:
                      and cache.k.dtype == torch.float32 and not hands_off
                      and (next_cache is None
                           or type(next_cache).speculate is KVCache.speculate))
-            made = LayerPlan(self.lib, self.cfg, kind, w, batch, cache, whole)
+            from .fused_select import takes
+            selects = kind != "mlp" and not whole and not hands_off and takes(cache, next_cache)
+            made = LayerPlan(self.lib, self.cfg, kind, w, batch, cache, whole, next_cache,
+                             selects)
             plan = made if made.ok else None
         self.plans[key] = plan
         return plan

@@ -1,4 +1,3 @@
-#include "common.h"
 
 /* One decode step of a Llama-family layer (one new token per sequence) in one call, from an
    argument block that Python builds once per layer and shape (runtime/fused_decode.py) and
@@ -7,63 +6,11 @@
    RMSNorm, q/k/v (float rows, 4-bit or 8-bit codes), the rotary embedding, the cache write
    and attention over every row of a float cache kept in CPU memory, the o-projection and its
    residual, then RMSNorm, the SwiGLU MLP and its residual. The parts run are chosen by
-   `mode`, so that a KV policy with its own attention (InfiniGen's chosen rows, its
-   speculation) keeps it between two calls. */
+   `mode`: InfiniGen's attention over the rows it chose and the next layer's speculation
+   (DL_CHOSEN, DL_SPECULATE: decode_select.c) run inside the same call; another KV policy
+   keeps its own attention between an input call and an output call. */
 
-void rms_norm_rows(const float *x, const float *weight, float *y, int64_t rows, int64_t n,
-                   float eps, int64_t nthreads);
-void rotary_rows(const float *x, const float *cos, const float *sin, float *y, int64_t tokens,
-                 int64_t heads, int64_t d, int64_t nthreads);
-void linear_rows(const float *x, const float *w, const float *bias, float *out, int64_t M,
-                 int64_t N, int64_t K, int64_t nthreads);
-int linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *minimum,
-              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
-              int64_t nthreads);
-int linear_q8(const float *x, const int8_t *codes, const float *scale, const float *minimum,
-              const float *bias, float *out, int64_t M, int64_t N, int64_t K, int64_t group,
-              int64_t nthreads);
-int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
-                  const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
-                  int64_t K, int64_t group, int64_t nthreads);
-int linear_q8_h16(const float *x, const int8_t *codes, const uint16_t *scale,
-                  const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
-                  int64_t K, int64_t group, int64_t nthreads);
-void attend_rows(const float *q, const float *k, const float *v, const float *bias,
-                 float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
-                 int64_t sc, int64_t nthreads);
-
-enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4 };
-enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8 };
-
-/* A linear layer as stored: float32 rows [n, k], or codes with float32 scales and minimums
-   per group (the layouts linear_q4 / linear_q8 read), or the same codes with float16 scales
-   and minimums (the _H16 kinds: linear_q4_h16 / linear_q8_h16). bias may be NULL. */
-typedef struct {
-    int64_t kind, n, k, group;
-    const void *w;
-    const void *scale, *minimum;
-    const float *bias;
-} dl_linear;
-
-/* Every field is 8 bytes wide (the ctypes mirror in fused_decode.py lists them in order). */
-typedef struct {
-    int64_t B, H, KV, D, hidden, inter, nthreads;
-    double eps;
-    const float *attn_norm, *mlp_norm;
-    dl_linear q, k, v, o, gate, up, down;
-    /* per step */
-    const float *h;            /* [B, hidden] the layer's input */
-    float *h_out;              /* [B, hidden] its output */
-    const float *cos, *sin;    /* [B, D] this step's rotary encoding */
-    const float *bias;         /* [B, bias_stride]: the additive mask over the cache's columns */
-    int64_t bias_stride;
-    float *kc, *vc;            /* the cache: row t of column c at t * st + c * sc floats */
-    int64_t st, sc, position, first;
-    /* outputs of DL_IN (x: the attention input, q/kn/vn: after the rotary embedding), the
-       attention output DL_OUT reads, and scratch */
-    float *x, *q_rot, *kn, *vn, *attn;
-    float *lin, *mid, *x2, *g, *u, *bias_rows;
-} dl_args;
+#include "decode_layer.h"
 
 int decode_layer_q4_ready(void) {
 #ifdef __AVX2__
@@ -73,7 +20,7 @@ int decode_layer_q4_ready(void) {
 #endif
 }
 
-static int run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int64_t nt) {
+int dl_run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int64_t nt) {
     switch (l->kind) {
         case LIN_FLOAT:
             linear_rows(x, (const float *)l->w, l->bias, out, M, l->n, l->k, nt);
@@ -107,12 +54,16 @@ int decode_layer(const dl_args *a, int64_t mode) {
     int ok = 1;
     if (mode & DL_IN) {
         rms_norm_rows(a->h, a->attn_norm, a->x, B, hidden, (float)a->eps, nt);
-        ok &= run_linear(&a->q, a->x, a->lin, B, nt);
+        ok &= dl_run_linear(&a->q, a->x, a->lin, B, nt);
         rotary_rows(a->lin, a->cos, a->sin, a->q_rot, B, H, D, nt);
-        ok &= run_linear(&a->k, a->x, a->lin, B, nt);
+        ok &= dl_run_linear(&a->k, a->x, a->lin, B, nt);
         rotary_rows(a->lin, a->cos, a->sin, a->kn, B, KV, D, nt);
-        ok &= run_linear(&a->v, a->x, a->vn, B, nt);
+        ok &= dl_run_linear(&a->v, a->x, a->vn, B, nt);
     }
+    if (mode & DL_SPECULATE)  /* reads x only: before or after attention alike */
+        ok &= dl_speculate(a);
+    if (mode & DL_CHOSEN)
+        ok &= dl_attend_chosen(a);
     if (mode & DL_ATTEND) {
         /* the new token's row first, then attention over rows first .. position */
         for (int64_t c = 0; c < C; c++) {
@@ -133,7 +84,7 @@ int decode_layer(const dl_args *a, int64_t mode) {
     }
     if (mode & DL_OUT) {
         float *dst = (mode & DL_MLP) ? a->mid : a->h_out;
-        ok &= run_linear(&a->o, a->attn, dst, B, nt);
+        ok &= dl_run_linear(&a->o, a->attn, dst, B, nt);
         for (int64_t i = 0; i < B * hidden; i++)
             dst[i] += cur[i];
         cur = dst;
@@ -141,13 +92,13 @@ int decode_layer(const dl_args *a, int64_t mode) {
     if (mode & DL_MLP) {
         const int64_t F = a->inter;
         rms_norm_rows(cur, a->mlp_norm, a->x2, B, hidden, (float)a->eps, nt);
-        ok &= run_linear(&a->gate, a->x2, a->g, B, nt);
-        ok &= run_linear(&a->up, a->x2, a->u, B, nt);
+        ok &= dl_run_linear(&a->gate, a->x2, a->g, B, nt);
+        ok &= dl_run_linear(&a->up, a->x2, a->u, B, nt);
         for (int64_t i = 0; i < B * F; i++) {
             const float z = a->g[i];
             a->g[i] = z / (1.0f + expf(-z)) * a->u[i];
         }
-        ok &= run_linear(&a->down, a->g, a->h_out, B, nt);
+        ok &= dl_run_linear(&a->down, a->g, a->h_out, B, nt);
         for (int64_t i = 0; i < B * hidden; i++)
             a->h_out[i] += cur[i];
     }

@@ -1,0 +1,202 @@
+"""InfiniGen's decode step inside the fused layer call (``kernels/decode_select.c``): a layer
+whose KV cache is InfiniGen's, in CPU memory as floats, runs as one foreign call, as the full
+cache's does (:mod:`.fused_decode`), instead of an input call, the policy's attention and
+speculation in torch, and an output call.
+
+What the call does for a layer, by what this step's ``load`` gave (``kv/infinigen_cache.py``):
+
+- **the rows the previous layer's speculation chose** (read in place): the new key into the
+  layer's speculation keys, attention over those rows and the new token, the new row written;
+- **the layer read whole** (a step under ``--select-from-mb``, or a layer before
+  ``first_layer``): attention over every visible row, as the full cache's call; the new key
+  waits with the others to be packed into the speculation keys (``_defer_keys``);
+- **the next layer's speculation**, when it selects this step: its query from this layer's
+  attention input, projected, scored against its packed keys, and the mass rule's choice
+  handed to its ``load`` as ``speculate`` hands it.
+
+A step this cannot take (another selection rule, a KV pool, page summaries or partial keys,
+a 4-bit cache ...) returns None and the engine runs the two calls around the policy; where
+only the next layer's speculation cannot be taken, the call returns the attention input and
+the engine speculates from it (``_speculate_next``). Equal to the per-operation path: the
+same kernels in the same order, except each speculation query's sum (for the packed keys'
+minima), added in C rather than by torch, which may differ in its last bit.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..kv.infinigen_cache import READ_ALL, InfiniGenCache
+from ..kv.spec_keys import SpeculationKeys
+from .fused_decode import ATTEND, IN, MLP, OUT, _I, _P, _Linear, _linear
+
+CHOSEN, SPECULATE = 16, 32
+
+
+class _Select(ctypes.Structure):  # kernels/decode_layer.h's dl_select, field for field
+    _fields_ = ([("index", _P), ("counts", _P), ("n", _I), ("proj", _P), ("proj_sb", _I),
+                 ("codes", _P), ("lo", _P), ("scale", _P)]
+                + [(n, _I) for n in ("L", "P", "r", "bits")]
+                + [("nq", _Linear), ("nproj", _P), ("nproj_sb", _I), ("nr", _I),
+                   ("ncodes", _P), ("nlo", _P), ("nscale", _P)]
+                + [(n, _I) for n in ("nL", "nP", "nbits")]
+                + [("visible", _P), ("cap", _P), ("order", _P), ("T", _I), ("width", _I)]
+                + [(n, _P) for n in ("s_rows", "s_lin", "s_rot", "s_pq", "s_packed",
+                                     "s_qsum")])
+
+
+def takes(cache, next_cache) -> bool:
+    """Whether a layer with these caches may run InfiniGen inside its call (decided once per
+    plan; each step then checks what its load gave)."""
+    return (isinstance(cache, InfiniGenCache) and cache.k.addressable
+            and cache.k.dtype == torch.float32 and not cache.cpu_compute
+            and not cache.spec.tiers.is_cuda
+            and (cache.in_place if not cache.selecting else cache.attend_in_place)
+            and (next_cache is None or isinstance(next_cache, InfiniGenCache)))
+
+
+def _packed_keys(keys) -> bool:
+    """Speculation keys the kernels write and score as packed codes, float32 minima."""
+    return (isinstance(keys, SpeculationKeys) and keys.bits is not None and keys.use_kernel
+            and keys.codes.is_contiguous() and keys.lo.dtype == torch.float32
+            and keys.lo.is_contiguous() and keys.scale.is_contiguous())
+
+
+def _projection(p, b: int, kv: int, d: int) -> bool:
+    """A per-KV-head projection ``[b, KV, d, r]`` the projection kernel takes."""
+    if p is None or p.dtype != torch.float32 or p.is_cuda or p.dim() != 4:
+        return False
+    r = p.shape[-1]
+    return (p.shape == (b, kv, d, r) and r % 8 == 0 and r <= 128
+            and p.stride()[1:] == (d * r, r, 1))
+
+
+class SelectPlan:
+    """A layer plan's InfiniGen part: the ``dl_select`` block and its scratch buffers."""
+
+    def __init__(self, plan, cache: InfiniGenCache, next_cache, q4: bool):
+        self.plan, self.cache, self.next = plan, cache, next_cache
+        cfg, b = plan.cfg, plan.batch
+        h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        c, g = b * kv, h // kv
+        s = self.args = _Select()
+        self.ok = True
+        # this layer's chosen rows in the call: packed speculation keys to write the new key
+        # into (or none), no pool
+        self.chosen = cache.selecting and cache.pool is None and not cache.packed_here and (
+            cache.keys is None or (_packed_keys(cache.keys)
+                                   and _projection(cache.projection, b, kv, d)))
+        buffers = {}
+        if self.chosen and cache.keys is not None:
+            keys = cache.keys
+            s.proj, s.proj_sb = cache.projection.data_ptr(), cache.projection.stride(0)
+            s.codes, s.lo, s.scale = (t.data_ptr() for t in (keys.codes, keys.lo, keys.scale))
+            s.L, s.P = keys.codes.shape[1:]
+            s.r, s.bits = cache.projection.shape[-1], keys.bits
+            self.keep = (cache.projection,)
+            buffers["s_rows"] = c * s.r
+        self.speculates = self._speculation(next_cache, s, b, h, kv, d, q4)
+        if self.speculates:
+            buffers.update(s_lin=b * h * d, s_rot=b * h * d, s_pq=c * g * s.nr,
+                           s_packed=c * g * s.nP * (8 // s.nbits), s_qsum=c * g)
+        self.buffers = {n: torch.empty(size, dtype=torch.float32) for n, size in buffers.items()}
+        for n, t in self.buffers.items():
+            setattr(s, n, t.data_ptr())
+        plan.args.sel = ctypes.addressof(s)
+
+    def _speculation(self, nc, s: _Select, b: int, h: int, kv: int, d: int, q4: bool) -> bool:
+        """Whether the next layer's speculation runs in the call: the mass rule over packed
+        keys scored in C (what ``_rank`` takes then), the rehearsal's whole W_Q in a form
+        the linear kernels read; fills its part of the block."""
+        if nc is None or not nc.selecting:
+            return False
+        policy = nc.policy
+        opts, rehearsal = policy.options, policy.rehearsal
+        if (nc.pool is not None or opts.selection != "mass" or opts.keep_sink
+                or opts.keep_recent or not _packed_keys(nc.keys) or not nc.keys.fused_selection
+                or nc.maps_rows or not nc.k.addressable or rehearsal is None
+                or rehearsal.folded or not _projection(nc.query_projection, b, kv, d)):
+            return False
+        w = rehearsal.weights[nc.spec.layer]
+        if not _linear(s.nq, w.get("q_proj.weight"), w.get("q_proj.bias"), q4):
+            return False
+        keys, p = nc.keys, nc.query_projection
+        s.nproj, s.nproj_sb, s.nr = p.data_ptr(), p.stride(0), p.shape[-1]
+        s.ncodes, s.nlo, s.nscale = (t.data_ptr() for t in (keys.codes, keys.lo, keys.scale))
+        s.nL, s.nP = keys.codes.shape[1:]
+        s.nbits = keys.bits
+        if s.nP * (8 // s.nbits) < s.nr or s.nP * (8 // s.nbits) > 256:
+            return False
+        self.spec_keep = (w, p)
+        return True
+
+    def layer(self, h: torch.Tensor, state, loaded):
+        """The layer in one call: ``(output, x)``, ``x`` the attention input when the engine
+        must speculate for the next layer from it (else None); None when this step's load
+        is not one the call takes (the engine then runs the two calls)."""
+        plan, cache, a, s = self.plan, self.cache, self.plan.args, self.args
+        length = state.valid.shape[1] - 1
+        mode = IN | OUT | (MLP if plan.kind == "layer" else 0)
+        deferred = None
+        if not cache.selecting:
+            mode |= ATTEND
+        elif loaded[0] is None and self.chosen:  # the chosen rows, read where they are
+            b, kv = plan.batch, plan.cfg.num_kv_heads
+            index, counts = loaded[3].view(b * kv, -1), loaded[2].reshape(b * kv)
+            if index.dtype != torch.int64 or not index.is_contiguous():
+                index = index.to(torch.int64).contiguous()
+            if counts.dtype != torch.int64 or not counts.is_contiguous():
+                counts = counts.to(torch.int64).contiguous()
+            s.index, s.counts, s.n = index.data_ptr(), counts.data_ptr(), index.shape[1]
+            self.rows = (index, counts)  # alive through the call
+            mode |= CHOSEN
+        elif loaded[0] is READ_ALL and loaded[1] is None:  # read whole, in place
+            deferred = torch.empty(plan.batch, 1, plan.cfg.num_kv_heads, plan.cfg.head_dim)
+            a.kn = deferred.data_ptr()  # kept by _defer_keys: this step's own tensor
+            mode |= ATTEND
+        else:
+            return None
+        plan.point_mask(state)  # the position the new row and key are written at
+        nc, x, order = self.next, None, None
+        if nc is not None and nc.selecting:
+            if self.speculates and not nc.reads_whole(length):
+                order, counts = self._point_speculation(nc, state, length)
+                if order is not None:
+                    mode |= SPECULATE
+            if not mode & SPECULATE:  # the engine speculates from this step's own x
+                x = torch.empty_like(h)
+                a.x = x.data_ptr()
+        out = plan._step(h, state)
+        try:
+            plan._call(mode)
+        finally:
+            if deferred is not None:
+                a.kn = plan.buffers["kn"].data_ptr()
+            if x is not None:
+                a.x = plan.buffers["x"].data_ptr()
+        plan.count_row()
+        if deferred is not None:
+            cache._defer_keys(deferred, length)
+        if order is not None:
+            nc.selection = (order, counts, None)  # as _hand_over leaves it on a CPU
+            nc.ready.set()
+        return out, x
+
+    def _point_speculation(self, nc, state, length: int):
+        """The next layer's speculation for this step: its ``(order, counts)`` tensors, the
+        order filled by the call; (None, None) where the kernel takes no rows."""
+        policy, s = nc.policy, self.args
+        width = min(policy.options.budget.most(length), length)
+        if width < 1:
+            return None, None
+        nc._flush_keys()  # the keys this step scores (decode keys of steps read whole)
+        caps = policy.step_caps(state.visible, length, nc.spec.kv_heads)
+        cap = caps.per_column
+        if cap.dtype != torch.int64 or not cap.is_contiguous():
+            return None, None
+        order = torch.empty(nc.spec.batch_size, nc.spec.kv_heads, width, dtype=torch.int64)
+        s.visible, s.cap, s.order = caps.seen.data_ptr(), cap.data_ptr(), order.data_ptr()
+        s.T, s.width = length, width
+        self.caps = caps  # alive through the call
+        return order, caps.counts
