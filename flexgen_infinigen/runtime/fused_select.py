@@ -29,7 +29,7 @@ import torch
 
 from ..kv.infinigen_cache import READ_ALL, InfiniGenCache
 from ..kv.spec_keys import SpeculationKeys
-from .fused_decode import ATTEND, IN, MLP, OUT, _I, _P, _Linear, _linear
+from .fused_args import ATTEND, IN, MLP, OUT, _I, _P, _Linear, _linear
 
 CHOSEN, SPECULATE = 16, 32
 
