@@ -17,7 +17,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
-from ..models.moe import is_expert_weight
+from ..models.moe import is_expert_weight, is_moe_layer
 from ..policy import Policy
 from .attention import FUSED_ROWS
 from .compression import can_compress, stored_bytes
@@ -105,7 +105,6 @@ def _expert_copies(cfg: ModelConfig, policy: Policy, device: torch.device | None
 
 
 def _moe_layer(cfg: ModelConfig) -> int:
-    from ..models.moe import is_moe_layer
     return next(i for i in range(cfg.num_layers) if is_moe_layer(cfg, i))
 
 
