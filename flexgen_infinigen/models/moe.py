@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..runtime.cpu_layers import linear
+from ..runtime.cpu_layers import linear, moe_token
 from ..runtime.tiered import OnDemand
 
 ROUTER = "router.weight"
@@ -86,10 +86,17 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         for m in EXPERT_MATRICES:
             if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
                 w[f"experts.{e}.{m}.weight"].start()
-    for e in used:
-        rows, slot = torch.where(experts == e)
-        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
-        out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
+    one = None
+    if flat.shape[0] == 1:  # one token: its experts in one compiled call, in the same order
+        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
+        one = moe_token(flat, mats, weights[0, torch.argsort(experts[0])])
+    if one is not None:
+        out = one
+    else:
+        for e in used:
+            rows, slot = torch.where(experts == e)
+            mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
+            out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
     if cfg.shared_expert_size:
         shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
         out += torch.sigmoid(linear(flat, w[SHARED_GATE])) * shared

@@ -8,6 +8,8 @@ layout they do not read, no compiler).
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .compression import PackedWeight
@@ -105,3 +107,38 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     lib.rotary_rows(x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), b * s,
                     heads, d, torch.get_num_threads())
     return out
+
+
+def moe_token(x: torch.Tensor, mats: list, weights: torch.Tensor) -> torch.Tensor | None:
+    """One token's routed experts in one compiled call (``kernels/moe_experts.c``):
+    ``sum_e weights[e] * down_e(silu(gate_e x) * up_e x)`` over the experts in the order of
+    ``mats`` (gate, up and down of each, in turn), added in that order, as the per-expert
+    path adds them. ``x`` is ``[1, H]`` float32 on a CPU. None when the call cannot take
+    them (a matrix that is not 4-bit codes with float16 factors, mixed groups, no
+    compiler): the caller multiplies expert by expert."""
+    if x.is_cuda or x.dtype != torch.float32 or x.shape[0] != 1 or len(mats) % 3:
+        return None
+    packs = []
+    for m in mats:
+        if not (isinstance(m, PackedWeight) and m.kernel_ready and m.packed.bits == 4
+                and m.packed.scale.dtype == torch.float16):
+            return None
+        packs.append(m.packed)
+    f, h = packs[0].shape
+    group = packs[0].group
+    if any(p.group != group or p.shape != ((f, h) if i % 3 < 2 else (h, f))
+           for i, p in enumerate(packs)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n = len(packs)
+    codes = (ctypes.c_void_p * n)(*(p.codes.data_ptr() for p in packs))
+    scales = (ctypes.c_void_p * n)(*(p.scale.data_ptr() for p in packs))
+    minima = (ctypes.c_void_p * n)(*(p.minimum.data_ptr() for p in packs))
+    xs = x.contiguous()
+    w = weights.to(torch.float32).contiguous()
+    out = torch.empty(1, h, dtype=torch.float32)
+    done = lib.moe_token_q4_h16(xs.data_ptr(), n // 3, codes, scales, minima, w.data_ptr(),
+                                out.data_ptr(), h, f, group, torch.get_num_threads())
+    return out if done else None

@@ -97,6 +97,8 @@ class Engine:
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
         # a Llama-family decode step on a CPU as one compiled call a stage (None: never)
         self.fused = FusedDecode.for_model(cfg, dtype, tiers.is_cuda)
+        # per stage: (what the weights read in place give, built once; the names read anew)
+        self._stage_reads: dict[int, tuple[dict, list[tuple[str, str]]]] = {}
 
     def reset_counters(self) -> None:
         """Start a generation's own statistics (the host syncs are per block already)."""
@@ -243,8 +245,10 @@ class Engine:
         """Stage ``j``'s weights for compute; routed experts off the device as handles that
         the MoE math reads only for the experts its tokens use (once for the whole stage:
         the handles are shared by its GPU batches)."""
-        out = {}
-        for short, full in self.stages[j].weights.items():
+        kept = self._stage_reads.get(j) if self.routing_counts is None else None
+        fixed, rest = kept or self._split_reads(j)
+        out = dict(fixed)
+        for short, full in rest:
             t = self.weights[full]
             if t.kind == "experts" and self.routing_counts is not None:
                 out[short] = CountedRead(t, self.routing_counts, expert_of(full),
@@ -253,6 +257,24 @@ class Engine:
                 out[short] = OnDemand(t) if t.kind == "experts" and not t.resident \
                     else t.read_for_compute()
         return out
+
+    def _split_reads(self, j: int) -> tuple[dict, list[tuple[str, str]]]:
+        """Stage ``j``'s weights the compute device reads where they are stored (on the
+        device, or codes in CPU memory a CPU multiplies in place): their reads are the
+        stored tensors themselves, move nothing and count nothing, so they are made once
+        and reused every step (a MoE stage has thousands, and a step uses a few). The rest
+        are read anew each time. Nothing is kept while a routing profile counts reads."""
+        fixed, rest = {}, []
+        for short, full in self.stages[j].weights.items():
+            t = self.weights[full]
+            in_place = t.resident or t.packed_in_place
+            if in_place and not (t.kind == "experts" and self.routing_counts is not None):
+                fixed[short] = t.read_for_compute()
+            else:
+                rest.append((short, full))
+        if self.routing_counts is None:
+            self._stage_reads[j] = fixed, rest
+        return fixed, rest
 
     def _load_cache(self, decode: bool, j: int, k: int):
         if not decode or (j, k) not in self.caches:
