@@ -11,7 +11,8 @@ is loaded, never per step:
   speculates on nothing (a full cache) and is in this process. The call normalizes,
   projects, rotates, writes the new token into the cache, attends over every row, projects
   out, adds the residual and runs the MLP.
-- **InfiniGen in the call** (one call): an InfiniGen cache in CPU memory as floats; the
+- **InfiniGen in the call** (one call): an InfiniGen cache in CPU memory as floats (not for
+  per-head q/k norms: the call's speculation query has none); the
   call attends over the rows the previous layer chose (or every row, a step read whole) and
   speculates for the next layer (:mod:`.fused_select`, ``kernels/decode_select.c``).
 - **Around the policy's attention** (two calls): any other KV policy (a 4-bit cache, H2O ...)
@@ -19,10 +20,11 @@ is loaded, never per step:
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
-  kernel does not compute (per-head q/k norms, MoE), a GPU, a dtype other than float32,
-  weights off the CPU or in a form the kernels do not read (e.g. 4-bit codes in groups the
-  4-bit kernel does not take), more than
-  ``MAX_BATCH`` rows, no compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.
+  kernel does not compute (q/k norms over all heads, as OLMoE's; a MoE layer's MLP stage,
+  whose one-token experts have their own call, ``cpu_layers.moe_token``), a GPU, a dtype
+  other than float32, weights off the CPU or in a form the kernels do not read (e.g. 4-bit
+  codes in groups the 4-bit kernel does not take), more than ``MAX_BATCH`` rows, no
+  compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.
 
 The argument block (a ``ctypes.Structure``) is built once per plan; a step sets the few
 pointers that change (hidden state, rotary encoding, mask, the cache row), so Python's cost
@@ -51,7 +53,7 @@ def enabled() -> bool:
 def supports(cfg: ModelConfig, dtype: torch.dtype, is_cuda: bool) -> bool:
     """Whether a model of this config may take the fused step at all (decided at load)."""
     return (enabled() and not is_cuda and dtype == torch.float32
-            and cfg.family == "llama" and not cfg.num_experts and not cfg.qk_norm
+            and cfg.family == "llama" and not cfg.qk_norm_full
             and cfg.q_dim == cfg.num_heads * cfg.head_dim and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 256 and cfg.num_heads % cfg.num_kv_heads == 0
             and cfg.num_heads // cfg.num_kv_heads <= 16)
@@ -84,7 +86,9 @@ class LayerPlan:
             if not _linear(getattr(a, n), w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"), q4):
                 self.ok = False
                 return
-        for n in ("attn_norm.weight", "mlp_norm.weight"):
+        if kind in ("attn", "layer") and cfg.qk_norm:  # per-head norms of q and k (Qwen3)
+            a.q_norm, a.k_norm = (w[f"{n}_norm.weight"].data_ptr() for n in ("q", "k"))
+        for n in ("attn_norm.weight", "mlp_norm.weight", "q_norm.weight", "k_norm.weight"):
             t = w.get(n)
             if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
                                   or not t.is_contiguous()):
@@ -214,13 +218,19 @@ class FusedDecode:
         if key in self.plans:
             return self.plans[key]
         plan = None
-        if resident and 0 < batch <= MAX_BATCH:
+        # a MoE model's attention stages only: its MLPs (routed experts, or dense among
+        # them) run on the per-operation path, a one-token step's experts in their own call
+        # (cpu_layers.moe_token)
+        moe_mlp = bool(self.cfg.num_experts) and kind != "attn"
+        if resident and 0 < batch <= MAX_BATCH and not moe_mlp:
             whole = (kind != "mlp" and type(cache) is FullCache and cache.in_place
                      and cache.k.dtype == torch.float32 and not hands_off
                      and (next_cache is None
                           or type(next_cache).speculate is KVCache.speculate))
             from .fused_select import takes
-            selects = kind != "mlp" and not whole and not hands_off and takes(cache, next_cache)
+            # the call's speculation computes the next layer's query without q/k norms
+            selects = (kind != "mlp" and not whole and not hands_off and not self.cfg.qk_norm
+                       and takes(cache, next_cache))
             made = LayerPlan(self.lib, self.cfg, kind, w, batch, cache, whole, next_cache,
                              selects)
             plan = made if made.ok else None

@@ -60,6 +60,9 @@ typedef struct {
     float *x, *q_rot, *kn, *vn, *attn;
     float *lin, *mid, *x2, *g, *u, *bias_rows;
     const struct dl_select *sel;  /* DL_CHOSEN / DL_SPECULATE: decode_select.c */
+    /* per-head RMSNorm weights [D] of q and k, applied after the projection and before the
+       rotary embedding (Qwen3), or NULL */
+    const float *q_norm, *k_norm;
 } dl_args;
 
 /* InfiniGen inside the fused call (decode_select.c). Every field is 8 bytes wide. */
