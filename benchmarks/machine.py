@@ -41,6 +41,9 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "device": "cuda" if cuda else "cpu",
         "device_name": torch.cuda.get_device_name(0) if cuda else cpu_name(),
+        # PASSIVE makes every parallel region wake sleeping threads: it halves a decode
+        # step's rate here (and llama.cpp's, built with OpenMP), so each result says it
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 

@@ -1,8 +1,9 @@
-"""A token's routed experts in one compiled call (``kernels/moe_experts.c``, called by
-``cpu_layers.moe_token`` from ``models/moe.py`` for a one-token step): against the experts
-computed in float64 from the expanded codes, against the per-expert path it replaces, in the
-portable build (no AVX2), and end to end, where a Qwen3-MoE GGUF with Q4_0 experts decodes
-transformers' tokens with the call taking every MoE layer of every step."""
+"""A decode step's routed experts in one compiled call (``kernels/moe_experts.c``, called
+by ``cpu_layers.moe_experts`` from ``models/moe.py``): against the experts computed in
+float64 from the expanded codes, against the per-expert path it replaces, in the portable
+build (no AVX2), and end to end, where a Qwen3-MoE GGUF with Q4_0 experts decodes
+transformers' tokens, one sequence and two, with the call taking every MoE layer of every
+decode step."""
 from __future__ import annotations
 
 import ctypes
@@ -47,44 +48,85 @@ def _kernels():
         pytest.skip("no C compiler: the per-expert path runs instead (tests/test_moe_gguf.py)")
 
 
+def _routing(tokens: int, experts: int, k: int, seed: int):
+    """Each token's k distinct experts and softmax weights; the call's arguments from them:
+    the experts used (ascending), where each one's tokens start, the tokens, their weights."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+    used = torch.unique(chosen).tolist()
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    first = [0] + torch.cumsum(torch.bincount(flat)[used], 0).tolist()
+    return chosen, weights, used, first, order // k, weights.reshape(-1)[order]
+
+
+def _reference(x, dense, chosen, weights):
+    """float64: each token's experts, weighted."""
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for e, wt in zip(chosen[t].tolist(), weights[t]):
+            g, u, d = dense[3 * e:3 * e + 3]
+            xt = x[t:t + 1].double()
+            out[t] += wt.double() * F.linear(F.silu(F.linear(xt, g)) * F.linear(xt, u), d)[0]
+    return out
+
+
+def _per_expert(x, half, chosen, weights, used):
+    """The path the call replaces: a linear call a matrix over each expert's rows, torch's
+    silu, index_add_ in expert order."""
+    out = torch.zeros(x.shape[0], H)
+    for e in used:
+        rows, slot = torch.where(chosen == e)
+        g, u, d = half[3 * e:3 * e + 3]
+        y = cpu_layers.linear(F.silu(cpu_layers.linear(x[rows], g)) *
+                              cpu_layers.linear(x[rows], u), d)
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_matches_the_experts_in_float64(kind, n):
+@pytest.mark.parametrize("tokens,experts,k", [(1, 1, 1), (1, 8, 8), (3, 6, 2), (9, 4, 3),
+                                              (16, 8, 2)])
+def test_matches_the_experts_in_float64(kind, tokens, experts, k):
     """Within 1e-3 of the largest output of what the expanded codes give (x and the
     activations are rounded to 16 bits per 64 values, as every 4-bit kernel here does), and
-    within 1e-4 of what the per-expert path gives (three linear calls an expert, torch's
-    silu, index_add_ in order; silu rounded otherwise can move an activation's 16-bit step)."""
-    half, dense = _experts(kind, n, seed=10 * n)
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(1, H, generator=gen)
-    weights = torch.softmax(torch.randn(n, generator=gen), 0)
-    ours = cpu_layers.moe_token(x, half, weights)
-    assert ours is not None and ours.shape == (1, H)
-    ref = _reference(x, dense, weights)
+    within 1e-4 of what the per-expert path gives (silu rounded otherwise can move an
+    activation's 16-bit step). Experts taking one token, several (up to 9: a full and a
+    partial block of 8 rows) and shared by most tokens."""
+    half, dense = _experts(kind, experts, seed=10 * tokens + experts)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    chosen, weights, used, first, tok, wt = _routing(tokens, experts, k, seed=experts)
+    mats = [m for e in used for m in half[3 * e:3 * e + 3]]
+    ours = cpu_layers.moe_experts(x, mats, first, tok, wt)
+    assert ours is not None and ours.shape == (tokens, H)
+    ref = _reference(x, dense, chosen, weights)
     assert (ours.double() - ref).abs().max() < 1e-3 * ref.abs().max()
-    per_expert = torch.zeros(1, H)
-    for e in range(n):
-        g, u, d = half[3 * e:3 * e + 3]
-        y = cpu_layers.linear(F.silu(cpu_layers.linear(x, g)) * cpu_layers.linear(x, u), d)
-        per_expert.index_add_(0, torch.tensor([0]), y * weights[e])
+    per_expert = _per_expert(x, half, chosen, weights, used)
     assert (ours - per_expert).abs().max() < 1e-4 * per_expert.abs().max()
 
 
 def test_refuses_what_it_does_not_compute():
     """None (the caller multiplies expert by expert) for 8-bit codes, float32 factors,
-    widths off the 64-value blocks, a weight that is not codes, two tokens."""
+    widths off the 64-value blocks, a weight that is not codes, more tokens for an expert
+    than the call takes, offsets that do not match the experts."""
     half, _ = _experts("Q4_0", 2, seed=1)
-    x, w = torch.randn(1, H), torch.tensor([0.6, 0.4])
-    assert cpu_layers.moe_token(x, half, w) is not None
+    x = torch.randn(1, H)
+    tok, w = torch.tensor([0, 0]), torch.tensor([0.6, 0.4])
+    assert cpu_layers.moe_experts(x, half, [0, 1, 2], tok, w) is not None
     q8, _ = _weights("Q8_0", (FF, H), seed=3)
-    assert cpu_layers.moe_token(x, [q8] + half[1:], w) is None
+    assert cpu_layers.moe_experts(x, [q8] + half[1:], [0, 1, 2], tok, w) is None
     _, wide = _weights("Q4_0", (FF, H), seed=3)  # float32 factors
-    assert cpu_layers.moe_token(x, [wide] + half[1:], w) is None
+    assert cpu_layers.moe_experts(x, [wide] + half[1:], [0, 1, 2], tok, w) is None
     odd, _ = _weights("Q4_0", (96, H), seed=4)  # an expert width of 96: not whole blocks
-    odd_down, _ = _weights("Q4_0", (H, 128), seed=5)
-    assert cpu_layers.moe_token(x, [odd, odd, odd_down] + half[3:], w) is None
-    assert cpu_layers.moe_token(x, [half[0].dense()] + half[1:], w) is None
-    assert cpu_layers.moe_token(torch.randn(2, H), half, w) is None
+    odd_down, _ = _weights("Q4_0", (H, 96), seed=5)
+    assert cpu_layers.moe_experts(x, [odd, odd, odd_down] + half[3:], [0, 1, 2], tok, w) is None
+    assert cpu_layers.moe_experts(x, [half[0].dense()] + half[1:], [0, 1, 2], tok, w) is None
+    many = cpu_layers.MOE_MAX_ROWS + 1
+    xs = torch.randn(many, H)
+    assert cpu_layers.moe_experts(xs, half[:3], [0, many], torch.arange(many),
+                                  torch.ones(many)) is None
+    assert cpu_layers.moe_experts(x, half, [0, 2], tok, w) is None  # 2 experts, 1 range
 
 
 @pytest.fixture(scope="module")
@@ -100,32 +142,37 @@ def portable(tmp_path_factory):
                     str(out), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.moe_token_q4_h16.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 4
-    lib.moe_token_q4_h16.restype = ctypes.c_int
+    lib.moe_q4_h16.argtypes = [ptr, i64, i64] + [ptr] * 7 + [i64] * 4
+    lib.moe_q4_h16.restype = ctypes.c_int
     return lib
 
 
 def test_portable_build(portable):
-    half, dense = _experts("Q4_1", 3, seed=7)
-    x = torch.randn(1, H)
-    weights = torch.tensor([0.5, 0.3, 0.2])
-    ptrs = [(ctypes.c_void_p * 9)(*(getattr(p.packed, part).data_ptr() for p in half))
+    half, dense = _experts("Q4_1", 4, seed=7)
+    x = torch.randn(3, H)
+    chosen, weights, used, first, tok, wt = _routing(3, 4, 2, seed=3)
+    mats = [m for e in used for m in half[3 * e:3 * e + 3]]
+    ptrs = [(ctypes.c_void_p * len(mats))(*(getattr(p.packed, part).data_ptr() for p in mats))
             for part in ("codes", "scale", "minimum")]
-    out = torch.empty(1, H)
-    assert portable.moe_token_q4_h16(x.data_ptr(), 3, *ptrs, weights.data_ptr(), out.data_ptr(),
-                                     H, FF, half[0].packed.group, 2)
-    ref = _reference(x, dense, weights)
+    starts, tok, wt = torch.tensor(first), tok.contiguous(), wt.contiguous()
+    out = torch.empty(3, H)
+    assert portable.moe_q4_h16(x.data_ptr(), 3, len(used), starts.data_ptr(), tok.data_ptr(),
+                               wt.data_ptr(), *ptrs, out.data_ptr(), H, FF,
+                               half[0].packed.group, 2)
+    ref = _reference(x, dense, chosen, weights)
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
-def test_one_token_decode_matches_transformers(tmp_path, monkeypatch):
-    """A Qwen3-MoE GGUF with Q4_0 experts of width 64, one sequence: greedy tokens and logits
-    equal transformers' on the dequantized weights, and every MoE layer of every decode step
-    went through the one call."""
+@pytest.mark.parametrize("sequences", [1, 2])
+def test_decode_matches_transformers(tmp_path, monkeypatch, sequences):
+    """A Qwen3-MoE GGUF with Q4_0 experts of width 64, one sequence and two in one GPU batch:
+    greedy tokens and logits equal transformers' on the dequantized weights, and every MoE
+    layer of every decode step went through the one call (one token, then two a call; the
+    one 14-token prompt as well, each expert taking several rows)."""
     import test_moe_gguf as moe_files
     from conftest import hf_greedy
 
-    from flexgen_infinigen import OffloadedLM
+    from flexgen_infinigen import OffloadedLM, Policy
     from flexgen_infinigen.models import moe
     from flexgen_infinigen.weights.gguf_convert import convert_gguf
 
@@ -139,17 +186,25 @@ def test_one_token_decode_matches_transformers(tmp_path, monkeypatch):
     taken = []
 
     def counted(*args):
-        out = cpu_layers.moe_token(*args)
+        out = cpu_layers.moe_experts(*args)
         taken.append(out is not None)
         return out
-    monkeypatch.setattr(moe, "moe_token", counted)
-    prompt = moe_files.PROMPTS[0]
+    monkeypatch.setattr(moe, "moe_experts", counted)
+    prompts = moe_files.PROMPTS[:sequences]
     steps = moe_files.STEPS
-    with OffloadedLM.load(path=store, policy=moe_files.CPU_MEMORY, progress=False) as lm:
-        out = lm.generate([prompt], steps, stop_token_id=None, keep_logits=True)
-    tokens, logits = hf_greedy(model, prompt, steps)
-    assert out.token_ids[0] == tokens
-    assert (out.logits[0] - logits).abs().max().item() < 2e-3 * logits.abs().max().item()
+    # every sequence in one GPU batch: two tokens a decode step, 28 prompt rows
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=sequences,
+                                 expert_gpu_percent=0, expert_cpu_percent=100)
+    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+        out = lm.generate(prompts, steps, stop_token_id=None, keep_logits=True)
+        per_batch = lm.policy.gpu_batch_size
+    for row, prompt in enumerate(prompts):
+        tokens, logits = hf_greedy(model, prompt, steps)
+        assert out.token_ids[row] == tokens
+        assert (out.logits[row] - logits).abs().max().item() < 2e-3 * logits.abs().max().item()
     moe_layers = model.config.num_hidden_layers - 1
-    # the prompt's tokens and the first token come from the prefill; each later step is one
-    assert taken.count(True) == moe_layers * (steps - 1) and all(taken)
+    # a call per MoE layer, GPU batch and decode step; the prompts' pass too where a GPU
+    # batch of them (padded to the longest) is few enough rows for the call
+    batches = -(-len(prompts) // per_batch)
+    prefill = per_batch * max(map(len, prompts)) <= cpu_layers.MOE_MAX_ROWS
+    assert all(taken) and len(taken) == moe_layers * batches * (steps - 1 + prefill)

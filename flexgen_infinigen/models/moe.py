@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..runtime.cpu_layers import linear, moe_token
+from ..runtime.cpu_layers import MOE_MAX_ROWS, linear, moe_experts
 from ..runtime.tiered import OnDemand
 
 ROUTER = "router.weight"
@@ -80,19 +80,22 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     expert, if any, takes every token, scaled by the sigmoid of its gate."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(cfg, flat, w[ROUTER])
-    out = torch.zeros_like(flat)
     used = torch.unique(experts).tolist()  # the experts this stage's tokens use, in order
     for e in used:  # reads from disk all in flight before the first is needed
         for m in EXPERT_MATRICES:
             if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
                 w[f"experts.{e}.{m}.weight"].start()
-    one = None
-    if flat.shape[0] == 1:  # one token: its experts in one compiled call, in the same order
+    out = None
+    if flat.shape[0] <= MOE_MAX_ROWS:  # a decode step: every expert in one compiled call
+        chosen = experts.reshape(-1)
+        # by expert, and within one expert by token: the order torch.where gives below
+        order = torch.argsort(chosen, stable=True)
+        first = [0] + torch.cumsum(torch.bincount(chosen)[used], 0).tolist()
         mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
-        one = moe_token(flat, mats, weights[0, torch.argsort(experts[0])])
-    if one is not None:
-        out = one
-    else:
+        out = moe_experts(flat, mats, first, order // experts.shape[1],
+                          weights.reshape(-1)[order])
+    if out is None:
+        out = torch.zeros_like(flat)
         for e in used:
             rows, slot = torch.where(experts == e)
             mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]

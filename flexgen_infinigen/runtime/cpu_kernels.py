@@ -116,8 +116,8 @@ def library() -> ctypes.CDLL | None:
         lib.linear_q4_h16.restype = ctypes.c_int
         lib.linear_q8_h16.argtypes = [ptr] * 6 + [i64] * 5
         lib.linear_q8_h16.restype = ctypes.c_int
-        lib.moe_token_q4_h16.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 4
-        lib.moe_token_q4_h16.restype = ctypes.c_int
+        lib.moe_q4_h16.argtypes = [ptr, i64, i64] + [ptr] * 7 + [i64] * 4
+        lib.moe_q4_h16.restype = ctypes.c_int
         lib.h16_widen_rows.argtypes = [ptr] * 2 + [i64]
         lib.h16_widen_rows.restype = None
         lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7

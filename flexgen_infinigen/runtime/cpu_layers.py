@@ -109,14 +109,25 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return out
 
 
-def moe_token(x: torch.Tensor, mats: list, weights: torch.Tensor) -> torch.Tensor | None:
-    """One token's routed experts in one compiled call (``kernels/moe_experts.c``):
-    ``sum_e weights[e] * down_e(silu(gate_e x) * up_e x)`` over the experts in the order of
-    ``mats`` (gate, up and down of each, in turn), added in that order, as the per-expert
-    path adds them. ``x`` is ``[1, H]`` float32 on a CPU. None when the call cannot take
-    them (a matrix that is not 4-bit codes with float16 factors, mixed groups, no
-    compiler): the caller multiplies expert by expert."""
-    if x.is_cuda or x.dtype != torch.float32 or x.shape[0] != 1 or len(mats) % 3:
+MOE_MAX_ROWS = 16  # tokens an expert may take in the experts call (kernels/moe_experts.c)
+
+
+def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's routed experts in one compiled call (``kernels/moe_experts.c``):
+    ``out[t] = sum_u weights * down_u(silu(gate_u x[t]) * up_u x[t])`` over the experts
+    ``u`` of each token, added in the order of ``mats`` (gate, up and down of each expert,
+    in turn), as the per-expert path adds them. Expert ``u`` takes the tokens
+    ``tokens[first[u]:first[u + 1]]`` (ascending, at most ``MOE_MAX_ROWS``) with router
+    weights ``weights`` at the same places. ``x`` is ``[T, H]`` float32 on a CPU. None when
+    the call cannot take them (a matrix that is not 4-bit codes with float16 factors, mixed
+    groups or shapes, too many tokens for an expert, no compiler): the caller multiplies
+    expert by expert."""
+    n = len(mats)
+    if (x.is_cuda or x.dtype != torch.float32 or x.dim() != 2 or not n or n % 3
+            or len(first) != n // 3 + 1):
+        return None
+    if any(not 0 < b - a <= MOE_MAX_ROWS for a, b in zip(first, first[1:])):
         return None
     packs = []
     for m in mats:
@@ -126,19 +137,22 @@ def moe_token(x: torch.Tensor, mats: list, weights: torch.Tensor) -> torch.Tenso
         packs.append(m.packed)
     f, h = packs[0].shape
     group = packs[0].group
-    if any(p.group != group or p.shape != ((f, h) if i % 3 < 2 else (h, f))
-           for i, p in enumerate(packs)):
+    if x.shape[1] != h or any(p.group != group or tuple(p.shape) != ((f, h) if i % 3 < 2
+                                                                      else (h, f))
+                              for i, p in enumerate(packs)):
         return None
     lib = library()
     if lib is None:
         return None
-    n = len(packs)
     codes = (ctypes.c_void_p * n)(*(p.codes.data_ptr() for p in packs))
     scales = (ctypes.c_void_p * n)(*(p.scale.data_ptr() for p in packs))
     minima = (ctypes.c_void_p * n)(*(p.minimum.data_ptr() for p in packs))
-    xs = x.contiguous()
+    starts = torch.tensor(first, dtype=torch.int64)
+    tok = tokens.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()
-    out = torch.empty(1, h, dtype=torch.float32)
-    done = lib.moe_token_q4_h16(xs.data_ptr(), n // 3, codes, scales, minima, w.data_ptr(),
-                                out.data_ptr(), h, f, group, torch.get_num_threads())
+    xs = x.contiguous()
+    out = torch.empty(x.shape[0], h, dtype=torch.float32)
+    done = lib.moe_q4_h16(xs.data_ptr(), x.shape[0], n // 3, starts.data_ptr(), tok.data_ptr(),
+                          w.data_ptr(), codes, scales, minima, out.data_ptr(), h, f, group,
+                          torch.get_num_threads())
     return out if done else None

@@ -21,7 +21,7 @@ is loaded, never per step:
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
   kernel does not compute (q/k norms over all heads, as OLMoE's; a MoE layer's MLP stage,
-  whose one-token experts have their own call, ``cpu_layers.moe_token``), a GPU, a dtype
+  whose decode-step experts have their own call, ``cpu_layers.moe_experts``), a GPU, a dtype
   other than float32, weights off the CPU or in a form the kernels do not read (e.g. 4-bit
   codes in groups the 4-bit kernel does not take), more than ``MAX_BATCH`` rows, no
   compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.
@@ -219,8 +219,8 @@ class FusedDecode:
             return self.plans[key]
         plan = None
         # a MoE model's attention stages only: its MLPs (routed experts, or dense among
-        # them) run on the per-operation path, a one-token step's experts in their own call
-        # (cpu_layers.moe_token)
+        # them) run on the per-operation path, a decode step's experts in their own call
+        # (cpu_layers.moe_experts)
         moe_mlp = bool(self.cfg.num_experts) and kind != "attn"
         if resident and 0 < batch <= MAX_BATCH and not moe_mlp:
             whole = (kind != "mlp" and type(cache) is FullCache and cache.in_place

@@ -56,6 +56,13 @@ static inline v8 exp8(v8 x) {
 #endif
 }
 
+/* z * sigmoid(z). The exponent is capped: under -ffast-math an exp that overflows to
+   infinity (z below about -88) may turn the quotient into NaN; at the cap the result is
+   already zero to float precision, as the exact value is. */
+static inline float silu1(float z) {
+    return z / (1.0f + expf(fminf(-z, 80.0f)));
+}
+
 /* x[i] = exp(x[i] - m) for i < n, and their sum. */
 static inline float exp_shifted(float *x, int64_t n, float m) {
     const v8 vm = splat8(m);

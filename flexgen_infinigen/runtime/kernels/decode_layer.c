@@ -100,8 +100,7 @@ int decode_layer(const dl_args *a, int64_t mode) {
         ok &= dl_run_linear(&a->gate, a->x2, a->g, B, nt);
         ok &= dl_run_linear(&a->up, a->x2, a->u, B, nt);
         for (int64_t i = 0; i < B * F; i++) {
-            const float z = a->g[i];
-            a->g[i] = z / (1.0f + expf(-z)) * a->u[i];
+            a->g[i] = silu1(a->g[i]) * a->u[i];
         }
         ok &= dl_run_linear(&a->down, a->g, a->h_out, B, nt);
         for (int64_t i = 0; i < B * hidden; i++)
