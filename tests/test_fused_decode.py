@@ -110,8 +110,8 @@ def test_fused_step_with_qkv_biases(tiny_qwen2, kv, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    """Small Qwen3 models (per-head q/k RMSNorm before the rotary embedding): dense, and
-    mixture-of-experts (eight experts, two a token)."""
+    """Small models with q/k RMSNorm before the rotary embedding: Qwen3 dense and
+    mixture-of-experts (per head; eight experts, two a token), and OLMoE (over all heads)."""
     import transformers
 
     from flexgen_infinigen.weights.hf_convert import convert_hf
@@ -120,12 +120,17 @@ def tiny_qwen3(tmp_path_factory):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   max_position_embeddings=256, tie_word_embeddings=False)
     stores = {}
+    moe = dict(num_experts=8, num_experts_per_tok=2)
     for name, cls, extra in (("dense", "Qwen3", {}),
-                             ("moe", "Qwen3Moe", dict(num_experts=8, num_experts_per_tok=2,
-                                                      moe_intermediate_size=64))):
+                             ("moe", "Qwen3Moe", dict(moe, moe_intermediate_size=64)),
+                             ("olmoe", "Olmoe", dict(moe, intermediate_size=64,
+                                                     norm_topk_prob=False))):
         torch.manual_seed(2)
+        config = {**common, **extra}
+        if cls == "Olmoe":
+            config.pop("head_dim")
         model = getattr(transformers, f"{cls}ForCausalLM")(
-            getattr(transformers, f"{cls}Config")(**common, **extra)).eval()
+            getattr(transformers, f"{cls}Config")(**config)).eval()
         with torch.no_grad():  # norms away from 1, so that a norm left out shows
             for pname, p in model.named_parameters():
                 if "norm" in pname:
@@ -138,17 +143,17 @@ def tiny_qwen3(tmp_path_factory):
 
 @needs_kernels
 @pytest.mark.parametrize("kv", ["full", "infinigen"])
-@pytest.mark.parametrize("variant", ["dense", "moe"])
-def test_fused_step_with_per_head_qk_norms(tiny_qwen3, variant, kv, monkeypatch):
-    """Qwen3's per-head q/k norms inside the call: the same tokens and logits as the
-    per-operation path. A MoE model fuses its attention stages only (its MLPs run their
-    experts on the per-operation path); InfiniGen runs around the call (its speculation in
-    Python, which applies the q norm)."""
+@pytest.mark.parametrize("variant", ["dense", "moe", "olmoe"])
+def test_fused_step_with_qk_norms(tiny_qwen3, variant, kv, monkeypatch):
+    """q/k norms inside the call (Qwen3's per head, OLMoE's over all heads): the same
+    tokens and logits as the per-operation path. A MoE model fuses its attention stages
+    only (its MLPs run their experts on the per-operation path); InfiniGen runs around the
+    call (its speculation in Python, which applies the q norm)."""
     modes = _calls(monkeypatch)
     fused = _generate(tiny_qwen3[variant], PROMPTS[:1], kv, monkeypatch, True)
     kinds = {kind for kind, _, _ in modes}
     assert "attn" in kinds
-    assert ("mlp" in kinds) == (variant == "dense")
+    assert ("mlp" in kinds) == (variant == "dense")  # MoE MLPs stay per-operation
     assert any(whole for _, whole, _ in modes) == (kv == "full")
     _assert_same(fused, _generate(tiny_qwen3[variant], PROMPTS[:1], kv, monkeypatch, False))
 
@@ -189,8 +194,8 @@ def test_models_the_call_does_not_compute_take_the_per_operation_path(monkeypatc
     assert not fused_decode.supports(llama, torch.float32, True)  # a GPU
     assert not fused_decode.supports(get_config("opt-125m"), torch.float32, False)
     assert fused_decode.supports(get_config("qwen3-8b"), torch.float32, False)  # per-head norms
-    # q/k norms over all heads at once (OLMoE)
-    assert not fused_decode.supports(get_config("olmoe-1b-7b"), torch.float32, False)
+    # q/k norms over all heads at once, and experts (their MLPs stay per-operation)
+    assert fused_decode.supports(get_config("olmoe-1b-7b"), torch.float32, False)
     monkeypatch.setenv(fused_decode.ENV, "0")
     assert fused_decode.FusedDecode.for_model(llama, torch.float32, False) is None
     monkeypatch.setenv(fused_decode.ENV, "1")

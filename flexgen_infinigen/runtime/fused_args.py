@@ -28,7 +28,8 @@ class _Args(ctypes.Structure):  # kernels/decode_layer.c's dl_args, field for fi
                    ("bias_stride", _I), ("kc", _P), ("vc", _P)]
                 + [(n, _I) for n in ("st", "sc", "position", "first")]
                 + [(n, _P) for n in ("x", "q_rot", "kn", "vn", "attn", "lin", "mid", "x2", "g",
-                                     "u", "bias_rows", "sel", "q_norm", "k_norm")])
+                                     "u", "bias_rows", "sel", "q_norm", "k_norm")]
+                + [("qk_full", _I)])
 
 
 def _linear(spec: _Linear, weight, bias, q4_ready: bool) -> bool:

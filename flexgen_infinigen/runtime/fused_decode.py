@@ -12,7 +12,7 @@ is loaded, never per step:
   projects, rotates, writes the new token into the cache, attends over every row, projects
   out, adds the residual and runs the MLP.
 - **InfiniGen in the call** (one call): an InfiniGen cache in CPU memory as floats (not for
-  per-head q/k norms: the call's speculation query has none); the
+  q/k norms: the call's speculation query has none); the
   call attends over the rows the previous layer chose (or every row, a step read whole) and
   speculates for the next layer (:mod:`.fused_select`, ``kernels/decode_select.c``).
 - **Around the policy's attention** (two calls): any other KV policy (a 4-bit cache, H2O ...)
@@ -20,8 +20,8 @@ is loaded, never per step:
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
-  kernel does not compute (q/k norms over all heads, as OLMoE's; a MoE layer's MLP stage,
-  whose decode-step experts have their own call, ``cpu_layers.moe_experts``), a GPU, a dtype
+  kernel does not compute (a MoE layer's MLP stage, whose decode-step experts have their
+  own call, ``cpu_layers.moe_experts``), a GPU, a dtype
   other than float32, weights off the CPU or in a form the kernels do not read (e.g. 4-bit
   codes in groups the 4-bit kernel does not take), more than ``MAX_BATCH`` rows, no
   compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.
@@ -53,7 +53,7 @@ def enabled() -> bool:
 def supports(cfg: ModelConfig, dtype: torch.dtype, is_cuda: bool) -> bool:
     """Whether a model of this config may take the fused step at all (decided at load)."""
     return (enabled() and not is_cuda and dtype == torch.float32
-            and cfg.family == "llama" and not cfg.qk_norm_full
+            and cfg.family == "llama"
             and cfg.q_dim == cfg.num_heads * cfg.head_dim and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 256 and cfg.num_heads % cfg.num_kv_heads == 0
             and cfg.num_heads // cfg.num_kv_heads <= 16)
@@ -86,8 +86,9 @@ class LayerPlan:
             if not _linear(getattr(a, n), w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"), q4):
                 self.ok = False
                 return
-        if kind in ("attn", "layer") and cfg.qk_norm:  # per-head norms of q and k (Qwen3)
+        if kind in ("attn", "layer") and cfg.qk_norm:  # q and k norms (Qwen3, OLMoE)
             a.q_norm, a.k_norm = (w[f"{n}_norm.weight"].data_ptr() for n in ("q", "k"))
+            a.qk_full = int(cfg.qk_norm_full)
         for n in ("attn_norm.weight", "mlp_norm.weight", "q_norm.weight", "k_norm.weight"):
             t = w.get(n)
             if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32

@@ -3,8 +3,8 @@
    argument block that Python builds once per layer and shape (runtime/fused_decode.py) and
    updates with a few pointers each step. It calls the library's own kernels in the order
    models/llama.py runs them, so it gives what the per-operation path gives, to rounding:
-   RMSNorm, q/k/v (float rows, 4-bit or 8-bit codes), the per-head q/k norms of a model
-   that has them (Qwen3), the rotary embedding, the cache write
+   RMSNorm, q/k/v (float rows, 4-bit or 8-bit codes), the q/k norms of a model that has
+   them (per head: Qwen3; over all heads: OLMoE), the rotary embedding, the cache write
    and attention over every row of a float cache kept in CPU memory, the o-projection and its
    residual, then RMSNorm, the SwiGLU MLP and its residual. The parts run are chosen by
    `mode`: InfiniGen's attention over the rows it chose and the next layer's speculation
@@ -57,11 +57,13 @@ int decode_layer(const dl_args *a, int64_t mode) {
         rms_norm_rows(a->h, a->attn_norm, a->x, B, hidden, (float)a->eps, nt);
         ok &= dl_run_linear(&a->q, a->x, a->lin, B, nt);
         if (a->q_norm)  /* in place: each row is read whole before it is written */
-            rms_norm_rows(a->lin, a->q_norm, a->lin, B * H, D, (float)a->eps, nt);
+            rms_norm_rows(a->lin, a->q_norm, a->lin, a->qk_full ? B : B * H,
+                          a->qk_full ? H * D : D, (float)a->eps, nt);
         rotary_rows(a->lin, a->cos, a->sin, a->q_rot, B, H, D, nt);
         ok &= dl_run_linear(&a->k, a->x, a->lin, B, nt);
         if (a->k_norm)
-            rms_norm_rows(a->lin, a->k_norm, a->lin, B * KV, D, (float)a->eps, nt);
+            rms_norm_rows(a->lin, a->k_norm, a->lin, a->qk_full ? B : B * KV,
+                          a->qk_full ? KV * D : D, (float)a->eps, nt);
         rotary_rows(a->lin, a->cos, a->sin, a->kn, B, KV, D, nt);
         ok &= dl_run_linear(&a->v, a->x, a->vn, B, nt);
     }

@@ -60,9 +60,11 @@ typedef struct {
     float *x, *q_rot, *kn, *vn, *attn;
     float *lin, *mid, *x2, *g, *u, *bias_rows;
     const struct dl_select *sel;  /* DL_CHOSEN / DL_SPECULATE: decode_select.c */
-    /* per-head RMSNorm weights [D] of q and k, applied after the projection and before the
-       rotary embedding (Qwen3), or NULL */
+    /* RMSNorm weights of q and k, applied after the projection and before the rotary
+       embedding, or NULL: per head ([D], Qwen3), or over all of a token's heads at once
+       when qk_full ([H D] and [KV D], OLMoE) */
     const float *q_norm, *k_norm;
+    int64_t qk_full;
 } dl_args;
 
 /* InfiniGen inside the fused call (decode_select.c). Every field is 8 bytes wide. */
