@@ -11,7 +11,8 @@
    number of rows, so each Y is that kernel's, to the rounding of silu. An expert's codes are
    read once for all its rows. One parallel region instead of three kernel calls an expert
    (each waking the threads): the gate and up rows of every expert are shared out together,
-   then SiLU times up, then the down rows.
+   then SiLU times up, then the down rows expert by expert (each thread reading a few
+   matrices' rows in order, not every expert's row o at once), then the weighted sums.
 
    codes, scales, minima: 3 U pointers, expert u's gate, up and down at 3u, 3u + 1, 3u + 2;
    gate and up [F, H], down [H, F], all with the same group (32 or 64); H and F multiples
@@ -66,7 +67,7 @@ int moe_q4_h16(const float *x, int64_t T, int64_t U, const int64_t *first, const
             return 0;
     const int64_t GH = H / group, GF = F / group;
     /* scratch: X gathered per expert [R, H]; gate and up outputs [R, 2, F] (per expert
-       [2, M, F]); then each expert's prepared X and prepared activation */
+       [2, M, F]); down outputs Y [R, H]; then each expert's prepared X and activation */
     size_t xprep = 0, aprep = 0;
 #ifdef __AVX2__
     for (int64_t u = 0; u < U; u++) {
@@ -77,11 +78,11 @@ int moe_q4_h16(const float *x, int64_t T, int64_t U, const int64_t *first, const
 #endif
     static __thread void *buf;
     static __thread size_t have;
-    const size_t floats = sizeof(float) * (R * H + 2 * R * F);
+    const size_t floats = sizeof(float) * (2 * R * H + 2 * R * F);
     char *scratch = (char *)thread_scratch(&buf, &have, floats + xprep + aprep + 64 * U);
     if (!scratch)
         return 0;
-    float *X = (float *)scratch, *gu = X + R * H;
+    float *X = (float *)scratch, *gu = X + R * H, *Y = gu + 2 * R * F;
     char *xp = scratch + floats, *ap = xp + xprep;
     /* where each expert's prepared rows start (the same arithmetic as the sizes above) */
     size_t xat[U + 1], aat[U + 1];
@@ -139,21 +140,21 @@ int moe_q4_h16(const float *x, int64_t T, int64_t U, const int64_t *first, const
 #endif
         }
         #pragma omp for schedule(static)
-        for (int64_t o = 0; o < H; o++) {  /* down rows: each token's experts, in order */
-            float y[MOE_MAX_ROWS];
-            for (int64_t u = 0; u < U; u++) {
-                const int64_t M = first[u + 1] - first[u], at = 3 * u + 2;
+        for (int64_t r = 0; r < U * H; r++) {  /* down rows, expert by expert */
+            const int64_t u = r / H, o = r % H, at = 3 * u + 2;
+            const int64_t M = first[u + 1] - first[u];
 #ifdef __AVX2__
-                const void *rows = ap + aat[u];
+            const void *rows = ap + aat[u];
 #else
-                const float *rows = gu + 2 * first[u] * F;
+            const float *rows = gu + 2 * first[u] * F;
 #endif
-                moe_row(codes[at] + o * (F / 2), scales[at] + o * GF, minima[at] + o * GF,
-                        rows, M, F, group, y, 1);
-                for (int64_t m = 0; m < M; m++)
-                    out[tok[first[u] + m] * H + o] += y[m] * wt[first[u] + m];
-            }
+            moe_row(codes[at] + o * (F / 2), scales[at] + o * GF, minima[at] + o * GF,
+                    rows, M, F, group, Y + first[u] * H + o, H);
         }
+        #pragma omp for schedule(static)
+        for (int64_t o = 0; o < H; o++)  /* each token's experts, weighted, in order */
+            for (int64_t i = 0; i < R; i++)
+                out[tok[i] * H + o] += Y[i * H + o] * wt[i];
     }
     return 1;
 }
