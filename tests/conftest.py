@@ -115,3 +115,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # CPU): the tests' models are tiny, and they test the selection, so it always selects here
 # (tests/test_infinigen.py checks the read-whole rule with explicit sizes)
 os.environ.setdefault("FLEXGEN_INFINIGEN_SELECT_FROM_MB", "0")
+
+
+def portable_kernels(tmp_path_factory, source: str):
+    """``runtime/kernels/<source>`` built for a plain x86-64 (no AVX, so no AVX2 and no
+    F16C): the kernels' portable paths, loaded with ctypes. Skips without a C compiler or
+    off x86-64."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from flexgen_infinigen.runtime import cpu_kernels
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None or platform.machine() != "x86_64":
+        pytest.skip("the portable build is tested on x86-64 with a C compiler")
+    folder = Path(cpu_kernels.__file__).with_name("kernels")
+    out = tmp_path_factory.mktemp("portable") / f"{Path(source).stem}.so"
+    subprocess.run([cc, "-O2", "-march=x86-64", "-mno-avx", "-fopenmp", "-fPIC", "-shared",
+                    "-Wno-psabi", "-I", str(folder), str(folder / source), "-o", str(out),
+                    "-lm"], check=True, capture_output=True)
+    return ctypes.CDLL(str(out))

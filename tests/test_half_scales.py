@@ -6,13 +6,11 @@ kernels; the portable build (no AVX2, no F16C) gives the same values."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import portable_kernels
 from test_gguf_codes import random_blocks
 
 from flexgen_infinigen.runtime import cpu_kernels, cpu_layers
@@ -127,18 +125,7 @@ def test_torch_fallback_without_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def portable(tmp_path_factory):
     """``linear_h16.c`` built for a plain x86-64 (no AVX2, no F16C): the portable paths."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None or not Path("/proc/cpuinfo").exists():
-        pytest.skip("no C compiler")
-    import platform
-    if platform.machine() != "x86_64":
-        pytest.skip("the portable build is tested on x86-64")
-    folder = Path(cpu_kernels.__file__).with_name("kernels")
-    out = tmp_path_factory.mktemp("portable") / "h16.so"
-    subprocess.run([cc, "-O2", "-march=x86-64", "-mno-avx", "-fopenmp", "-fPIC", "-shared",
-                    "-Wno-psabi", "-I", str(folder), str(folder / "linear_h16.c"), "-o",
-                    str(out), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
+    lib = portable_kernels(tmp_path_factory, "linear_h16.c")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("linear_q4_h16", "linear_q8_h16"):
         getattr(lib, name).argtypes = [ptr] * 6 + [i64] * 5

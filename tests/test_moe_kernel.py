@@ -7,14 +7,11 @@ decode step."""
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import portable_kernels
 from test_half_scales import _weights
 
 from flexgen_infinigen.runtime import cpu_kernels, cpu_layers
@@ -132,15 +129,7 @@ def test_refuses_what_it_does_not_compute():
 @pytest.fixture(scope="module")
 def portable(tmp_path_factory):
     """``moe_experts.c`` built for a plain x86-64 (no AVX2): its float-loop rows."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None or platform.machine() != "x86_64":
-        pytest.skip("the portable build is tested on x86-64 with a C compiler")
-    folder = Path(cpu_kernels.__file__).with_name("kernels")
-    out = tmp_path_factory.mktemp("portable") / "moe.so"
-    subprocess.run([cc, "-O2", "-march=x86-64", "-mno-avx", "-fopenmp", "-fPIC", "-shared",
-                    "-Wno-psabi", "-I", str(folder), str(folder / "moe_experts.c"), "-o",
-                    str(out), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
+    lib = portable_kernels(tmp_path_factory, "moe_experts.c")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.moe_q4_h16.argtypes = [ptr, i64, i64] + [ptr] * 7 + [i64] * 4
     lib.moe_q4_h16.restype = ctypes.c_int
