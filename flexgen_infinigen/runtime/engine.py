@@ -259,16 +259,17 @@ class Engine:
         return out
 
     def _split_reads(self, j: int) -> tuple[dict, list[tuple[str, str]]]:
-        """Stage ``j``'s weights the compute device reads where they are stored (on the
-        device, or codes in CPU memory a CPU multiplies in place): their reads are the
-        stored tensors themselves, move nothing and count nothing, so they are made once
+        """Stage ``j``'s routed experts that the compute device reads where they are stored
+        (on the device, or codes in CPU memory a CPU multiplies in place): their reads are
+        the stored tensors themselves, move nothing and count nothing, so they are made once
         and reused every step (a MoE stage has thousands, and a step uses a few). The rest
-        are read anew each time. Nothing is kept while a routing profile counts reads."""
+        are read anew each time (a dense stage has a handful of weights, each read in a
+        few ops). Nothing is kept while a routing profile counts reads."""
         fixed, rest = {}, []
         for short, full in self.stages[j].weights.items():
             t = self.weights[full]
-            in_place = t.resident or t.packed_in_place
-            if in_place and not (t.kind == "experts" and self.routing_counts is not None):
+            in_place = t.kind == "experts" and (t.resident or t.packed_in_place)
+            if in_place and self.routing_counts is None:
                 fixed[short] = t.read_for_compute()
             else:
                 rest.append((short, full))
