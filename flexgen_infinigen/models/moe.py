@@ -86,7 +86,9 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
             if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
                 w[f"experts.{e}.{m}.weight"].start()
     out = None
-    if flat.shape[0] <= MOE_MAX_ROWS:  # a decode step: every expert in one compiled call
+    # a decode step on a CPU: every expert in one compiled call (on a GPU the routing below
+    # would cost host syncs for a call that never takes GPU tensors)
+    if flat.shape[0] <= MOE_MAX_ROWS and not flat.is_cuda:
         chosen = experts.reshape(-1)
         # by expert, and within one expert by token: the order torch.where gives below
         order = torch.argsort(chosen, stable=True)

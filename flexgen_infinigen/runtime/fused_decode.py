@@ -86,15 +86,15 @@ class LayerPlan:
             if not _linear(getattr(a, n), w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"), q4):
                 self.ok = False
                 return
-        if kind in ("attn", "layer") and cfg.qk_norm:  # q and k norms (Qwen3, OLMoE)
-            a.q_norm, a.k_norm = (w[f"{n}_norm.weight"].data_ptr() for n in ("q", "k"))
-            a.qk_full = int(cfg.qk_norm_full)
         for n in ("attn_norm.weight", "mlp_norm.weight", "q_norm.weight", "k_norm.weight"):
             t = w.get(n)
             if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
                                   or not t.is_contiguous()):
                 self.ok = False
                 return
+        if kind in ("attn", "layer") and cfg.qk_norm:  # q and k norms (Qwen3, OLMoE)
+            a.q_norm, a.k_norm = (w[f"{n}_norm.weight"].data_ptr() for n in ("q", "k"))
+            a.qk_full = int(cfg.qk_norm_full)
         hidden, f = cfg.hidden_size, cfg.intermediate_size
         self.buffers = {"lin": b * h * d, "mid": b * hidden, "x2": b * hidden, "g": b * f,
                         "u": b * f}

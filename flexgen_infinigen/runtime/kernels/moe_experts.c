@@ -68,23 +68,7 @@ int moe_q4_h16(const float *x, int64_t T, int64_t U, const int64_t *first, const
     const int64_t GH = H / group, GF = F / group;
     /* scratch: X gathered per expert [R, H]; gate and up outputs [R, 2, F] (per expert
        [2, M, F]); down outputs Y [R, H]; then each expert's prepared X and activation */
-    size_t xprep = 0, aprep = 0;
-#ifdef __AVX2__
-    for (int64_t u = 0; u < U; u++) {
-        const int64_t M = first[u + 1] - first[u];
-        xprep += (h16_prepare_bytes(M, H, group) + 63) / 64 * 64;
-        aprep += (h16_prepare_bytes(M, F, group) + 63) / 64 * 64;
-    }
-#endif
-    static __thread void *buf;
-    static __thread size_t have;
-    const size_t floats = sizeof(float) * (2 * R * H + 2 * R * F);
-    char *scratch = (char *)thread_scratch(&buf, &have, floats + xprep + aprep + 64 * U);
-    if (!scratch)
-        return 0;
-    float *X = (float *)scratch, *gu = X + R * H, *Y = gu + 2 * R * F;
-    char *xp = scratch + floats, *ap = xp + xprep;
-    /* where each expert's prepared rows start (the same arithmetic as the sizes above) */
+    /* where each expert's prepared rows start (whole 64-byte blocks each) and their ends */
     size_t xat[U + 1], aat[U + 1];
     xat[0] = aat[0] = 0;
     for (int64_t u = 0; u < U; u++) {
@@ -93,9 +77,17 @@ int moe_q4_h16(const float *x, int64_t T, int64_t U, const int64_t *first, const
         xat[u + 1] = xat[u] + (h16_prepare_bytes(M, H, group) + 63) / 64 * 64;
         aat[u + 1] = aat[u] + (h16_prepare_bytes(M, F, group) + 63) / 64 * 64;
 #else
-        xat[u + 1] = aat[u + 1] = 0;
+        xat[u + 1] = aat[u + 1] = 0;  /* the portable rows read the floats themselves */
 #endif
     }
+    static __thread void *buf;
+    static __thread size_t have;
+    const size_t floats = sizeof(float) * (2 * R * H + 2 * R * F);
+    char *scratch = (char *)thread_scratch(&buf, &have, floats + xat[U] + aat[U] + 64);
+    if (!scratch)
+        return 0;
+    float *X = (float *)scratch, *gu = X + R * H, *Y = gu + 2 * R * F;
+    char *xp = scratch + floats, *ap = xp + xat[U];
     for (int64_t i = 0; i < T * H; i++)
         out[i] = 0.0f;
     #pragma omp parallel num_threads(nthreads)
