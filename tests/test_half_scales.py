@@ -89,12 +89,17 @@ def _weights(kind, shape, seed):
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_1"])
 @pytest.mark.parametrize("rows", [1, 3, 9, 16])
-def test_h16_kernels_match_float32_factors(kind, rows):
+@pytest.mark.parametrize("width", [1280, 576, 64])
+def test_h16_kernels_match_float32_factors(kind, rows, width):
     """``linear`` on float16 factors (the ``_h16`` kernels) gives what the float32 kernels
     give on the same values, to float rounding, and what ``F.linear`` gives on the expanded
     weights (4 bits within 1e-3 of the largest output: x rounded to 16 bits; 8 bits to
-    float rounding). K = 1280 leaves a partial block of eight 32-value groups."""
-    shape = (37, 1280) if kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_1") else (37, 1024)
+    float rounding). K = 1280
+    leaves a partial block of eight 32-value groups; 576 (18 groups of 32) ends a row's
+    minima with a part of eight (read in registers), 64 has fewer than eight in all."""
+    if kind in ("Q4_K", "Q6_K") and width != 1280:
+        pytest.skip("K-quants come in 256-value blocks")
+    shape = (37, width) if kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_1") else (37, 1024)
     half, wide = _weights(kind, shape, seed=rows)
     assert half.kernel_ready and wide.kernel_ready
     gen = torch.Generator().manual_seed(rows)
