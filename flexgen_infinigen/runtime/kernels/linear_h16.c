@@ -29,10 +29,21 @@ int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
         return 0;
     int16_t *xq;
     float *xs, *xsum;
-    h16_prepare(x, M, K, group, scratch, &xq, &xs, &xsum);
+    h16_layout(scratch, M, K, group, &xq, &xs, &xsum);
+    if (M == 1)  /* a few blocks: not worth the threads' meeting */
+        h16_prepare(x, M, K, group, scratch, &xq, &xs, &xsum);
     const int8_t *xb = (const int8_t *)xq;
 #endif
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef __AVX2__
+    if (M > 1) {  /* the rows of x shared out, then every block ready before any product */
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < M * G; b++)
+            h16_prepare_block(x, M, K, group, b / G, b % G, xq, xs, xsum);
+    }
+#endif
+    #pragma omp for schedule(static)
     for (int64_t o = 0; o < N; o++) {
         const uint16_t *so = scale + o * GW, *mo = minimum + o * GW;
         const uint8_t *co = codes + o * (K / 2);
@@ -57,6 +68,7 @@ int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
         for (int64_t m = 0; m < M; m++)
             out[m * N + o] = h16_q4_plain(co, so, mo, b, x + m * K, K, group);
 #endif
+    }
     }
     return 1;
 }

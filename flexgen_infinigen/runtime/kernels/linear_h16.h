@@ -187,6 +187,59 @@ static inline size_t h16_prepare_bytes(int64_t M, int64_t K, int64_t group) {
     return 2 * M * K + sizeof(float) * M * (G + GP) + 64;
 }
 
+/* Where h16_prepare puts its parts in scratch (of h16_prepare_bytes). */
+static inline void h16_layout(void *scratch, int64_t M, int64_t K, int64_t group,
+                              int16_t **xq, float **xs, float **xsum) {
+    *xq = (int16_t *)scratch;
+    *xs = (float *)(*xq + ((M * K + 31) / 32) * 32);
+    *xsum = *xs + M * (K / 64);
+    (void)group;
+}
+
+/* Block g (64 values) of row m of x as the row products read it (h16_prepare). */
+static inline void h16_prepare_block(const float *x, int64_t M, int64_t K, int64_t group,
+                                     int64_t m, int64_t g, int16_t *xq, float *xs,
+                                     float *xsum) {
+    const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
+    const float *xg = x + m * K + g * 64;
+    float most = 0.0f, sum = 0.0f, half = 0.0f;
+    for (int64_t i = 0; i < 64; i++) {
+        most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
+        sum += xg[i];
+        if (i == 31)
+            half = sum;
+    }
+    const float step = most > 0.0f ? most / 32639.0f : 1.0f;
+    if (M == 1) {
+        int8_t *xb = (int8_t *)xq;
+        for (int64_t i = 0; i < 64; i++) {
+            const int v = (int)lrintf(xg[i] / step);
+            const int64_t at = g * 128 + (i & 1) * 32 + i / 2;
+            const int hi = (v + 128) >> 8;
+            xb[at] = (int8_t)hi;
+            xb[at + 64] = (int8_t)(v - 256 * hi);
+        }
+    } else {  /* plane p holds elements p, p + 4, ...: written a plane at a time */
+        int16_t *out = xq + m * K + g * 64;
+        for (int64_t p = 0; p < 4; p++)
+            for (int64_t l = 0; l < 16; l++)
+                out[p * 16 + l] = (int16_t)lrintf(xg[4 * l + p] / step);
+    }
+    xs[m * G + g] = step;
+    if (group == 64) {
+        xsum[m * GP + g] = sum;
+    } else {
+        float second = 0.0f;
+        for (int64_t i = 32; i < 64; i++)
+            second += xg[i];
+        xsum[m * GP + 2 * g] = half;
+        xsum[m * GP + 2 * g + 1] = second;
+    }
+    if (g == G - 1)  /* zeros past the last group, for h16_finish */
+        for (int64_t w = GW; w < GP; w++)
+            xsum[m * GP + w] = 0.0f;
+}
+
 /* The M rows of x as the row products read them, into scratch of h16_prepare_bytes: each
    block of 64 values rounded to 16-bit integers with one step (int16 planes for M > 1,
    byte halves for M == 1), the steps (xs) and the sums of each group of x (xsum, padded
@@ -194,49 +247,10 @@ static inline size_t h16_prepare_bytes(int64_t M, int64_t K, int64_t group) {
 static inline void h16_prepare(const float *x, int64_t M, int64_t K, int64_t group,
                                void *scratch, int16_t **xq_out, float **xs_out,
                                float **xsum_out) {
-    const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
-    int16_t *xq = (int16_t *)scratch;
-    int8_t *xb = (int8_t *)xq;
-    float *xs = (float *)(xq + ((M * K + 31) / 32) * 32), *xsum = xs + M * G;
+    h16_layout(scratch, M, K, group, xq_out, xs_out, xsum_out);
     for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *xg = x + m * K + g * 64;
-            float most = 0.0f, sum = 0.0f, half = 0.0f;
-            for (int64_t i = 0; i < 64; i++) {
-                most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
-                sum += xg[i];
-                if (i == 31)
-                    half = sum;
-            }
-            const float step = most > 0.0f ? most / 32639.0f : 1.0f;
-            for (int64_t i = 0; i < 64; i++) {
-                const int v = (int)lrintf(xg[i] / step);
-                if (M == 1) {
-                    const int64_t at = g * 128 + (i & 1) * 32 + i / 2;
-                    const int hi = (v + 128) >> 8;
-                    xb[at] = (int8_t)hi;
-                    xb[at + 64] = (int8_t)(v - 256 * hi);
-                } else {
-                    xq[m * K + g * 64 + (i % 4) * 16 + i / 4] = (int16_t)v;
-                }
-            }
-            xs[m * G + g] = step;
-            if (group == 64) {
-                xsum[m * GP + g] = sum;
-            } else {
-                float second = 0.0f;
-                for (int64_t i = 32; i < 64; i++)
-                    second += xg[i];
-                xsum[m * GP + 2 * g] = half;
-                xsum[m * GP + 2 * g + 1] = second;
-            }
-        }
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = GW; g < GP; g++)
-            xsum[m * GP + g] = 0.0f;
-    *xq_out = xq;
-    *xs_out = xs;
-    *xsum_out = xsum;
+        for (int64_t g = 0; g < K / 64; g++)
+            h16_prepare_block(x, M, K, group, m, g, *xq_out, *xs_out, *xsum_out);
 }
 #endif
 
