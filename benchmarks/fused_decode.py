@@ -174,8 +174,13 @@ def long_case(a, pause, spent) -> dict:
                                           Path(a.data_dir) if a.data_dir else SHARED)
         fused = lm.engine.fused
         bandwidth = read_bandwidth(256 << 20)
-        for kv in ("full", "infinigen"):
-            lm.use_kv_policy(make_kv_policy(kv))
+        for kv in a.long_policies:
+            if kv in ("full", "infinigen"):  # the runtime's defaults
+                lm.use_kv_policy(make_kv_policy(kv))
+            else:  # as the retrieval benchmark names and measures them
+                from long_context_accuracy import parse_policy
+                name, options, _ = parse_policy(kv)  # checked in main
+                lm.use_kv_policy(make_kv_policy(name, **options))
             _run(lm, prompts, 2, fused, None, spent, kept)  # the prefill, kept; warm
             runs = {"fused": [], "per-operation": []}
             for r in range(a.long_repeats):
@@ -276,6 +281,10 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=8180)
     p.add_argument("--long-steps", type=int, default=8)
     p.add_argument("--long-repeats", type=int, default=2)
+    p.add_argument("--long-policies", nargs="+", default=["full", "infinigen"],
+                   help="KV policies of the long case: full, infinigen (the defaults), or a "
+                        "label of benchmarks/long_context_accuracy.py, e.g. infinigen@0.04 "
+                        "(a budget whose retrieval scores are measured there)")
     p.add_argument("--prefill-dir", default=str(Path.home() / ".cache" / "flexgen_infinigen"
                                                 / "bench_prefill"))
     p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
@@ -291,6 +300,16 @@ def main(argv=None) -> int:
                    "timing")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
+    for kv in a.long_policies:  # a misspelt label stops here, not after the model loads
+        if kv not in ("full", "infinigen"):
+            from long_context_accuracy import parse_policy
+            try:
+                cache_4bit = parse_policy(kv)[2]
+            except ValueError as e:
+                p.error(f"--long-policies: {kv}: {e}")
+            if cache_4bit or kv.endswith("-w4"):
+                p.error(f"--long-policies: {kv} changes the cache or weights; this benchmark "
+                        "keeps both as the default model has them")
     if a.llama_bench:
         from llama_cpp import LlamaBenchError, check
         try:

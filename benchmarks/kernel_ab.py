@@ -6,7 +6,8 @@ tree's, each call alternating between them on the same inputs, so that the machi
     python benchmarks/kernel_ab.py --base 6fbcb01 --rows 1 8 --rounds 12
 
 What it times: one pass of ``linear_q4_h16`` over every 4-bit matrix of the default model's
-layers (SmolLM2-135M's GGUF: codes with float16 factors, as a decode step reads them), with
+layers (SmolLM2-135M's GGUF: codes with float16 factors, as a decode step reads them), or
+with ``--bits 8`` of ``linear_q8_h16`` over its 8-bit matrices (the output head), with
 ``rows`` rows of x, on both builds; each round runs A then B or B then A, in turn. It also
 checks that the two builds give the same outputs, bit for bit, and records whether they did
 (an optimization that changes values says so). Writes ``benchmarks/results/kernel_ab.json``
@@ -52,23 +53,26 @@ def build(folder: Path, out: Path) -> ctypes.CDLL:
     subprocess.run(["gcc", *cpu_kernels._FLAGS, "-I", str(folder), *sources, "-o", str(out),
                     "-lm"], check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(out))
-    lib.linear_q4_h16.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
-    lib.linear_q4_h16.restype = ctypes.c_int
+    for name in ("linear_q4_h16", "linear_q8_h16"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
 def one_pass(lib, mats, xs, outs, rows: int, threads: int) -> None:
     for p in mats:
         n, k = p.shape
-        lib.linear_q4_h16(xs[k].data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(),
-                          p.minimum.data_ptr(), None, outs[n].data_ptr(), rows, n, k, p.group,
-                          threads)
+        kernel = lib.linear_q8_h16 if p.bits == 8 else lib.linear_q4_h16
+        kernel(xs[k].data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(), p.minimum.data_ptr(),
+               None, outs[n].data_ptr(), rows, n, k, p.group, threads)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are build A")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x (batch)")
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8],
+                   help="the 4-bit layer matrices, or the 8-bit ones (the output head)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--passes", type=int, default=5, help="passes over the matrices a timing")
     p.add_argument("--out", default=str(OUT))
@@ -85,13 +89,12 @@ def main(argv=None) -> int:
         with OffloadedLM.load(model="smollm2-135m", policy=policy, progress=False,
                               max_len_hint=(64, 8)) as lm:
             weights = lm.engine.weights
-            mats = [weights[n].read_for_compute() for n in weights
-                    if n.startswith("layers.") and n.endswith(".weight")]
+            mats = [weights[n].read_for_compute() for n in weights if n.endswith(".weight")]
             mats = [m.packed for m in mats if getattr(m, "packed", None) is not None
-                    and m.packed.bits == 4 and m.packed.scale.dtype == torch.float16]
+                    and m.packed.bits == a.bits and m.packed.scale.dtype == torch.float16]
             if not mats:
-                raise SystemExit("the default model has no 4-bit matrices with float16 "
-                                 "factors here")
+                raise SystemExit(f"the default model has no {a.bits}-bit matrices with "
+                                 "float16 factors here")
             nbytes = sum(m.codes.nbytes + m.scale.nbytes + m.minimum.nbytes for m in mats)
             cases = []
             gen = torch.Generator().manual_seed(0)
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
                       f"{med['tree'] / med['base']:.3f}, same outputs: {same}", flush=True)
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),
-              "threads": threads, "kernel": "linear_q4_h16", "cases": cases}
+              "threads": threads, "kernel": f"linear_q{a.bits}_h16", "cases": cases}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -132,8 +135,8 @@ def main(argv=None) -> int:
     ax.bar([x - 0.2 for x in xs_], [1e3 * c["base_s"] for c in cases], 0.4, label=a.base)
     ax.bar([x + 0.2 for x in xs_], [1e3 * c["tree_s"] for c in cases], 0.4, label="tree")
     ax.set_xticks(list(xs_), [f"{c['rows']} rows" for c in cases])
-    ax.set_ylabel("ms a pass over the 4-bit matrices")
-    ax.set_title("linear_q4_h16, two builds alternating")
+    ax.set_ylabel(f"ms a pass over the {a.bits}-bit matrices")
+    ax.set_title(f"linear_q{a.bits}_h16, two builds alternating")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)
