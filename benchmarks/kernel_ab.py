@@ -9,8 +9,9 @@ What it times: one pass of ``linear_q4_h16`` over every 4-bit matrix of the defa
 layers (SmolLM2-135M's GGUF: codes with float16 factors, as a decode step reads them), or
 with ``--bits 8`` of ``linear_q8_h16`` over its 8-bit matrices (the output head), with
 ``rows`` rows of x, on both builds; each round runs A then B or B then A, in turn. It also
-checks that the two builds give the same outputs, bit for bit, and records whether they did
-(an optimization that changes values says so). Writes ``benchmarks/results/kernel_ab.json``
+checks whether the two builds give the same outputs, bit for bit, and records the largest
+change (over each matrix's largest output) where they do not: an optimization that moves
+values says by how much. Writes ``benchmarks/results/kernel_ab.json``
 and ``.png`` (``--out``).
 """
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
                 for name, lib in libs.items():
                     one_pass(lib, mats, xs, outs[name], rows, threads)  # warm, and outputs
                 same = all(torch.equal(outs["base"][n], outs["tree"][n]) for n in outs["base"])
+                moved = max(((outs["tree"][n] - outs["base"][n]).abs().max()
+                             / outs["base"][n].abs().max()).item() for n in outs["base"])
                 times = {name: [] for name in libs}
                 for r in range(a.rounds):
                     for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
@@ -113,14 +116,16 @@ def main(argv=None) -> int:
                             one_pass(libs[name], mats, xs, outs[name], rows, threads)
                         times[name].append((time.perf_counter() - start) / a.passes)
                 med = {name: statistics.median(t) for name, t in times.items()}
-                cases.append({"rows": rows, "same_outputs": same, "matrices": len(mats),
+                cases.append({"rows": rows, "same_outputs": same,
+                              "largest_change": moved, "matrices": len(mats),
                               "bytes": nbytes, "base_s": med["base"], "tree_s": med["tree"],
                               "tree_over_base": med["tree"] / med["base"],
                               "base_range": [min(times["base"]), max(times["base"])],
                               "tree_range": [min(times["tree"]), max(times["tree"])]})
                 print(f"rows {rows}: base {1e3 * med['base']:.2f} ms, tree "
                       f"{1e3 * med['tree']:.2f} ms a pass ({nbytes / 1e6:.0f} MB), tree/base "
-                      f"{med['tree'] / med['base']:.3f}, same outputs: {same}", flush=True)
+                      f"{med['tree'] / med['base']:.3f}, same outputs: {same} (largest change "
+                      f"{moved:.1e} of the largest output)", flush=True)
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),
               "threads": threads, "kernel": f"linear_q{a.bits}_h16", "cases": cases}

@@ -49,8 +49,9 @@ int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
         const uint8_t *co = codes + o * (K / 2);
         const float b = bias ? bias[o] : 0.0f;
 #ifdef __AVX2__
-        if (M == 1) {
-            out[o] = h16_q4_row1(co, so, mo, b, xb, xs, xsum, K, group);
+        if (M == 1) {  /* the group size a constant in each copy: no test per block */
+            out[o] = group == 32 ? h16_q4_row1(co, so, mo, b, xb, xs, xsum, K, 32)
+                                 : h16_q4_row1(co, so, mo, b, xb, xs, xsum, K, 64);
             continue;
         }
         for (int64_t m = 0; m < M; m += 8) {

@@ -97,12 +97,21 @@ static inline float h16_finish(v8 acc, const uint16_t *mo, const float *xsum, in
     return hsum8(acc) + bias;
 }
 
-/* Block g's factors (linear.c's q4_scales) from float16 scales. */
-static inline v8 h16_scales(const uint16_t *so, int64_t g, int64_t group, float step) {
+/* Block g's float16 scales widened to its eight lanes of sums: one scale in all eight
+   (groups of 64), or the two groups' scales four lanes each (groups of 32). A block's
+   factors (linear.c's q4_scales) are these times the step of x's block. */
+static inline v8 h16_scale_lanes(const uint16_t *so, int64_t g, int64_t group) {
     if (group == 64)
-        return splat8(h16_to_f32(so[g]) * step);
+        return splat8(h16_to_f32(so[g]));
+#ifdef __F16C__
+    uint32_t two;  /* both scales in one load and one widening */
+    __builtin_memcpy(&two, so + 2 * g, 4);
+    const __m256 ab = _mm256_cvtph_ps(_mm_cvtsi32_si128((int)two));
+    return (v8)_mm256_permutevar8x32_ps(ab, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+#else
     const float a = h16_to_f32(so[2 * g]), b = h16_to_f32(so[2 * g + 1]);
-    return (v8){a, a, a, a, b, b, b, b} * splat8(step);
+    return (v8){a, a, a, a, b, b, b, b};
+#endif
 }
 
 /* One output row for 2 <= M <= 8 rows of x in 16-bit planes (linear.c's q4_rows). */
@@ -121,6 +130,7 @@ static inline __attribute__((always_inline)) void h16_q4_rows(
         const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
         const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(c, 8), nibble);
         const __m256i c3 = _mm256_srli_epi16(c, 12);
+        const v8 sc = h16_scale_lanes(so, g, group);
         for (int64_t m = 0; m < M; m++) {
             const __m256i *q = (const __m256i *)(xq + m * K + g * 64);
             const __m256i p = _mm256_add_epi32(
@@ -128,7 +138,7 @@ static inline __attribute__((always_inline)) void h16_q4_rows(
                                  _mm256_madd_epi16(c1, _mm256_loadu_si256(q + 1))),
                 _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(q + 2)),
                                  _mm256_madd_epi16(c3, _mm256_loadu_si256(q + 3))));
-            acc[m] += (v8)_mm256_cvtepi32_ps(p) * h16_scales(so, g, group, xs[m * G + g]);
+            acc[m] += (v8)_mm256_cvtepi32_ps(p) * (sc * splat8(xs[m * G + g]));
         }
     }
     for (int64_t m = 0; m < M; m++)
@@ -136,9 +146,9 @@ static inline __attribute__((always_inline)) void h16_q4_rows(
 }
 
 /* One output row for one row of x by byte products (linear.c's q4_row1). */
-static inline float h16_q4_row1(const uint8_t *co, const uint16_t *so, const uint16_t *mo,
-                                float bias, const int8_t *xb, const float *xs,
-                                const float *xsum, int64_t K, int64_t group) {
+static inline __attribute__((always_inline)) float h16_q4_row1(
+        const uint8_t *co, const uint16_t *so, const uint16_t *mo, float bias, const int8_t *xb,
+        const float *xs, const float *xsum, int64_t K, int64_t group) {
     const int64_t G = K / 64, GW = K / group;
     const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(256),
                   one = _mm256_set1_epi16(1);
@@ -157,7 +167,7 @@ static inline float h16_q4_row1(const uint8_t *co, const uint16_t *so, const uin
             _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
         const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
                                            _mm256_madd_epi16(lo, one));
-        acc += (v8)_mm256_cvtepi32_ps(p) * h16_scales(so, g, group, xs[g]);
+        acc += (v8)_mm256_cvtepi32_ps(p) * (h16_scale_lanes(so, g, group) * splat8(xs[g]));
     }
     return h16_finish(acc, mo, xsum, GW, bias);
 }
