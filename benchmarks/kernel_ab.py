@@ -3,21 +3,28 @@ tree's, each call alternating between them on the same inputs, so that the machi
 (10-30% between runs here) falls on both alike.
 
     python benchmarks/kernel_ab.py --base HEAD            # this tree's kernels against HEAD's
-    python benchmarks/kernel_ab.py --base 6fbcb01 --rows 1 8 --rounds 12
+    python benchmarks/kernel_ab.py --base 6fbcb01 --rows 1 8 --rounds 24 --passes 3
+    python benchmarks/kernel_ab.py --base 6fbcb01 --kernel moe --gguf q3-4layers.gguf
 
-What it times: one pass of ``linear_q4_h16`` over every 4-bit matrix of the default model's
-layers (SmolLM2-135M's GGUF: codes with float16 factors, as a decode step reads them), or
-with ``--bits 8`` of ``linear_q8_h16`` over its 8-bit matrices (the output head), with
-``rows`` rows of x, on both builds; each round runs A then B or B then A, in turn. It also
-checks whether the two builds give the same outputs, bit for bit, and records the largest
-change (over each matrix's largest output) where they do not: an optimization that moves
-values says by how much. Writes ``benchmarks/results/kernel_ab.json``
-and ``.png`` (``--out``).
+Both builds are compiled as the runtime compiles its kernels and loaded by its own loader;
+the runtime's calls (``cpu_layers``) go to one build or the other as the benchmark swaps the
+loaded library, so what is timed is what a decode step calls. Kernels:
+
+- ``linear`` (default): one pass over every 4-bit matrix of the default model's layers
+  (SmolLM2-135M's GGUF: codes with float16 factors), or with ``--bits 8`` over its 8-bit
+  matrices (the output head), with ``rows`` rows of x;
+- ``moe``: a decode step's routed experts (``cpu_layers.moe_experts``) of every MoE layer
+  of ``--gguf`` (e.g. a few layers of Qwen3-30B-A3B written by
+  ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn.
+
+Each round runs A then B or B then A, in turn. The benchmark also checks whether the two
+builds give the same outputs, bit for bit, and records the largest change (over the largest
+output) where they do not: an optimization that moves values says by how much. Writes
+``benchmarks/results/kernel_ab.json`` and ``.png`` (``--out``).
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import subprocess
@@ -47,77 +54,132 @@ def kernels_at(rev: str, dest: Path) -> Path:
     return dest / KERNELS
 
 
-def build(folder: Path, out: Path) -> ctypes.CDLL:
-    """The kernels in ``folder`` compiled as the runtime compiles them, loaded."""
+def load(folder: Path, out: Path):
+    """The kernels in ``folder`` compiled with the runtime's flags and loaded by its loader
+    (which declares every function's arguments)."""
     from flexgen_infinigen.runtime import cpu_kernels
     sources = [str(p) for p in sorted(folder.glob("*.c"))]
     subprocess.run(["gcc", *cpu_kernels._FLAGS, "-I", str(folder), *sources, "-o", str(out),
                     "-lm"], check=True, capture_output=True, timeout=300)
-    lib = ctypes.CDLL(str(out))
-    for name in ("linear_q4_h16", "linear_q8_h16"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
-        getattr(lib, name).restype = ctypes.c_int
+    saved = cpu_kernels._build
+    cpu_kernels._build = lambda _folder: out
+    cpu_kernels._tried, cpu_kernels._lib = False, None
+    try:
+        lib = cpu_kernels.library()
+    finally:
+        cpu_kernels._build = saved
+    if lib is None:
+        raise SystemExit(f"the kernels in {folder} did not load")
     return lib
 
 
-def one_pass(lib, mats, xs, outs, rows: int, threads: int) -> None:
-    for p in mats:
-        n, k = p.shape
-        kernel = lib.linear_q8_h16 if p.bits == 8 else lib.linear_q4_h16
-        kernel(xs[k].data_ptr(), p.codes.data_ptr(), p.scale.data_ptr(), p.minimum.data_ptr(),
-               None, outs[n].data_ptr(), rows, n, k, p.group, threads)
+def use(lib) -> None:
+    from flexgen_infinigen.runtime import cpu_kernels
+    cpu_kernels._tried, cpu_kernels._lib = True, lib
+
+
+def linear_work(lm, bits: int, rows: int):
+    """(one pass, its bytes): the model's ``bits``-bit float16-factor matrices at ``rows``."""
+    from flexgen_infinigen.runtime import cpu_layers
+    weights = lm.engine.weights
+    mats = [weights[n].read_for_compute() for n in weights if n.endswith(".weight")]
+    mats = [m for m in mats if getattr(m, "packed", None) is not None
+            and m.packed.bits == bits and m.packed.scale.dtype == torch.float16]
+    if not mats:
+        raise SystemExit(f"the model has no {bits}-bit matrices with float16 factors here")
+    gen = torch.Generator().manual_seed(rows)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {m.packed.shape[1] for m in mats}}
+
+    def one_pass():
+        return [cpu_layers.linear_q4(xs[m.packed.shape[1]], m) for m in mats]
+    return one_pass, sum(m.packed.codes.nbytes + m.packed.scale.nbytes
+                         + m.packed.minimum.nbytes for m in mats)
+
+
+def moe_work(lm, rows: int):
+    """(one pass, its bytes): every MoE layer's routed experts for ``rows`` tokens, each
+    token sent to ``top_k`` experts in turn from the first (the bytes: the matrices used)."""
+    from flexgen_infinigen.runtime import cpu_layers
+    cfg, weights = lm.engine.cfg, lm.engine.weights
+    k, layers = cfg.experts_per_token, []
+    for layer in range(cfg.num_layers):
+        names = [f"layers.{layer}.experts.0.{m}.weight" for m in ("gate_proj", "up_proj")]
+        if all(n in weights for n in names):
+            layers.append(layer)
+    if not layers:
+        raise SystemExit("--kernel moe: the model has no routed experts")
+    gen = torch.Generator().manual_seed(rows)
+    choice = [(t * k + i) % cfg.num_experts for t in range(rows) for i in range(k)]
+    used = sorted(set(choice))
+    tokens = torch.tensor([t for u in used for t in range(rows) if u in choice[t * k:(t + 1) * k]])
+    first = [0]
+    for u in used:
+        first.append(first[-1] + sum(u in choice[t * k:(t + 1) * k] for t in range(rows)))
+    wt = torch.full((len(tokens),), 1.0 / k)
+    sets, nbytes = [], 0
+    for layer in layers:
+        mats = [weights[f"layers.{layer}.experts.{u}.{m}.weight"].read_for_compute()
+                for u in used for m in ("gate_proj", "up_proj", "down_proj")]
+        sets.append(mats)
+        nbytes += sum(m.packed.codes.nbytes + m.packed.scale.nbytes + m.packed.minimum.nbytes
+                      for m in mats)
+    x = torch.randn(rows, cfg.hidden_size, generator=gen)
+
+    def one_pass():
+        out = [cpu_layers.moe_experts(x, mats, first, tokens, wt) for mats in sets]
+        if any(o is None for o in out):
+            raise SystemExit("--kernel moe: the experts call did not take these matrices")
+        return out
+    return one_pass, nbytes
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are build A")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x (batch)")
+    p.add_argument("--kernel", default="linear", choices=["linear", "moe"])
     p.add_argument("--bits", type=int, default=4, choices=[4, 8],
-                   help="the 4-bit layer matrices, or the 8-bit ones (the output head)")
+                   help="linear: the 4-bit layer matrices, or the 8-bit ones (the output head)")
+    p.add_argument("--gguf", default=None, help="moe: a MoE GGUF (random_gguf.py writes one)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
+                   help="rows of x (batch), or tokens for moe")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--passes", type=int, default=5, help="passes over the matrices a timing")
+    p.add_argument("--passes", type=int, default=5, help="passes a timing")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
+    if a.kernel == "moe" and not (a.gguf and Path(a.gguf).is_file()):
+        p.error("--kernel moe needs --gguf PATH, a MoE model's GGUF file")
     from machine import machine_info
 
     from flexgen_infinigen import OffloadedLM, Policy
     threads = torch.get_num_threads()
+    cases = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        libs = {"base": build(kernels_at(a.base, tmp / "a"), tmp / "a.so"),
-                "tree": build(ROOT / KERNELS, tmp / "b.so")}
+        libs = {"base": load(kernels_at(a.base, tmp / "a"), tmp / "a.so"),
+                "tree": load(ROOT / KERNELS, tmp / "b.so")}
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
-        with OffloadedLM.load(model="smollm2-135m", policy=policy, progress=False,
-                              max_len_hint=(64, 8)) as lm:
-            weights = lm.engine.weights
-            mats = [weights[n].read_for_compute() for n in weights if n.endswith(".weight")]
-            mats = [m.packed for m in mats if getattr(m, "packed", None) is not None
-                    and m.packed.bits == a.bits and m.packed.scale.dtype == torch.float16]
-            if not mats:
-                raise SystemExit(f"the default model has no {a.bits}-bit matrices with "
-                                 "float16 factors here")
-            nbytes = sum(m.codes.nbytes + m.scale.nbytes + m.minimum.nbytes for m in mats)
-            cases = []
-            gen = torch.Generator().manual_seed(0)
+        with OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
+                              policy=policy, progress=False, max_len_hint=(64, 8)) as lm:
             for rows in a.rows:
-                xs = {k: torch.randn(rows, k, generator=gen) for k in {m.shape[1] for m in mats}}
-                outs = {name: {n: torch.empty(rows, n) for n in {m.shape[0] for m in mats}}
-                        for name in libs}
-                for name, lib in libs.items():
-                    one_pass(lib, mats, xs, outs[name], rows, threads)  # warm, and outputs
-                same = all(torch.equal(outs["base"][n], outs["tree"][n]) for n in outs["base"])
-                moved = max(((outs["tree"][n] - outs["base"][n]).abs().max()
-                             / outs["base"][n].abs().max()).item() for n in outs["base"])
+                one_pass, nbytes = (moe_work(lm, rows) if a.kernel == "moe"
+                                    else linear_work(lm, a.bits, rows))
+                outs = {}
+                for name, lib in libs.items():  # warm, and each build's outputs
+                    use(lib)
+                    outs[name] = one_pass()
+                same = all(torch.equal(x, y) for x, y in zip(outs["base"], outs["tree"]))
+                moved = max(((y - x).abs().max() / x.abs().max()).item()
+                            for x, y in zip(outs["base"], outs["tree"]))
                 times = {name: [] for name in libs}
                 for r in range(a.rounds):
                     for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+                        use(libs[name])
                         start = time.perf_counter()
                         for _ in range(a.passes):
-                            one_pass(libs[name], mats, xs, outs[name], rows, threads)
+                            one_pass()
                         times[name].append((time.perf_counter() - start) / a.passes)
                 med = {name: statistics.median(t) for name, t in times.items()}
-                cases.append({"rows": rows, "same_outputs": same,
-                              "largest_change": moved, "matrices": len(mats),
+                cases.append({"rows": rows, "same_outputs": same, "largest_change": moved,
                               "bytes": nbytes, "base_s": med["base"], "tree_s": med["tree"],
                               "tree_over_base": med["tree"] / med["base"],
                               "base_range": [min(times["base"]), max(times["base"])],
@@ -126,9 +188,11 @@ def main(argv=None) -> int:
                       f"{1e3 * med['tree']:.2f} ms a pass ({nbytes / 1e6:.0f} MB), tree/base "
                       f"{med['tree'] / med['base']:.3f}, same outputs: {same} (largest change "
                       f"{moved:.1e} of the largest output)", flush=True)
+        use(None)
+    what = "moe_q4_h16" if a.kernel == "moe" else f"linear_q{a.bits}_h16"
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),
-              "threads": threads, "kernel": f"linear_q{a.bits}_h16", "cases": cases}
+              "threads": threads, "kernel": what, "cases": cases}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -136,12 +200,12 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    xs_ = range(len(cases))
-    ax.bar([x - 0.2 for x in xs_], [1e3 * c["base_s"] for c in cases], 0.4, label=a.base)
-    ax.bar([x + 0.2 for x in xs_], [1e3 * c["tree_s"] for c in cases], 0.4, label="tree")
-    ax.set_xticks(list(xs_), [f"{c['rows']} rows" for c in cases])
-    ax.set_ylabel(f"ms a pass over the {a.bits}-bit matrices")
-    ax.set_title(f"linear_q{a.bits}_h16, two builds alternating")
+    at = range(len(cases))
+    ax.bar([x - 0.2 for x in at], [1e3 * c["base_s"] for c in cases], 0.4, label=a.base)
+    ax.bar([x + 0.2 for x in at], [1e3 * c["tree_s"] for c in cases], 0.4, label="tree")
+    ax.set_xticks(list(at), [f"{c['rows']} rows" for c in cases])
+    ax.set_ylabel("ms a pass")
+    ax.set_title(f"{what}, two builds alternating")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)

@@ -30,7 +30,9 @@ static inline void moe_row(const uint8_t *co, const uint16_t *so, const uint16_t
     const int16_t *xq = (const int16_t *)prep;
     const float *xs = (const float *)(xq + ((M * K + 31) / 32) * 32), *xsum = xs + M * G;
     if (M == 1) {
-        out[0] = h16_q4_row1(co, so, mo, 0.0f, (const int8_t *)xq, xs, xsum, K, group);
+        const int8_t *xb = (const int8_t *)xq;  /* the group size a constant in each copy */
+        out[0] = group == 32 ? h16_q4_row1(co, so, mo, 0.0f, xb, xs, xsum, K, 32)
+                             : h16_q4_row1(co, so, mo, 0.0f, xb, xs, xsum, K, 64);
         return;
     }
     for (int64_t m = 0; m < M; m += 8) {
