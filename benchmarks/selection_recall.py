@@ -41,7 +41,8 @@ TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
 PARAGRAPH = ROOT / "benchmarks" / "data" / "calibration_paragraph.txt"
 OUT = ROOT / "benchmarks" / "results" / "selection_recall"
 DEFAULT = dict(rule="mass", alpha=math.inf, fraction=0.18, keys="int4", ratio=1.0,
-               calibration="built-in", prompt_skew=False, column_score="q", sink=0, recent=0)
+               calibration="built-in", prompt_skew=False, column_score="q", sink=0, recent=0,
+               query="guess")
 VARIANTS = [
     ("defaults (int4 keys, mass, built-in text)", {}),
     ("oracle (exact scores, mass)", dict(exact=True)),
@@ -71,6 +72,10 @@ VARIANTS = [
     ("keys=pages16 (page bounds, whole pages)", dict(keys="pages16")),
     ("keys=pages16 ratio=0.3", dict(keys="pages16", ratio=0.3)),
     ("keys=pages8", dict(keys="pages8")),
+    ("query=renorm (layer i's residual through layer i+1's own norm)", dict(query="renorm")),
+    ("query=post-attn (the residual after layer i's attention)", dict(query="post-attn")),
+    ("query=exact (the layer's own query, int4 keys)", dict(query="exact")),
+    ("query=exact keys=int8", dict(query="exact", keys="int8")),
     ("fraction=0.085", dict(fraction=0.085)),
     ("oracle, fraction=0.085", dict(fraction=0.085, exact=True)),
 ]
@@ -99,8 +104,9 @@ class Recorder:
             elif stage.kind == "attn":
                 x = fam.attn_input(cfg, w, h)
                 q, k, v = fam.attn_qkv(cfg, w, x, rope)
-                rec[stage.layer] = dict(x=x[0], q=q[0], k=k[0], v=v[0], w=w)
+                rec[stage.layer] = dict(x=x[0], q=q[0], k=k[0], v=v[0], w=w, h_in=h[0])
                 h = fam.attn_out(cfg, w, h, attend(q, k, v, bias))
+                rec[stage.layer]["h_mid"] = h[0]
             elif stage.kind == "mlp":
                 h = fam.mlp(cfg, w, h)
         return rec, rope
@@ -154,11 +160,17 @@ def evaluate(rec_windows, cfg, fam, calib: dict, prefill: int, exact=False, **ov
                     prefill * group + 64)
             proj = projection(gq, gk, o["ratio"] if not exact else 1.0,
                               o["column_score"]).float()
-            if exact:
+            if exact or o["query"] == "exact":  # the layer's own query
                 qs = q[pos]
-            else:  # layer i's attention input through layer i+1's query weights
+            else:  # layer i's attention input through layer i+1's query weights (guess), or
+                # layer i's residual before (renorm) or after (post-attn) its attention
+                # through layer i+1's own input norm, then its query weights
                 step_rope = tuple(t[0, pos][:, None] for t in rope) if rope else None
-                qs = fam.query(cfg, r["w"], rec[layer - 1]["x"][pos][:, None], step_rope)[:, 0]
+                before = rec[layer - 1]
+                x_in = (before["x"][pos][:, None] if o["query"] == "guess" else
+                        fam.attn_input(cfg, r["w"], before["h_in" if o["query"] == "renorm"
+                                                          else "h_mid"][pos][:, None]))
+                qs = fam.query(cfg, r["w"], x_in, step_rope)[:, 0]
             pq = torch.einsum("nkgd,kdr->nkgr", qs.reshape(-1, kv, group, d), proj)
             t = torch.arange(n)
             cached = t[None, :] < pos[:, None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import read_text
+from ..config import ConfigError, read_text
 from ..kv.options import InfiniGenOptions
 from ..runtime import cpu_kernels
 from ..runtime.compression import PackedWeight
@@ -36,6 +36,8 @@ class Rehearsal:
         # its weights: only r rows per head stay on the device
         self.folded = engine.family.SKEW_FOLDS_INTO_WEIGHTS and not options.prompt_skew
         self.weights = [self._query_weights(engine, layer) for layer in range(cfg.num_layers)]
+        self.renorm = [self._renorm(engine, layer) if options.speculation_query == "renorm"
+                       else None for layer in range(cfg.num_layers)]
 
     @staticmethod
     def _skew(lm, engine, options: InfiniGenOptions) -> Skew:
@@ -84,6 +86,39 @@ class Rehearsal:
                 cfg.num_heads, cfg.head_dim)).reshape(-1)
         return out
 
+    def _renorm(self, engine, layer: int):
+        """``--speculation-query renorm``: (scale, shift) that turn layer ``layer - 1``'s
+        attention input into layer ``layer``'s norm of the same residual. Both layers
+        normalize the residual h the same way (its mean and spread, or RMS) before their own
+        elementwise weight w and bias b, so x' = (x - b) / w * w' + b' = x * (w' / w) +
+        (b' - b * w' / w): no extra reads of h. None where the layer does not speculate."""
+        if layer < max(self.options.first_layer, 1) or layer not in engine.part.layers:
+            return None
+        names = [f"layers.{i}.attn_norm.weight" for i in (layer - 1, layer)]
+        pre_norm = getattr(self.cfg, "do_layer_norm_before", True)
+        if not pre_norm or not all(n in engine.weights for n in names):
+            raise ConfigError("--speculation-query renorm needs a norm before each layer's "
+                              f"attention ({self.cfg.name} has none to take); use input")
+        before, after = (engine.weights[n].read().float() for n in names)
+        if bool((before.abs() < 1e-6).any()):
+            raise ConfigError(f"--speculation-query renorm: layer {layer - 1}'s input norm "
+                              "zeroes a channel, which no rescaling recovers; use input")
+        scale = after / before
+        shift = None
+        bias = [f"layers.{i}.attn_norm.bias" for i in (layer - 1, layer)]
+        if all(n in engine.weights for n in bias):
+            b0, b1 = (engine.weights[n].read().float() for n in bias)
+            shift = (b1 - b0 * scale).to(engine.tiers.device, engine.dtype)
+        return scale.to(engine.tiers.device, engine.dtype), shift
+
+    def renormed(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the rehearsal of ``layer`` takes it (see :meth:`_renorm`)."""
+        got = self.renorm[layer]
+        if got is None:
+            return x
+        scale, shift = got
+        return x * scale if shift is None else torch.addcmul(shift, x, scale)
+
     @staticmethod
     def _whole(tensor):
         """A query weight as the rehearsal keeps it: 4-bit codes that a CPU multiplies where
@@ -124,6 +159,7 @@ class Rehearsal:
         from :meth:`query_projection`)."""
         cfg, w = self.cfg, self.weights[layer]
         b, group = x.shape[0], cfg.num_heads // kv_heads
+        x = self.renormed(layer, x)
         if self.folded:
             return linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
                                                                                group, -1)

@@ -88,6 +88,11 @@ class InfiniGenPolicy(SelectivePolicy):
                             "text's; default false)")
         g.add_argument("--column-score", default="q",
                        help="rank skewed columns by query energy, or query times key energy")
+        g.add_argument("--speculation-query", default="input", choices=["input", "renorm"],
+                       help="what the rehearsal multiplies by layer i+1's query weights: "
+                            "layer i's attention input (input, the paper's), or layer i's "
+                            "residual through layer i+1's own input norm (renorm: no extra "
+                            "reads, a closer guess of the query; docs/usage/infinigen.md)")
         g.add_argument("--kv-pool-capacity", type=float, default=1.0,
                        help="fraction of each head's context kept in the host pool")
         g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
@@ -102,8 +107,8 @@ class InfiniGenPolicy(SelectivePolicy):
             a, InfiniGenOptions, partial_weight_ratio=a.partial_weight_ratio,
             speculation_keys=a.speculation_keys, calibration=a.calibration,
             prompt_skew=a.prompt_skew, column_score=a.column_score,
-            kv_pool_capacity=a.kv_pool_capacity, eviction=a.eviction,
-            select_from_mb=a.select_from_mb))
+            speculation_query=a.speculation_query, kv_pool_capacity=a.kv_pool_capacity,
+            eviction=a.eviction, select_from_mb=a.select_from_mb))
 
     @classmethod
     def planned(cls, fraction: float) -> "InfiniGenPolicy":
@@ -242,6 +247,7 @@ class InfiniGenPolicy(SelectivePolicy):
         o = self.options
         return {"selection": o.selection, "alpha": o.alpha,
                 "partial_weight_ratio": o.ratio, "speculation_keys": o.speculation_keys,
+                "speculation_query": o.speculation_query,
                 "max_kv_fraction": o.max_kv_fraction, "select_from_mb": o.select_from_mb,
                 "keep_sink": o.keep_sink, "keep_recent": o.keep_recent}
 

@@ -43,7 +43,8 @@ class _Select(ctypes.Structure):  # kernels/decode_layer.h's dl_select, field fo
                 + [(n, _I) for n in ("nL", "nP", "nbits")]
                 + [("visible", _P), ("cap", _P), ("order", _P), ("T", _I), ("width", _I)]
                 + [(n, _P) for n in ("s_rows", "s_lin", "s_rot", "s_pq", "s_packed",
-                                     "s_qsum")])
+                                     "s_qsum")]
+                + [(n, _P) for n in ("nscale_x", "nshift_x", "s_x")])
 
 
 def takes(cache, next_cache) -> bool:
@@ -98,7 +99,8 @@ class SelectPlan:
             buffers["s_rows"] = c * s.r
         self.speculates = self._speculation(next_cache, s, b, h, kv, d, q4)
         if self.speculates:
-            buffers.update(s_lin=b * h * d, s_rot=b * h * d, s_pq=c * g * s.nr,
+            buffers.update(s_x=b * cfg.hidden_size, s_lin=b * h * d, s_rot=b * h * d,
+                           s_pq=c * g * s.nr,
                            s_packed=c * g * s.nP * (8 // s.nbits), s_qsum=c * g)
         self.buffers = {n: torch.empty(size, dtype=torch.float32) for n, size in buffers.items()}
         for n, t in self.buffers.items():
@@ -118,6 +120,13 @@ class SelectPlan:
                 or nc.maps_rows or not nc.k.addressable or rehearsal is None
                 or rehearsal.folded or not _projection(nc.query_projection, b, kv, d)):
             return False
+        renorm = rehearsal.renorm[nc.spec.layer]
+        if renorm is not None:  # the call renorms x for the rehearsal (float32 vectors)
+            if any(t is not None and (t.dtype != torch.float32 or t.is_cuda
+                                      or not t.is_contiguous()) for t in renorm):
+                return False
+            s.nscale_x = renorm[0].data_ptr()
+            s.nshift_x = renorm[1].data_ptr() if renorm[1] is not None else None
         w = rehearsal.weights[nc.spec.layer]
         if not _linear(s.nq, w.get("q_proj.weight"), w.get("q_proj.bias"), q4):
             return False

@@ -98,6 +98,11 @@ typedef struct dl_select {
     /* scratch: rows [C, r], lin and rot [B, H * D], pq [C, G, nr], packed [C, G, nP * 8 /
        nbits], qsum [C, G] */
     float *s_rows, *s_lin, *s_rot, *s_pq, *s_packed, *s_qsum;
+    /* --speculation-query renorm: x * nscale_x (+ nshift_x) [hidden] is the next layer's
+       norm of this layer's residual, taken by nq instead of x (nscale_x NULL: x itself);
+       s_x [B, hidden] holds it */
+    const float *nscale_x, *nshift_x;
+    float *s_x;
 } dl_select;
 
 int dl_run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int64_t nt);

@@ -55,7 +55,15 @@ int dl_speculate(const dl_args *a) {
     const dl_select *s = a->sel;
     const int64_t B = a->B, H = a->H, KV = a->KV, D = a->D, C = B * KV, G = H / KV;
     const int64_t nt = a->nthreads, r = s->nr, per = 8 / s->nbits, P = s->nP, W = P * per;
-    if (!dl_run_linear(&s->nq, a->x, s->s_lin, B, nt))
+    const float *x = a->x;
+    if (s->nscale_x) {  /* the rehearsal's input renormed (InfiniGen's Rehearsal.renormed) */
+        const int64_t D_ = a->hidden;
+        for (int64_t i = 0; i < B * D_; i++)
+            s->s_x[i] = s->nshift_x ? s->nshift_x[i % D_] + x[i] * s->nscale_x[i % D_]
+                                    : x[i] * s->nscale_x[i % D_];
+        x = s->s_x;
+    }
+    if (!dl_run_linear(&s->nq, x, s->s_lin, B, nt))
         return 0;
     rotary_rows(s->s_lin, a->cos, a->sin, s->s_rot, B, H, D, nt);
     /* q [B, H, D] seen as [B, G, KV, D] (head k * G + g), projected into pq [B, KV, G, r] */
