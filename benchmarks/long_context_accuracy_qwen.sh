@@ -3,9 +3,8 @@
 # Qwen2.5-Coder-0.5B, 24 prompts at 8K and 16K (4 tasks x 3 depths x 2 seeds), 12 at 32K
 # (one seed). Hours on a small CPU, so it runs in phases whose partial results are already
 # useful: every policy at 8K (with transformers as the reference: at 16K its generate peaks
-# near 14 GB, see long_context_qwen.md), then 16K, then 32K, then InfiniGen with
-# --speculation-query renorm at 8K and 16K, then H2O (its own prefill: the slowest policy, on
-# one seed).
+# near 14 GB, see long_context_qwen.md), then 16K, then InfiniGen with --speculation-query
+# renorm at 8K and 16K, then 32K, then H2O (its own prefill: the slowest policy, on one seed).
 #
 # One prompt a round (--batch 1): a stopped run loses at most one prompt's prefill.
 # Resumable: each (prompt, policy) result is appended to the JSONL as it completes and a rerun
@@ -32,10 +31,11 @@ run() {
 run --lengths 8192 --seeds 2 --batch 1 --policies $POLICIES --reference-max-length 8192
 # shellcheck disable=SC2086
 run --lengths 16384 --seeds 2 --batch 1 --policies $POLICIES --reference-max-length 0
-# shellcheck disable=SC2086
-run --lengths 32768 --seeds 1 --batch 1 --policies $POLICIES --reference-max-length 0
 # --speculation-query renorm (a closer guess of the query at no cost: selection_recall.py),
-# from the kept prefills at 8K and 16K: whether it may become the default
+# from the kept prefills at 8K and 16K: whether it may become the default (before 32K,
+# whose prefills take ~10 GB of disk: the 8K ones may be deleted once this phase is done)
 run --lengths 8192 16384 --seeds 2 --batch 1 \
     --policies infinigen-renorm@0.04 infinigen-renorm@0.02:L1 --reference-max-length 0
+# shellcheck disable=SC2086
+run --lengths 32768 --seeds 1 --batch 1 --policies $POLICIES --reference-max-length 0
 run --lengths 8192 16384 --seeds 1 --batch 1 --policies h2o@0.12 --reference-max-length 0
