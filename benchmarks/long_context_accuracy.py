@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results"
 
 KINDS = ("full", "full-4bit", "infinigen", "infinigen-4bit", "infinigen-pages", "infinigen-fp",
-         "infinigen-half", "infinigen-int8", "infinigen-renorm", "oracle", "h2o", "kivi")
+         "infinigen-half", "infinigen-int8", "infinigen-renorm", "infinigen-own",
+         "infinigen-own-int8", "oracle", "h2o", "kivi")
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "infinigen@0.05", "infinigen@0.02",
                     "infinigen-pages@0.1", "oracle@0.1", "oracle@0.05", "h2o@0.2", "h2o@0.1",
                     "full-4bit", "infinigen-4bit"]
@@ -82,6 +83,10 @@ def parse_policy(label: str):
         opts["speculation_keys"] = "int8"
     if kind == "infinigen-renorm":  # the rehearsal's input through the next layer's norm
         opts["speculation_query"] = "renorm"
+    if kind in ("infinigen-own", "infinigen-own-int8"):  # each layer's own query, no guess
+        opts["speculation_query"] = "own"
+    if kind == "infinigen-own-int8":
+        opts["speculation_keys"] = "int8"
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
     # select at every length (the speed default reads small layers whole: not what is measured)

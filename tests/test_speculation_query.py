@@ -143,3 +143,51 @@ def test_renorm_in_the_fused_call_equals_per_operation(stores, monkeypatch):
     calls = fs._assert_same(stores["llama"], monkeypatch, {"speculation_query": "renorm",
                                                            "first_layer": 1})
     assert any(m & fused_select.SPECULATE for _, m in calls)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_own_query_keeping_everything_equals_full(stores, family):
+    """``own``: each layer chooses with its own query as it attends; with every row kept,
+    the full cache's tokens and logits."""
+    keep_all = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
+                                speculation_query="own")
+    outs = []
+    for kv, kw in (("full", None), ("infinigen", {"options": keep_all})):
+        with OffloadedLM.load(path=stores[family], policy=CPU_CACHE, kv_policy=kv,
+                              kv_options=kw, progress=False) as lm:
+            outs.append(lm.generate(PROMPTS, 8, stop_token_id=None, keep_logits=True))
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_own_query_with_float_keys_chooses_what_the_oracle_chooses(stores):
+    """With float speculation keys of every skewed column (an orthogonal skew: the same
+    scores), the layer's own query gives the exact scores, so ``own`` reads the rows the
+    exact oracle reads at the same budget: the same tokens and the same share of the KV."""
+    opts = dict(max_kv_fraction=0.3, first_layer=1)
+    got = []
+    for kv, extra in (("oracle", {}), ("infinigen", dict(
+            speculation_query="own", speculation_keys="partial", partial_weight_ratio=1.0,
+            select_from_mb=0.0))):
+        with OffloadedLM.load(path=stores["llama"], policy=CPU_CACHE, kv_policy=kv,
+                              kv_options={**opts, **extra}, progress=False) as lm:
+            out = lm.generate(PROMPTS, 8, stop_token_id=None, keep_logits=True)
+            got.append((out, lm.engine.kv_policy.report()))
+    (a, rep_a), (b, rep_b) = got
+    assert rep_b["kv_fetch_fraction"] < 0.9  # it chose
+    assert a.token_ids == b.token_ids
+    assert rep_a["kv_selected_fraction"] == pytest.approx(rep_b["kv_selected_fraction"])
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-3
+
+
+def test_own_query_refused_off_the_cpu_cache(stores):
+    """A cache on disk is not read in place: ``own`` (which fetches nothing ahead) is
+    refused by name when the caches are made, before any decode step."""
+    with pytest.raises(ConfigError, match="--speculation-query own"):
+        with OffloadedLM.load(path=stores["llama"], policy=Policy.from_percent(
+                [100, 0, 0, 0, 100, 0]), kv_policy="infinigen",
+                kv_options={"speculation_query": "own", "first_layer": 1},
+                progress=False) as lm:
+            lm.generate([PROMPTS[0]], 2, stop_token_id=None)

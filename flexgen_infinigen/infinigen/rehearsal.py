@@ -163,8 +163,14 @@ class Rehearsal:
         if self.folded:
             return linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, kv_heads,
                                                                                group, -1)
-        q = self.family.query(cfg, w, x, pos_enc)  # [b, 1, H, d]
-        q = q.view(b, kv_heads, group, cfg.head_dim)
+        return self.project(self.family.query(cfg, w, x, pos_enc), kv_heads, projection)
+
+    def project(self, q: torch.Tensor, kv_heads: int, projection: torch.Tensor) -> torch.Tensor:
+        """``[b, KV, G, r]``: a rotated query ``q`` ``[b, 1, H, d]`` (the rehearsal's, or
+        with ``--speculation-query own`` the layer's own) projected per KV head."""
+        cfg, b = self.cfg, q.shape[0]
+        group = cfg.num_heads // kv_heads
+        q = q.reshape(b, kv_heads, group, cfg.head_dim)
         if (projection.stride(0) == 0 or b == 1) and (q.is_cuda or cpu_kernels.library() is None):
             # one projection per KV head, in few ops (each a kernel launch on a GPU)
             if b == 1:

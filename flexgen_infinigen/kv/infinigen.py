@@ -88,11 +88,15 @@ class InfiniGenPolicy(SelectivePolicy):
                             "text's; default false)")
         g.add_argument("--column-score", default="q",
                        help="rank skewed columns by query energy, or query times key energy")
-        g.add_argument("--speculation-query", default="input", choices=["input", "renorm"],
+        g.add_argument("--speculation-query", default="input",
+                       choices=["input", "renorm", "own"],
                        help="what the rehearsal multiplies by layer i+1's query weights: "
                             "layer i's attention input (input, the paper's), or layer i's "
                             "residual through layer i+1's own input norm (renorm: no extra "
-                            "reads, a closer guess of the query; docs/usage/infinigen.md)")
+                            "reads, a closer guess); or own: no guess, each layer chooses "
+                            "with its own query as it attends (a KV cache in CPU memory read "
+                            "in place only: nothing is fetched ahead; docs/usage/"
+                            "long_context.md)")
         g.add_argument("--kv-pool-capacity", type=float, default=1.0,
                        help="fraction of each head's context kept in the host pool")
         g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")

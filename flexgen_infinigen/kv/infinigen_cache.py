@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ConfigError
 from ..infinigen.skew import project_per_head
 from ..runtime import cpu_kernels
 from ..runtime.attention import attend_rows
@@ -31,6 +32,7 @@ PENDING_KEYS = 256
 READ_ALL = "read all"  # a step's selection when the layer is read whole
 PACKED = "packed"  # a step's chosen rows, to be read as 4-bit codes where they are
 MAPPED = "mapped"  # a step's chosen rows, already being read from host memory by the device
+OWN = "own"  # --speculation-query own: the layer chooses with its own query when it attends
 
 
 class InfiniGenCache(SelectiveCache):
@@ -59,6 +61,12 @@ class InfiniGenCache(SelectiveCache):
         # soon as speculation has ranked them: no index crosses to the host (mapped_rows)
         self.maps_rows = (self.selecting and self.k.mapped and not self.cpu_compute
                           and not self.packed_here)
+        self.own_query = self.selecting and opts.speculation_query == "own"
+        if self.own_query and not self.attend_in_place:
+            raise ConfigError("--speculation-query own chooses rows when the layer attends, "
+                              "so only where attention reads them in place: a float32 KV "
+                              "cache in CPU memory, computed on the CPU (with the kernels); "
+                              "use renorm")
         self.pool = None
         if self.selecting and opts.kv_pool_capacity < 1:
             self.pool = KVPool(opts.kv_pool_capacity, opts.eviction,
@@ -132,6 +140,10 @@ class InfiniGenCache(SelectiveCache):
             self.selection = READ_ALL
             self.ready.set()
             return
+        if self.own_query:  # chosen in attend(), from the layer's own query
+            self.selection = OWN
+            self.ready.set()
+            return
         self._flush_keys()  # the keys this step scores
         stats = self.policy.stats
         if x.is_cuda:  # kernels run later than they are launched: time them with events
@@ -149,11 +161,15 @@ class InfiniGenCache(SelectiveCache):
             stats.speculation_s += time.perf_counter() - start
 
     def _rank(self, x, pos_enc, valid, visible):
+        # scaled by 1/sqrt(d) first (in its projection): the product stays in fp16's range
+        pq = self.policy.rehearsal.projected_query(self.spec.layer, x, pos_enc,
+                                                   self.spec.kv_heads, self.query_projection)
+        return self._choose(pq, valid, visible)
+
+    def _choose(self, pq, valid, visible):
+        """(order, counts) for the projected query ``pq`` [b, KV, G, r]."""
         spec, opts = self.spec, self.policy.options
         b, kv = spec.batch_size, spec.kv_heads
-        # scaled by 1/sqrt(d) first (in its projection): the product stays in fp16's range
-        pq = self.policy.rehearsal.projected_query(spec.layer, x, pos_enc, kv,
-                                                   self.query_projection)
         length = valid.shape[1] - 1  # cached tokens (the new one is always attended)
         if self.pool is None and opts.selection == "mass" and not (opts.keep_sink
                                                                   or opts.keep_recent):
@@ -207,6 +223,9 @@ class InfiniGenCache(SelectiveCache):
         if self.aborted:
             raise RuntimeError("generation stopped by an error elsewhere")
         self.ready.clear()
+        if self.selection is OWN:
+            self.selection = None
+            return OWN, None, None, None
         if self.selection is READ_ALL:
             self.selection = None
             self.count_full_read(length)
@@ -247,6 +266,15 @@ class InfiniGenCache(SelectiveCache):
         if loaded[0] is READ_ALL:
             self._defer_keys(k_new, valid.shape[1] - 1)
             return self._attend_whole(loaded[1], q, k_new, v_new, valid, bias)
+        if loaded[0] is OWN:  # this layer's own (rotated) query against its keys
+            self._flush_keys()
+            start = time.perf_counter()
+            pq = self.policy.rehearsal.project(q, self.spec.kv_heads, self.query_projection)
+            index, counts = self._choose(pq, valid, valid)
+            self.policy.stats.speculation_s += time.perf_counter() - start
+            used = int(counts.sum())
+            self.count(used, used, valid.shape[1] - 1)
+            loaded = (None, None, counts, index)
         self._write_keys(k_new, valid.shape[1] - 1)
         k_sel, v_sel, counts, index = loaded
         if self.pool is not None:

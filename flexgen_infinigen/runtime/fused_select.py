@@ -51,6 +51,7 @@ def takes(cache, next_cache) -> bool:
     """Whether a layer with these caches may run InfiniGen inside its call (decided once per
     plan; each step then checks what its load gave)."""
     return (isinstance(cache, InfiniGenCache) and cache.k.addressable
+            and cache.policy.options.speculation_query != "own"  # chosen in Python's attend
             and cache.k.dtype == torch.float32 and not cache.cpu_compute
             and not cache.spec.tiers.is_cuda
             and (cache.in_place if not cache.selecting else cache.attend_in_place)
