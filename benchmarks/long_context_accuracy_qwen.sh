@@ -31,11 +31,13 @@ run() {
 run --lengths 8192 --seeds 2 --batch 1 --policies $POLICIES --reference-max-length 8192
 # shellcheck disable=SC2086
 run --lengths 16384 --seeds 2 --batch 1 --policies $POLICIES --reference-max-length 0
-# --speculation-query renorm (a closer guess of the query at no cost: selection_recall.py),
-# from the kept prefills at 8K and 16K: whether it may become the default (before 32K,
+# --speculation-query renorm (a closer guess of the query at no cost: selection_recall.py)
+# and own (no guess: each layer's own query; with 8-bit keys the oracle's choice there),
+# from the kept prefills at 8K and 16K: whether one may become the default (before 32K,
 # whose prefills take ~10 GB of disk: the 8K ones may be deleted once this phase is done)
 run --lengths 8192 16384 --seeds 2 --batch 1 \
-    --policies infinigen-renorm@0.04 infinigen-renorm@0.02:L1 --reference-max-length 0
+    --policies infinigen-renorm@0.04 infinigen-renorm@0.02:L1 infinigen-own@0.04 \
+    infinigen-own-int8@0.04 --reference-max-length 0
 # shellcheck disable=SC2086
 run --lengths 32768 --seeds 1 --batch 1 --policies $POLICIES --reference-max-length 0
 run --lengths 8192 16384 --seeds 1 --batch 1 --policies h2o@0.12 --reference-max-length 0
