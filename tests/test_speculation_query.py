@@ -89,18 +89,20 @@ def test_renorm_query_is_the_next_layers_norm_of_the_residual(stores, family):
     assert (plain - own).abs().max() > 1e-2 * own.abs().max()
 
 
+@pytest.mark.parametrize("query", ["renorm", "own"])
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_renorm_keeping_everything_equals_full(stores, family):
-    """With every row kept, renorm's InfiniGen gives the full cache's tokens and logits."""
+def test_keeping_everything_equals_full(stores, family, query):
+    """With every row kept, InfiniGen with either query (``own``: each layer chooses with its
+    own query as it attends) gives the full cache's tokens and logits."""
     keep_all = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
-                                speculation_query="renorm")
+                                speculation_query=query)
     outs = []
     for kv, kw in (("full", None), ("infinigen", {"options": keep_all})):
         with OffloadedLM.load(path=stores[family], policy=CPU_CACHE, kv_policy=kv,
                               kv_options=kw, progress=False) as lm:
             outs.append(lm.generate(PROMPTS, 8, stop_token_id=None, keep_logits=True))
             if kv == "infinigen":
-                assert lm.engine.kv_policy.settings()["speculation_query"] == "renorm"
+                assert lm.engine.kv_policy.settings()["speculation_query"] == query
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert (a - b).abs().max().item() < 1e-4
@@ -143,22 +145,6 @@ def test_renorm_in_the_fused_call_equals_per_operation(stores, monkeypatch):
     calls = fs._assert_same(stores["llama"], monkeypatch, {"speculation_query": "renorm",
                                                            "first_layer": 1})
     assert any(m & fused_select.SPECULATE for _, m in calls)
-
-
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_own_query_keeping_everything_equals_full(stores, family):
-    """``own``: each layer chooses with its own query as it attends; with every row kept,
-    the full cache's tokens and logits."""
-    keep_all = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
-                                speculation_query="own")
-    outs = []
-    for kv, kw in (("full", None), ("infinigen", {"options": keep_all})):
-        with OffloadedLM.load(path=stores[family], policy=CPU_CACHE, kv_policy=kv,
-                              kv_options=kw, progress=False) as lm:
-            outs.append(lm.generate(PROMPTS, 8, stop_token_id=None, keep_logits=True))
-    assert outs[0].token_ids == outs[1].token_ids
-    for a, b in zip(outs[0].logits, outs[1].logits):
-        assert (a - b).abs().max().item() < 1e-4
 
 
 def test_own_query_with_float_keys_chooses_what_the_oracle_chooses(stores):

@@ -1,4 +1,5 @@
 #include "common.h"
+#include "linear_h16.h"
 
 /* out[m, o] = sum_k x[m, k] * w[o, k] (+ bias[o]): a decode step's linear layer in floats,
    each weight row read from memory once and dotted with every row of x while it is in cache.
@@ -211,48 +212,14 @@ int linear_q4(const float *x, const uint8_t *codes, const float *scale, const fl
     const int64_t G = K / 64, GW = K / group, GP = (GW + 7) / 8 * 8;
     static __thread void *buf;
     static __thread size_t have;
-    int16_t *xq = (int16_t *)thread_scratch(&buf, &have,
-                                            2 * M * K + sizeof(float) * M * (G + GP) + 64);
-    if (!xq)
+    void *scratch = thread_scratch(&buf, &have, h16_prepare_bytes(M, K, group));
+    if (!scratch)
         return 0;
+    /* x rounded as linear_h16.h rounds it (shared: the same planes, steps and sums) */
+    int16_t *xq;
+    float *xs, *xsum;
+    h16_prepare(x, M, K, group, scratch, &xq, &xs, &xsum);
     int8_t *xb = (int8_t *)xq;  /* one row: its bytes where the planes would be */
-    float *xs = (float *)(xq + ((M * K + 31) / 32) * 32), *xsum = xs + M * G;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const float *xg = x + m * K + g * 64;
-            float most = 0.0f, sum = 0.0f, half = 0.0f;
-            for (int64_t i = 0; i < 64; i++) {
-                most = fabsf(xg[i]) > most ? fabsf(xg[i]) : most;
-                sum += xg[i];
-                if (i == 31)
-                    half = sum;
-            }
-            const float step = most > 0.0f ? most / 32639.0f : 1.0f;
-            for (int64_t i = 0; i < 64; i++) {
-                const int v = (int)lrintf(xg[i] / step);
-                if (M == 1) {  /* hi: 32 even elements, 32 odd; lo the same */
-                    const int64_t at = g * 128 + (i & 1) * 32 + i / 2;
-                    const int hi = (v + 128) >> 8;  /* -127 .. 127 */
-                    xb[at] = (int8_t)hi;
-                    xb[at + 64] = (int8_t)(v - 256 * hi);  /* -128 .. 127 */
-                } else {  /* plane i % 4, lane i / 4 */
-                    xq[m * K + g * 64 + (i % 4) * 16 + i / 4] = (int16_t)v;
-                }
-            }
-            xs[m * G + g] = step;
-            if (group == 64) {
-                xsum[m * GP + g] = sum;
-            } else {  /* the sums of the two groups of 32 */
-                float second = 0.0f;
-                for (int64_t i = 32; i < 64; i++)
-                    second += xg[i];
-                xsum[m * GP + 2 * g] = half;
-                xsum[m * GP + 2 * g + 1] = second;
-            }
-        }
-    for (int64_t m = 0; m < M; m++)  /* zeros past the last group, for q4_finish's mask */
-        for (int64_t g = GW; g < GP; g++)
-            xsum[m * GP + g] = 0.0f;
     const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(GW % 8)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     #pragma omp parallel for schedule(static) num_threads(nthreads)
