@@ -35,7 +35,9 @@ class Rehearsal:
         # a query that is an affine map of the input (no rotary) takes a static projection in
         # its weights: only r rows per head stay on the device
         self.folded = engine.family.SKEW_FOLDS_INTO_WEIGHTS and not options.prompt_skew
-        self.weights = [self._query_weights(engine, layer) for layer in range(cfg.num_layers)]
+        # own: each layer's own query, no rehearsal product (and no folded copies)
+        self.weights = [self._query_weights(engine, layer) if options.speculation_query != "own"
+                        else {} for layer in range(cfg.num_layers)]
         self.renorm = [self._renorm(engine, layer) if options.speculation_query == "renorm"
                        else None for layer in range(cfg.num_layers)]
 

@@ -57,10 +57,11 @@ int dl_speculate(const dl_args *a) {
     const int64_t nt = a->nthreads, r = s->nr, per = 8 / s->nbits, P = s->nP, W = P * per;
     const float *x = a->x;
     if (s->nscale_x) {  /* the rehearsal's input renormed (InfiniGen's Rehearsal.renormed) */
-        const int64_t D_ = a->hidden;
-        for (int64_t i = 0; i < B * D_; i++)
-            s->s_x[i] = s->nshift_x ? s->nshift_x[i % D_] + x[i] * s->nscale_x[i % D_]
-                                    : x[i] * s->nscale_x[i % D_];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < a->hidden; j++) {
+                const float y = x[b * a->hidden + j] * s->nscale_x[j];
+                s->s_x[b * a->hidden + j] = s->nshift_x ? s->nshift_x[j] + y : y;
+            }
         x = s->s_x;
     }
     if (!dl_run_linear(&s->nq, x, s->s_lin, B, nt))

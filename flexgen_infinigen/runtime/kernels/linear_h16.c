@@ -29,7 +29,7 @@ int linear_q4_h16(const float *x, const uint8_t *codes, const uint16_t *scale,
         return 0;
     int16_t *xq;
     float *xs, *xsum;
-    h16_layout(scratch, M, K, group, &xq, &xs, &xsum);
+    h16_layout(scratch, M, K, &xq, &xs, &xsum);
     if (M == 1)  /* a few blocks: not worth the threads' meeting */
         h16_prepare(x, M, K, group, scratch, &xq, &xs, &xsum);
     const int8_t *xb = (const int8_t *)xq;

@@ -71,9 +71,7 @@ static inline v8 h16_load8(const uint16_t *p, int64_t n) {
    store read back wide, which waits for the store to land (it was a quarter of a batch's
    product time on rows of 18 groups). */
 static inline v8 h16_tail8(const uint16_t *p, int64_t n, int64_t before) {
-#ifndef __F16C__
-    return h16_load8(p, n);
-#endif
+#ifdef __F16C__
     if (before + n < 8)
         return h16_load8(p, n);
     const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + n - 8)));
@@ -82,6 +80,10 @@ static inline v8 h16_tail8(const uint16_t *p, int64_t n, int64_t before) {
         w, _mm256_add_epi32(lane, _mm256_set1_epi32((int)(8 - n))));
     return (v8)_mm256_and_ps(moved, _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane)));
+#else
+    (void)before;
+    return h16_load8(p, n);
+#endif
 }
 
 /* The end of an output row: the sums plus minimum . xsum (xsum padded with zeros to a
@@ -198,12 +200,11 @@ static inline size_t h16_prepare_bytes(int64_t M, int64_t K, int64_t group) {
 }
 
 /* Where h16_prepare puts its parts in scratch (of h16_prepare_bytes). */
-static inline void h16_layout(void *scratch, int64_t M, int64_t K, int64_t group,
-                              int16_t **xq, float **xs, float **xsum) {
+static inline void h16_layout(void *scratch, int64_t M, int64_t K, int16_t **xq, float **xs,
+                              float **xsum) {
     *xq = (int16_t *)scratch;
     *xs = (float *)(*xq + ((M * K + 31) / 32) * 32);
     *xsum = *xs + M * (K / 64);
-    (void)group;
 }
 
 /* Block g (64 values) of row m of x as the row products read it (h16_prepare). */
@@ -257,7 +258,7 @@ static inline void h16_prepare_block(const float *x, int64_t M, int64_t K, int64
 static inline void h16_prepare(const float *x, int64_t M, int64_t K, int64_t group,
                                void *scratch, int16_t **xq_out, float **xs_out,
                                float **xsum_out) {
-    h16_layout(scratch, M, K, group, xq_out, xs_out, xsum_out);
+    h16_layout(scratch, M, K, xq_out, xs_out, xsum_out);
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < K / 64; g++)
             h16_prepare_block(x, M, K, group, m, g, *xq_out, *xs_out, *xsum_out);
