@@ -17,9 +17,13 @@ if kernels.library() is None:
     pytest.skip("no C compiler here: the kernel falls back to torch", allow_module_level=True)
 
 
-def _int8_query(pq: torch.Tensor) -> torch.Tensor:
-    """Each query row rounded as the AVX2 kernel rounds it: max |q| to 127."""
-    scale = pq.abs().amax(-1, keepdim=True) / 127
+Q16_MAX = 8191  # speculation.c's largest |q| against 8-bit codes
+
+
+def _rounded_query(pq: torch.Tensor, top: int = 127) -> torch.Tensor:
+    """Each query row rounded as the AVX2 kernel rounds it: max |q| to ``top`` (127 against
+    4-bit codes, Q16_MAX against 8-bit ones)."""
+    scale = pq.abs().amax(-1, keepdim=True) / top
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(pq / scale) * scale
 
@@ -30,11 +34,12 @@ def _int8_query(pq: torch.Tensor) -> torch.Tensor:
                                                     (1029, 2, 7, 128), (901, 3, 3, 32),
                                                     (19, 2, 7, 32)])
 def test_kernel_scores_equal_torch(kind, length, cols, group, width):
-    """The kernel's scores equal the torch path's. Where it multiplies bytes (4-bit codes, a
-    width of 32, 64 or 128) it rounds each query row to 8 bits for the product with the codes:
-    its scores equal the torch path's computed that way, and the rounding moves them by far
-    less than the 4-bit keys themselves are off (measured here: under a quarter of the keys'
-    own error)."""
+    """The kernel's scores equal the torch path's. Where it multiplies integers (4-bit codes
+    of a width of 32, 64 or 128; 8-bit codes of a width a multiple of 16) it rounds each
+    query row to 8 bits (16 bits against 8-bit codes) for the product with the codes: its
+    scores equal the torch path's computed that way, and the rounding moves them by far
+    less than the keys themselves are off (measured here: under a quarter of the keys' own
+    error)."""
     torch.manual_seed(length)
     keys = SpeculationKeys(kind, length + 5, cols, width, torch.float32, Tiers("cpu"))
     true_keys = torch.randn(length, cols, width) * 3
@@ -45,10 +50,11 @@ def test_kernel_scores_equal_torch(kind, length, cols, group, width):
     slow = keys.scores(pq, length)
     assert fast.shape == slow.shape == (1, cols, group, length)
     tol = 1e-5 * slow.abs().max().item() + 1e-5
-    if kind != "int4" or width not in (32, 64, 128):  # codes expanded to floats: the same sums
+    top = _integer_query(kind, width)
+    if top is None:  # codes expanded to floats: the same sums
         assert (fast - slow).abs().max().item() <= tol
         return
-    rounded = _int8_query(pq)  # q . codes on the rounded query, the minimum times sum(q)
+    rounded = _rounded_query(pq, top)  # q . codes on the rounded query, the minimum times sum(q)
     lo = keys.lo[:, :length].view(1, cols, 1, length)
     ref = keys.scores(rounded, length) + lo * (pq.sum(-1) - rounded.sum(-1))[..., None]
     assert (fast - ref).abs().max().item() <= 2 * tol
@@ -85,14 +91,26 @@ def test_fused_speculation_selects_what_scores_and_select_select(b, kv, group, l
             assert all(visible[i, t] for t in order[i, h, :n].tolist())
 
 
+def _integer_query(kind: str, width: int):
+    """The largest |q| the AVX2 kernel rounds a query row to for keys of ``kind`` and
+    ``width`` columns (None: it expands the codes to floats)."""
+    if kind == "int4" and width // 2 in (16, 32, 64, 96, 128):
+        return 127
+    if kind == "int8" and width % 16 == 0 and width <= 256:
+        return Q16_MAX
+    return None
+
+
 def _scores_rounded_as_the_kernel(real):
     """``SpeculationKeys.scores`` whose torch path sees the query as the AVX2 kernel does
-    where it multiplies bytes (4-bit codes of 16 to 128 bytes a row): q rounded to 8 bits per
-    row for the product with the codes, its exact sum for the minimum's share."""
+    where it multiplies integers (above): q rounded per row for the product with the codes,
+    its exact sum for the minimum's share."""
     def scores(self, pq, length):
-        if self.bits != 4 or self.codes.shape[-1] not in (16, 32, 64, 96, 128):
+        per = 8 // self.bits if self.bits else 0
+        top = per and _integer_query(f"int{self.bits}", self.codes.shape[-1] * per)
+        if not top:
             return real(self, pq, length)
-        rounded = _int8_query(pq)
+        rounded = _rounded_query(pq, top)
         lo = self.lo[:, :length].reshape(pq.shape[0], pq.shape[1], 1, length)
         return real(self, rounded, length) + lo * (pq.sum(-1) - rounded.sum(-1))[..., None]
     return scores

@@ -32,9 +32,10 @@ def _uneven_norms(model, bias: bool) -> None:
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """Converted stores of a small Llama (RMSNorm) and a small pre-norm OPT (LayerNorm with
-    bias), their norms uneven."""
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    """Converted stores of a small Llama (RMSNorm), a small pre-norm OPT (LayerNorm with
+    bias) and a small Qwen3 (q/k norms), their norms uneven."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     from flexgen_infinigen.weights.hf_convert import convert_hf
 
@@ -48,7 +49,11 @@ def stores(tmp_path_factory):
         ("opt", OPTForCausalLM(OPTConfig(
             vocab_size=512, hidden_size=128, num_hidden_layers=3, ffn_dim=256,
             num_attention_heads=4, max_position_embeddings=256,
-            word_embed_proj_dim=128)).eval(), True)]:
+            word_embed_proj_dim=128)).eval(), True),
+        ("qwen3", Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=512, hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=256, tie_word_embeddings=False)).eval(), False)]:
         _uneven_norms(model, bias)
         folder = tmp_path_factory.mktemp(f"renorm-{name}")
         model.save_pretrained(folder)
@@ -177,3 +182,22 @@ def test_own_query_refused_off_the_cpu_cache(stores):
                 kv_options={"speculation_query": "own", "first_layer": 1},
                 progress=False) as lm:
             lm.generate([PROMPTS[0]], 2, stop_token_id=None)
+
+
+@pytest.mark.parametrize("family,keys", [("llama", None), ("llama", "int8"), ("qwen3", None)])
+def test_own_query_in_the_fused_call_equals_per_operation(stores, monkeypatch, family, keys):
+    """The fused decode call chooses a layer's rows from its own query (``decode_select.c``,
+    DL_OWN) before it attends: the same tokens, rows and logits as the per-operation path's
+    choice in ``InfiniGenCache.attend``; with q/k norms too (Qwen3), which the rehearsal's
+    query in the call does not take."""
+    from flexgen_infinigen.runtime import cpu_kernels, fused_select
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler for the kernels")
+    import test_fused_select as fs
+
+    opts = {"speculation_query": "own", "first_layer": 1}
+    if keys:
+        opts["speculation_keys"] = keys
+    calls = fs._assert_same(stores[family], monkeypatch, opts)
+    assert any(m & fused_select.OWN_QUERY for _, m in calls)
+    assert not any(m & fused_select.SPECULATE for _, m in calls)

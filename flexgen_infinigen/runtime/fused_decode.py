@@ -229,9 +229,8 @@ class FusedDecode:
                      and (next_cache is None
                           or type(next_cache).speculate is KVCache.speculate))
             from .fused_select import takes
-            # the call's speculation computes the next layer's query without q/k norms
-            selects = (kind != "mlp" and not whole and not hands_off and not self.cfg.qk_norm
-                       and takes(cache, next_cache))
+            selects = (kind != "mlp" and not whole and not hands_off
+                       and takes(cache, next_cache, self.cfg.qk_norm))
             made = LayerPlan(self.lib, self.cfg, kind, w, batch, cache, whole, next_cache,
                              selects)
             plan = made if made.ok else None

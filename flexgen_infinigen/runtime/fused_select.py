@@ -27,11 +27,11 @@ import ctypes
 
 import torch
 
-from ..kv.infinigen_cache import READ_ALL, InfiniGenCache
+from ..kv.infinigen_cache import OWN, READ_ALL, InfiniGenCache
 from ..kv.spec_keys import SpeculationKeys
 from .fused_args import ATTEND, IN, MLP, OUT, _I, _P, _Linear, _linear
 
-CHOSEN, SPECULATE = 16, 32
+CHOSEN, SPECULATE, OWN_QUERY = 16, 32, 64
 
 
 class _Select(ctypes.Structure):  # kernels/decode_layer.h's dl_select, field for field
@@ -47,11 +47,13 @@ class _Select(ctypes.Structure):  # kernels/decode_layer.h's dl_select, field fo
                 + [(n, _P) for n in ("nscale_x", "nshift_x", "s_x")])
 
 
-def takes(cache, next_cache) -> bool:
+def takes(cache, next_cache, qk_norm: bool) -> bool:
     """Whether a layer with these caches may run InfiniGen inside its call (decided once per
-    plan; each step then checks what its load gave)."""
+    plan; each step then checks what its load gave). The call's rehearsal computes the next
+    layer's query without q/k norms: a model with them selects in the call only with
+    ``--speculation-query own`` (the layer's own query, normed as it attends)."""
     return (isinstance(cache, InfiniGenCache) and cache.k.addressable
-            and cache.policy.options.speculation_query != "own"  # chosen in Python's attend
+            and (not qk_norm or cache.policy.options.speculation_query == "own")
             and cache.k.dtype == torch.float32 and not cache.cpu_compute
             and not cache.spec.tiers.is_cuda
             and (cache.in_place if not cache.selecting else cache.attend_in_place)
@@ -98,28 +100,28 @@ class SelectPlan:
             s.r, s.bits = cache.projection.shape[-1], keys.bits
             self.keep = (cache.projection,)
             buffers["s_rows"] = c * s.r
-        self.speculates = self._speculation(next_cache, s, b, h, kv, d, q4)
+        # --speculation-query own: this layer chooses its rows in the call, from its own
+        # query (the scoring fields then hold its own keys: no rehearsal for the next layer)
+        self.own = self.chosen and cache.own_query and self._scoring(cache, s, b, kv, d)
+        self.speculates = not self.own and self._speculation(next_cache, s, b, h, kv, d, q4)
         if self.speculates:
-            buffers.update(s_x=b * cfg.hidden_size, s_lin=b * h * d, s_rot=b * h * d,
-                           s_pq=c * g * s.nr,
-                           s_packed=c * g * s.nP * (8 // s.nbits), s_qsum=c * g)
+            buffers.update(s_x=b * cfg.hidden_size, s_lin=b * h * d, s_rot=b * h * d)
+        if self.speculates or self.own:
+            buffers.update(s_pq=c * g * s.nr, s_packed=c * g * s.nP * (8 // s.nbits),
+                           s_qsum=c * g)
         self.buffers = {n: torch.empty(size, dtype=torch.float32) for n, size in buffers.items()}
         for n, t in self.buffers.items():
             setattr(s, n, t.data_ptr())
         plan.args.sel = ctypes.addressof(s)
 
     def _speculation(self, nc, s: _Select, b: int, h: int, kv: int, d: int, q4: bool) -> bool:
-        """Whether the next layer's speculation runs in the call: the mass rule over packed
-        keys scored in C (what ``_rank`` takes then), the rehearsal's whole W_Q in a form
-        the linear kernels read; fills its part of the block."""
-        if nc is None or not nc.selecting:
+        """Whether the next layer's speculation runs in the call: the rehearsal's whole W_Q
+        in a form the linear kernels read, and its keys scored in C; fills its part of the
+        block."""
+        if nc is None or not nc.selecting or nc.own_query:
             return False
-        policy = nc.policy
-        opts, rehearsal = policy.options, policy.rehearsal
-        if (nc.pool is not None or opts.selection != "mass" or opts.keep_sink
-                or opts.keep_recent or not _packed_keys(nc.keys) or not nc.keys.fused_selection
-                or nc.maps_rows or not nc.k.addressable or rehearsal is None
-                or rehearsal.folded or not _projection(nc.query_projection, b, kv, d)):
+        rehearsal = nc.policy.rehearsal
+        if rehearsal is None or rehearsal.folded:
             return False
         renorm = rehearsal.renorm[nc.spec.layer]
         if renorm is not None:  # the call renorms x for the rehearsal (float32 vectors)
@@ -131,6 +133,19 @@ class SelectPlan:
         w = rehearsal.weights[nc.spec.layer]
         if not _linear(s.nq, w.get("q_proj.weight"), w.get("q_proj.bias"), q4):
             return False
+        self.spec_keep = (w,)
+        return self._scoring(nc, s, b, kv, d)
+
+    def _scoring(self, nc, s: _Select, b: int, kv: int, d: int) -> bool:
+        """Whether the call can choose ``nc``'s rows: the mass rule over its packed keys,
+        scored in C (what ``_choose`` takes then) through its per-KV-head projection; fills
+        the scoring fields of the block."""
+        opts = nc.policy.options
+        if (nc.pool is not None or opts.selection != "mass" or opts.keep_sink
+                or opts.keep_recent or not _packed_keys(nc.keys) or not nc.keys.fused_selection
+                or nc.maps_rows or not nc.k.addressable
+                or not _projection(nc.query_projection, b, kv, d)):
+            return False
         keys, p = nc.keys, nc.query_projection
         s.nproj, s.nproj_sb, s.nr = p.data_ptr(), p.stride(0), p.shape[-1]
         s.ncodes, s.nlo, s.nscale = (t.data_ptr() for t in (keys.codes, keys.lo, keys.scale))
@@ -138,14 +153,14 @@ class SelectPlan:
         s.nbits = keys.bits
         if s.nP * (8 // s.nbits) < s.nr or s.nP * (8 // s.nbits) > 256:
             return False
-        self.spec_keep = (w, p)
+        self.score_keep = (p,)
         return True
 
     def layer(self, h: torch.Tensor, state, loaded):
         """The layer in one call: ``(output, x)``, ``x`` the attention input when the engine
         must speculate for the next layer from it (else None); None when this step's load
         is not one the call takes (the engine then runs the two calls)."""
-        plan, cache, a, s = self.plan, self.cache, self.plan.args, self.args
+        plan, cache, a = self.plan, self.cache, self.plan.args
         length = state.valid.shape[1] - 1
         mode = IN | OUT | (MLP if plan.kind == "layer" else 0)
         deferred = None
@@ -153,14 +168,17 @@ class SelectPlan:
             mode |= ATTEND
         elif loaded[0] is None and self.chosen:  # the chosen rows, read where they are
             b, kv = plan.batch, plan.cfg.num_kv_heads
-            index, counts = loaded[3].view(b * kv, -1), loaded[2].reshape(b * kv)
-            if index.dtype != torch.int64 or not index.is_contiguous():
-                index = index.to(torch.int64).contiguous()
-            if counts.dtype != torch.int64 or not counts.is_contiguous():
-                counts = counts.to(torch.int64).contiguous()
-            s.index, s.counts, s.n = index.data_ptr(), counts.data_ptr(), index.shape[1]
-            self.rows = (index, counts)  # alive through the call
+            self._point_rows(loaded[3].view(b * kv, -1), loaded[2].reshape(b * kv))
             mode |= CHOSEN
+        elif loaded[0] is OWN and self.own:  # chosen in the call from its own query
+            chosen, chosen_counts = self._point_speculation(cache, state, length)
+            if chosen is None:
+                return None
+            self._point_rows(chosen.view(plan.batch * plan.cfg.num_kv_heads, -1),
+                             chosen_counts.reshape(-1))
+            used = int(chosen_counts.sum())
+            cache.count(used, used, length)
+            mode |= OWN_QUERY | CHOSEN
         elif loaded[0] is READ_ALL and loaded[1] is None:  # read whole, in place
             deferred = torch.empty(plan.batch, 1, plan.cfg.num_kv_heads, plan.cfg.head_dim)
             a.kn = deferred.data_ptr()  # kept by _defer_keys: this step's own tensor
@@ -169,7 +187,7 @@ class SelectPlan:
             return None
         plan.point_mask(state)  # the position the new row and key are written at
         nc, x, order = self.next, None, None
-        if nc is not None and nc.selecting:
+        if nc is not None and nc.selecting and not nc.own_query:
             if self.speculates and not nc.reads_whole(length):
                 order, counts = self._point_speculation(nc, state, length)
                 if order is not None:
@@ -191,7 +209,19 @@ class SelectPlan:
         if order is not None:
             nc.selection = (order, counts, None)  # as _hand_over leaves it on a CPU
             nc.ready.set()
+        elif nc is not None and nc.own_query:  # it chooses when it attends (or reads whole)
+            nc.speculate(None, None, state.valid, state.visible)
         return out, x
+
+    def _point_rows(self, index: torch.Tensor, counts: torch.Tensor) -> None:
+        """The rows DL_CHOSEN reads: ``index`` [C, n], ``counts`` [C]."""
+        if index.dtype != torch.int64 or not index.is_contiguous():
+            index = index.to(torch.int64).contiguous()
+        if counts.dtype != torch.int64 or not counts.is_contiguous():
+            counts = counts.to(torch.int64).contiguous()
+        s = self.args
+        s.index, s.counts, s.n = index.data_ptr(), counts.data_ptr(), index.shape[1]
+        self.rows = (index, counts)  # alive through the call
 
     def _point_speculation(self, nc, state, length: int):
         """The next layer's speculation for this step: its ``(order, counts)`` tensors, the

@@ -68,7 +68,9 @@ int decode_layer(const dl_args *a, int64_t mode) {
         ok &= dl_run_linear(&a->v, a->x, a->vn, B, nt);
     }
     if (mode & DL_SPECULATE)  /* reads x only: before or after attention alike */
-        ok &= dl_speculate(a);
+        ok &= dl_speculate(a, 0);
+    if (mode & DL_OWN)  /* this layer's choice from its own q_rot: before it attends */
+        ok &= dl_speculate(a, 1);
     if (mode & DL_CHOSEN)
         ok &= dl_attend_chosen(a);
     if (mode & DL_ATTEND) {

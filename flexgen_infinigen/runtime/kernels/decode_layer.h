@@ -29,7 +29,7 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
 
 enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4 };
 enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8, DL_CHOSEN = 16,
-       DL_SPECULATE = 32 };
+       DL_SPECULATE = 32, DL_OWN = 64 };
 
 /* A linear layer as stored: float32 rows [n, k], or codes with float32 scales and minimums
    per group (the layouts linear_q4 / linear_q8 read), or the same codes with float16 scales
@@ -84,7 +84,10 @@ typedef struct dl_select {
     /* DL_SPECULATE: the next layer's query from x (its q weights nq, the rotary encoding of
        this step), projected per KV head (nproj [B, KV, D, nr], times 1/sqrt(D)), scored
        against its packed keys (ncodes [C, nL, nP], nlo / nscale [C, nL]) over the first T
-       rows and chosen by the mass rule: order [C, width] */
+       rows and chosen by the mass rule: order [C, width]. DL_OWN (--speculation-query own):
+       the same fields hold this layer's own projection and packed keys, and the query is
+       its own q_rot (no nq); the order is then this layer's index, chosen before it
+       attends */
     dl_linear nq;
     const float *nproj;
     int64_t nproj_sb, nr;
@@ -107,6 +110,6 @@ typedef struct dl_select {
 
 int dl_run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int64_t nt);
 int dl_attend_chosen(const dl_args *a);
-int dl_speculate(const dl_args *a);
+int dl_speculate(const dl_args *a, int own);
 
 #endif

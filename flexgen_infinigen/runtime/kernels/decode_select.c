@@ -11,7 +11,9 @@
    - DL_SPECULATE: the next layer's rehearsal from this layer's attention input x
      (Rehearsal.projected_query: its q projection, the rotary embedding, the per-KV-head
      projection) and its selection (SpeculationKeys.select_mass: scores against the packed
-     keys and the mass rule), written to `order` for the next layer's load. */
+     keys and the mass rule), written to `order` for the next layer's load;
+   - DL_OWN: the same scoring and rule for this layer itself, from its own rotated query
+     (InfiniGenCache.attend's OWN branch), the order read by DL_CHOSEN as its index. */
 
 void project_heads(const float *x, const float *P, float *out, int64_t B, int64_t N,
                    int64_t KV, int64_t d, int64_t r, int64_t xsb, int64_t xsn, int64_t xsk,
@@ -51,24 +53,28 @@ int dl_attend_chosen(const dl_args *a) {
     return 1;
 }
 
-int dl_speculate(const dl_args *a) {
+int dl_speculate(const dl_args *a, int own) {
     const dl_select *s = a->sel;
     const int64_t B = a->B, H = a->H, KV = a->KV, D = a->D, C = B * KV, G = H / KV;
     const int64_t nt = a->nthreads, r = s->nr, per = 8 / s->nbits, P = s->nP, W = P * per;
-    const float *x = a->x;
-    if (s->nscale_x) {  /* the rehearsal's input renormed (InfiniGen's Rehearsal.renormed) */
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t j = 0; j < a->hidden; j++) {
-                const float y = x[b * a->hidden + j] * s->nscale_x[j];
-                s->s_x[b * a->hidden + j] = s->nshift_x ? s->nshift_x[j] + y : y;
-            }
-        x = s->s_x;
+    const float *rot = a->q_rot;  /* DL_OWN: the layer's own rotated query */
+    if (!own) {  /* the rehearsal: the next layer's query from this layer's input x */
+        const float *x = a->x;
+        if (s->nscale_x) {  /* x renormed (InfiniGen's Rehearsal.renormed) */
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t j = 0; j < a->hidden; j++) {
+                    const float y = x[b * a->hidden + j] * s->nscale_x[j];
+                    s->s_x[b * a->hidden + j] = s->nshift_x ? s->nshift_x[j] + y : y;
+                }
+            x = s->s_x;
+        }
+        if (!dl_run_linear(&s->nq, x, s->s_lin, B, nt))
+            return 0;
+        rotary_rows(s->s_lin, a->cos, a->sin, s->s_rot, B, H, D, nt);
+        rot = s->s_rot;
     }
-    if (!dl_run_linear(&s->nq, x, s->s_lin, B, nt))
-        return 0;
-    rotary_rows(s->s_lin, a->cos, a->sin, s->s_rot, B, H, D, nt);
     /* q [B, H, D] seen as [B, G, KV, D] (head k * G + g), projected into pq [B, KV, G, r] */
-    project_heads(s->s_rot, s->nproj, s->s_pq, B, G, KV, D, r, H * D, D, G * D, KV * G * r, r,
+    project_heads(rot, s->nproj, s->s_pq, B, G, KV, D, r, H * D, D, G * D, KV * G * r, r,
                   G * r, s->nproj_sb, nt);
     /* the kernel's slot-plane column order (column j * per + t at t * P + j), zero columns
        past r, and each query's sum */

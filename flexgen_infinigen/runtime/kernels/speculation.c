@@ -14,8 +14,15 @@
 
    With AVX2, 4-bit codes and P of 16 or a multiple of 32 up to 128, q is rounded to 8-bit
    integers per query head (max |q| to 127; an error far below the 4-bit keys') and
-   q . codes is an integer product of bytes (vpmaddubsw), eight rows reduced at once;
-   otherwise codes are expanded to floats row by row. */
+   q . codes is an integer product of bytes (vpmaddubsw), eight rows reduced at once. With
+   8-bit codes and P a multiple of 16 up to 256, q is rounded to 16-bit integers (max |q| to
+   Q16_MAX) and the codes widened to 16 bits for vpmaddwd. Otherwise codes are expanded to
+   floats row by row. */
+
+/* 8-bit keys' queries: |q| <= Q16_MAX so that a row's sum, 256 codes of at most 255 times
+   Q16_MAX, stays below 2^31 (2.1e9 > 256 * 255 * 8191 = 5.3e8); a rounding error of 1/16382
+   of the largest |q|, far below the keys' own 1/510 of their range. */
+#define Q16_MAX 8191.0f
 
 #ifdef __AVX2__
 /* dots[g] (g < NG, NG <= 4): the integer products of eight rows of codes (row stride P bytes,
@@ -46,6 +53,34 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
         }
         for (int g = 0; g < NG; g++)
             acc[g][r] = _mm256_madd_epi16(sum[g], ones);
+    }
+    for (int g = 0; g < NG; g++) {
+        const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][0], acc[g][1]),
+                                             _mm256_hadd_epi32(acc[g][2], acc[g][3]));
+        const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][4], acc[g][5]),
+                                             _mm256_hadd_epi32(acc[g][6], acc[g][7]));
+        dots[g] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                   _mm256_permute2x128_si256(u0, u1, 0x31));
+    }
+}
+
+/* dots8 for 8-bit codes: dots[g] the products of eight rows of P bytes (P a multiple of 16)
+   with the 16-bit queries qw[g0 + g], 16 codes at a time widened to 16 bits and multiplied
+   pairwise into 32-bit sums (vpmaddwd). */
+static inline __attribute__((always_inline)) void dots16(const uint8_t *codes, int64_t P,
+                                                         const int16_t (*qw)[256], int64_t g0,
+                                                         const int NG, __m256i *dots) {
+    __m256i acc[4][8];
+    for (int r = 0; r < 8; r++) {
+        const uint8_t *row = codes + r * P;
+        for (int g = 0; g < NG; g++)
+            acc[g][r] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < P; j += 16) {
+            const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + j)));
+            for (int g = 0; g < NG; g++)
+                acc[g][r] = _mm256_add_epi32(acc[g][r], _mm256_madd_epi16(
+                    c, _mm256_load_si256((const __m256i *)(qw[g0 + g] + j))));
+        }
     }
     for (int g = 0; g < NG; g++) {
         const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][0], acc[g][1]),
@@ -136,13 +171,16 @@ static inline __attribute__((always_inline)) void dots8_p16(const uint8_t *codes
 
 /* Eight rows' scores for the NG heads g0 .. g0 + NG: scale * (q . codes) + lo * sum(q), into
    s[g * ld .. + 8]; with `masked`, hidden rows (lanes of `shown` clear) get HIDDEN_SCORE and
-   vbest[g] keeps each head's largest. */
+   vbest[g] keeps each head's largest. 4-bit codes against qi, or (qw not NULL) 8-bit ones
+   against qw. */
 static inline __attribute__((always_inline)) void block8(
-        const uint8_t *rows, int64_t P, const int8_t (*qi)[256], int64_t g0, const int NG,
-        v8 sc, v8 lo8, const float *qscale, const float *qsum, int masked, __m256 shown,
-        v8 *vbest, float *s, int64_t ld) {
+        const uint8_t *rows, int64_t P, const int8_t (*qi)[256], const int16_t (*qw)[256],
+        int64_t g0, const int NG, v8 sc, v8 lo8, const float *qscale, const float *qsum,
+        int masked, __m256 shown, v8 *vbest, float *s, int64_t ld) {
     __m256i d[4];
-    if (P == 32)
+    if (qw)
+        dots16(rows, P, qw, g0, NG, d);
+    else if (P == 32)
         dots8_p32(rows, qi, g0, NG, d);
     else if (P == 16)
         dots8_p16(rows, qi, g0, NG, d);
@@ -173,17 +211,26 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
     for (int64_t g = 0; g < G; g++)
         best[g] = HIDDEN_SCORE;
 #ifdef __AVX2__
-    if (bits == 4 && (P == 16 || (P % 32 == 0 && P <= 128))) {
+    const int four = bits == 4 && (P == 16 || (P % 32 == 0 && P <= 128));
+    const int eight = bits == 8 && P % 16 == 0 && P <= 256;
+    if (four || eight) {
         int8_t qi[16][256] __attribute__((aligned(32)));
+        int16_t qw_[16][256] __attribute__((aligned(32)));
+        const int16_t (*qw)[256] = eight ? (const int16_t (*)[256])qw_ : NULL;
+        const float top_q = eight ? Q16_MAX : 127.0f;
         float qscale[16];
         for (int64_t g = 0; g < G; g++) {
             float m = 0.0f;
             for (int64_t w = 0; w < W; w++)
                 m = fabsf(q[g * W + w]) > m ? fabsf(q[g * W + w]) : m;
-            qscale[g] = m > 0.0f ? m / 127.0f : 1.0f;
+            qscale[g] = m > 0.0f ? m / top_q : 1.0f;
             for (int64_t w = 0; w < W; w++) {
-                qi[g][w] = (int8_t)lrintf(q[g * W + w] / qscale[g]);
-                rounded[g * W + w] = qi[g][w] * qscale[g];
+                const long v = lrintf(q[g * W + w] / qscale[g]);
+                if (eight)
+                    qw_[g][w] = (int16_t)v;
+                else
+                    qi[g][w] = (int8_t)v;
+                rounded[g * W + w] = v * qscale[g];
             }
         }
         q = rounded;
@@ -209,8 +256,8 @@ static void score_column(const uint8_t *codes, const float *scale, const float *
             }
             const int masked = vis != NULL;
             for (int64_t g0 = 0; g0 < G; g0 += 4) {  /* head counts as constants: in registers */
-#define BLOCK8(NG) block8(rows, P, qi, g0, NG, sc, lo8, qscale, qsum, masked, shown, vbest, \
-                          s + t, ld)
+#define BLOCK8(NG) block8(rows, P, qi, qw, g0, NG, sc, lo8, qscale, qsum, masked, shown, \
+                          vbest, s + t, ld)
                 const int64_t ng = G - g0 < 4 ? G - g0 : 4;
                 if (ng == 4) BLOCK8(4);
                 else if (ng == 3) BLOCK8(3);
