@@ -49,7 +49,11 @@ OUT = ROOT / "benchmarks" / "results" / "moe_decode"
 MODELS = {"qwen3-30b-a3b": (2, [4096, 16384]), "olmoe-1b-7b": (2, [4096, 8192])}
 POLICIES = {"full": ("full", None),
             "infinigen-pages@0.1": ("infinigen", {"speculation_keys": "pages16",
-                                                  "max_kv_fraction": 0.1})}
+                                                  "max_kv_fraction": 0.1}),
+            # each layer chooses rows with its own query (a CPU reads them in place): the
+            # same share of the KV, InfiniGen inside the fused call despite the q/k norms
+            "infinigen-own@0.1": ("infinigen", {"speculation_query": "own",
+                                                "max_kv_fraction": 0.1})}
 GEN = 8
 
 
@@ -77,8 +81,8 @@ def run_one(spec: dict) -> dict:
     from flexgen_infinigen.planner.workload import expert_coverage
     from flexgen_infinigen.runtime.prefill_cache import PrefillCache
 
-    ctx, b = spec["context"], spec["batch"]
-    cfg = cut_config(spec["model"], spec["layers"], ctx + GEN)
+    ctx, b, gen_steps = spec["context"], spec["batch"], spec.get("steps", GEN)
+    cfg = cut_config(spec["model"], spec["layers"], ctx + gen_steps)
     KNOWN_MODELS[cfg.name] = cfg
     kv, options = POLICIES[spec["policy"]]
     if kv == "infinigen":  # the full model's share of layers that read the whole cache
@@ -92,18 +96,18 @@ def run_one(spec: dict) -> dict:
                                  expert_cpu_percent=ec)
     source = {"model": gguf} if gguf else {"model": cfg.name, "dummy": True}
     with OffloadedLM.load(**source, policy=policy, kv_policy=kv, kv_options=options,
-                          max_len_hint=(ctx, GEN), progress=False,
+                          max_len_hint=(ctx, gen_steps), progress=False,
                           offload_dir=spec.get("offload_dir")) as lm:
         gen = torch.Generator().manual_seed(ctx + b)
         prompts = [torch.randint(3, cfg.vocab_size, (ctx,), generator=gen).tolist()
                    for _ in range(b)]
-        out = lm.generate(prompts, GEN, stop_token_id=None,
+        out = lm.generate(prompts, gen_steps, stop_token_id=None,
                           prefill_cache=PrefillCache(spec["prefill_dir"]))
         report = lm.engine.kv_policy.report()
         steps = out.step_times[1:]
         step = statistics.median(steps[2:] if len(steps) > 4 else steps)
         held = {n: sum(t.bytes_by_tier().values()) for n, t in lm.engine.weights.items()}
-        kv_bytes = kv_read_bytes(lm, report, b, ctx + GEN / 2, False)
+        kv_bytes = kv_read_bytes(lm, report, b, ctx + gen_steps / 2, False)
     dense = sum(v for n, v in held.items() if not is_expert_weight(n) and n != "embed.weight")
     one_expert = sum(v for n, v in held.items() if n.startswith("layers.0.experts.0."))
     active = cfg.num_layers * expert_coverage(cfg, b)
@@ -161,7 +165,8 @@ def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) 
     base = {"model": model, "layers": layers, "model_layers": full,
             "infinigen_first_layer": max(1, int(2 * layers / full + 0.5))}
     out = [{**base, "context": c, "batch": 1, "policy": "full"} for c in contexts]
-    out.append({**base, "context": max(contexts), "batch": 1, "policy": "infinigen-pages@0.1"})
+    out += [{**base, "context": max(contexts), "batch": 1, "policy": p}
+            for p in POLICIES if p != "full"]
     out += [{**base, "context": min(contexts), "batch": b, "policy": "full"}
             for b in batches if b > 1]
     return out
@@ -190,10 +195,13 @@ def main(argv=None) -> int:
                    "rest, under the prefill folder); default: in memory with the weights")
     p.add_argument("--pause-pid-file", default="/work/notes/accuracy_run.pid")
     p.add_argument("--timeout", type=float, default=590.0, help="seconds per row")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
-                   help="run only these rows")
+    p.add_argument("--policies", nargs="+", default=["full", "infinigen-pages@0.1"],
+                   choices=list(POLICIES), help="run only these rows (infinigen-own@0.1: "
+                   "when asked)")
     p.add_argument("--prefill-dir", default=None,
                    help="keep prefills there and reuse them (default: a temporary folder)")
+    p.add_argument("--steps", type=int, default=GEN,
+                   help="tokens decoded a row (the step time: their median after the first 3)")
     p.add_argument("--update", action="store_true",
                    help="merge these rows into the existing results (same row: replaced)")
     p.add_argument("--out", default=str(OUT), help="results path, without the suffix")
@@ -234,7 +242,7 @@ def main(argv=None) -> int:
                     spec.update(experts_percent=a.experts_percent,
                                 offload_dir=str(Path(prefills) / "offload"))
                 with paused(a.pause_pid_file):
-                    spec.update(bandwidth=read_bandwidth(), prefill_dir=prefills)
+                    spec.update(bandwidth=read_bandwidth(), prefill_dir=prefills, steps=a.steps)
                     row = in_subprocess(spec, a.timeout)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
@@ -274,7 +282,10 @@ def result(rows: list[dict], models: list[str]) -> dict:
                        "float32 scale and minimum per group of 32 (6 bits a parameter); rows "
                        "with a 'gguf' load llama.cpp's random Q4_0 file (a float16 scale per "
                        "32, 4.5 bits)",
-            "kv_cache": "float32, in CPU memory", "generated_tokens": GEN, "rows": rows}
+            "kv_cache": "float32, in CPU memory",
+            "generated_tokens": sorted({r.get("steps", GEN) for r in rows
+                                        if r.get("policy") != "llama.cpp"}),
+            "rows": rows}
 
 
 def gguf_for(model: str, layers: int, contexts: list[int], folder: str) -> str:
