@@ -25,6 +25,16 @@
 #define Q16_MAX 8191.0f
 
 #ifdef __AVX2__
+/* Eight rows' 32-bit partial sums acc[r] reduced to one vector: lane r the sum of acc[r]. */
+static inline __attribute__((always_inline)) __m256i sum_rows8(const __m256i *acc) {
+    const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]),
+                                         _mm256_hadd_epi32(acc[2], acc[3]));
+    const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]),
+                                         _mm256_hadd_epi32(acc[6], acc[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
 /* dots[g] (g < NG, NG <= 4): the integer products of eight rows of codes (row stride P bytes,
    P a multiple of 32) with the 8-bit queries qi[g0 + g] (low nibbles against the first P
    bytes, high ones against the next P). Each row's codes are loaded and split into nibbles
@@ -54,14 +64,8 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
         for (int g = 0; g < NG; g++)
             acc[g][r] = _mm256_madd_epi16(sum[g], ones);
     }
-    for (int g = 0; g < NG; g++) {
-        const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][0], acc[g][1]),
-                                             _mm256_hadd_epi32(acc[g][2], acc[g][3]));
-        const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][4], acc[g][5]),
-                                             _mm256_hadd_epi32(acc[g][6], acc[g][7]));
-        dots[g] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                   _mm256_permute2x128_si256(u0, u1, 0x31));
-    }
+    for (int g = 0; g < NG; g++)
+        dots[g] = sum_rows8(acc[g]);
 }
 
 /* dots8 for 8-bit codes: dots[g] the products of eight rows of P bytes (P a multiple of 16)
@@ -82,14 +86,8 @@ static inline __attribute__((always_inline)) void dots16(const uint8_t *codes, i
                     c, _mm256_load_si256((const __m256i *)(qw[g0 + g] + j))));
         }
     }
-    for (int g = 0; g < NG; g++) {
-        const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][0], acc[g][1]),
-                                             _mm256_hadd_epi32(acc[g][2], acc[g][3]));
-        const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[g][4], acc[g][5]),
-                                             _mm256_hadd_epi32(acc[g][6], acc[g][7]));
-        dots[g] = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                   _mm256_permute2x128_si256(u0, u1, 0x31));
-    }
+    for (int g = 0; g < NG; g++)
+        dots[g] = sum_rows8(acc[g]);
 }
 
 /* dots8 for rows of exactly 32 bytes (64 columns: head dim 64), its sums across rows made
