@@ -59,6 +59,10 @@ POLICIES = {
     "infinigen-half-w4": ("infinigen", {"partial_weight_ratio": 0.5}, False, True),
     "infinigen-half@0.1-w4": ("infinigen", {"partial_weight_ratio": 0.5,
                                             "max_kv_fraction": 0.1}, False, True),
+    # each layer chooses with its own query (a CPU reads the chosen rows in place)
+    "infinigen-own-w4": ("infinigen", {"speculation_query": "own"}, False, True),
+    "infinigen-own@0.1-w4": ("infinigen", {"speculation_query": "own",
+                                           "max_kv_fraction": 0.1}, False, True),
 }
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "h2o", "full-4bit"]
 # llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
