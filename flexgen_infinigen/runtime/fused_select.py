@@ -12,7 +12,10 @@ What the call does for a layer, by what this step's ``load`` gave (``kv/infinige
   waits with the others to be packed into the speculation keys (``_defer_keys``);
 - **the next layer's speculation**, when it selects this step: its query from this layer's
   attention input, projected, scored against its packed keys, and the mass rule's choice
-  handed to its ``load`` as ``speculate`` hands it.
+  handed to its ``load`` as ``speculate`` hands it;
+- **the layer's own choice** (``--speculation-query own``: its load gave ``OWN``): its own
+  rotated query, projected and scored against its own packed keys by the same rule, then
+  attention over the rows chosen, as for the first case (no rehearsal for any layer).
 
 A step this cannot take (another selection rule, a KV pool, page summaries or partial keys,
 a 4-bit cache ...) returns None and the engine runs the two calls around the policy; where
@@ -224,8 +227,9 @@ class SelectPlan:
         self.rows = (index, counts)  # alive through the call
 
     def _point_speculation(self, nc, state, length: int):
-        """The next layer's speculation for this step: its ``(order, counts)`` tensors, the
-        order filled by the call; (None, None) where the kernel takes no rows."""
+        """The choice the call makes this step for ``nc`` (the next layer, or with
+        ``--speculation-query own`` this one): its ``(order, counts)`` tensors, the order
+        filled by the call; (None, None) where the kernel takes no rows."""
         policy, s = nc.policy, self.args
         width = min(policy.options.budget.most(length), length)
         if width < 1:
