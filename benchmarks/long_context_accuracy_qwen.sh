@@ -4,7 +4,7 @@
 # (one seed). Hours on a small CPU, so it runs in phases whose partial results are already
 # useful: every policy at 8K (with transformers as the reference: at 16K its generate peaks
 # near 14 GB, see long_context_qwen.md), then 16K, then InfiniGen with --speculation-query
-# renorm and own at 8K and 16K, then 32K, then those queries at 32K, then H2O (its own
+# renorm and own at 8K and 16K, then 32K (what decides the default first), then H2O (its own
 # prefill: the slowest policy, on one seed).
 #
 # One prompt a round (--batch 1): a stopped run loses at most one prompt's prefill.
@@ -39,10 +39,11 @@ run --lengths 16384 --seeds 2 --batch 1 --policies $POLICIES --reference-max-len
 run --lengths 8192 16384 --seeds 2 --batch 1 \
     --policies infinigen-renorm@0.04 infinigen-renorm@0.02:L1 infinigen-own@0.04 \
     infinigen-own-int8@0.04 --reference-max-length 0
+# 32K: first what decides the default (full, the paper's query, the better queries, the
+# oracle at 0.120), then the rest of the list from the kept prefills
+run --lengths 32768 --seeds 1 --batch 1 --policies full infinigen infinigen@0.04 \
+    infinigen-renorm@0.04 infinigen-own@0.04 oracle@0.04 infinigen-renorm@0.02:L1 \
+    --reference-max-length 0
 # shellcheck disable=SC2086
 run --lengths 32768 --seeds 1 --batch 1 --policies $POLICIES --reference-max-length 0
-# the better queries at 32K, from its kept prefills (added after the 8K/16K phase: both
-# matched full at 16K and 0.120)
-run --lengths 32768 --seeds 1 --batch 1 --policies infinigen-renorm@0.04 \
-    infinigen-renorm@0.02:L1 infinigen-own@0.04 --reference-max-length 0
 run --lengths 8192 16384 --seeds 1 --batch 1 --policies h2o@0.12 --reference-max-length 0
