@@ -149,3 +149,29 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
     assert fast[1] == slow[1]
     rel = (fast[2] - slow[2]).abs().mean() / slow[2].std()
     assert rel < 0.01, rel
+
+
+@pytest.mark.parametrize("fractions", [(0.3, 0.4, 0.3), (0.0, 0.0, 1.0), (0.5, 0.5, 0.0)])
+def test_a_split_or_disk_weight_comes_to_a_cpu_as_its_codes(tmp_path, fractions):
+    """A 4-bit weight split over the tiers (or held on disk) reaches a CPU's math as its
+    codes in one buffer, not expanded to floats every step: the same values as expanding
+    each segment, and each link counts the codes' bytes of the segments that crossed it."""
+    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.runtime.tiered import TieredTensor
+    from flexgen_infinigen.runtime.tiers import Tiers
+
+    tiers = Tiers(torch.device("cpu"), str(tmp_path))
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(0))
+    w = TieredTensor(tiers, tuple(x.shape), torch.float32, fractions, "weights", compress=True)
+    w.write(x)
+    before = {link: by_kind["weights"] for link, by_kind in tiers.bytes_moved.items()}
+    got = w.read_for_compute()
+    assert isinstance(got, PackedWeight) and got.kernel_ready
+    moved = {link: by_kind["weights"] - before[link]
+             for link, by_kind in tiers.bytes_moved.items()}
+    per_row = compress(x[:1]).nbytes  # codes, scale and minimum of one row
+    host, disk = (sum(s.stop - s.start for s in w.segments if s.tier == t) * per_row
+                  for t in ("host", "disk"))
+    assert moved["host->device"] == host + disk and moved["disk->host"] == disk
+    assert torch.equal(got.dense(), w.read())
+    assert (got.dense() - x).abs().max() <= (x.max() - x.min()) / 15

@@ -158,7 +158,25 @@ class TieredTensor:
             moved = [self._move(p, seg.tier, DEVICE) for p in seg.data.parts]
             return compression.PackedWeight(compression.Packed(*moved, seg.data.shape),
                                             self.dtype)
+        if self.compressed and not self.tiers.is_cuda and self.split_dim == 0:
+            # split over tiers, or held where a CPU does not read it in place (disk): the
+            # segments' codes copied into one buffer, multiplied as codes. Expanding them to
+            # floats every step (read()) writes 4-8x the codes' bytes and costs far more
+            # than reading them.
+            return compression.PackedWeight(self._codes_in_one_place(), self.dtype)
         return self.read()
+
+    def _codes_in_one_place(self) -> compression.Packed:
+        """Every segment's codes, scales and minima copied (or read from disk) into one
+        fresh buffer on the compute device, rows in order; each link's bytes counted."""
+        first = self.segments[0].data
+        whole = [torch.empty((self.shape[0], *p.shape[1:]), dtype=p.dtype)
+                 for p in first.parts]
+        for seg in self.segments:
+            for dst, src in zip(whole, seg.data.parts):
+                self.tiers.write(dst[seg.start:seg.stop], DEVICE, src, self.kind,
+                                 src_tier=seg.tier)
+        return compression.Packed(*whole, self.shape)
 
     def _read_into_place(self, sel: slice, to: str, out: torch.Tensor | None) -> torch.Tensor:
         """A split tensor read into one buffer, each segment copied straight to its place
