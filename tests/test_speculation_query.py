@@ -50,6 +50,10 @@ def stores(tmp_path_factory):
             vocab_size=512, hidden_size=128, num_hidden_layers=3, ffn_dim=256,
             num_attention_heads=4, max_position_embeddings=256,
             word_embed_proj_dim=128)).eval(), True),
+        ("opt-post", OPTForCausalLM(OPTConfig(  # norms after attention, as OPT-350m
+            vocab_size=512, hidden_size=128, num_hidden_layers=3, ffn_dim=256,
+            num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=128,
+            do_layer_norm_before=False)).eval(), True),
         ("qwen3", Qwen3ForCausalLM(Qwen3Config(
             vocab_size=512, hidden_size=128, num_hidden_layers=3, intermediate_size=256,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -111,6 +115,29 @@ def test_keeping_everything_equals_full(stores, family, query):
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert (a - b).abs().max().item() < 1e-4
+
+
+DISK_CACHE = Policy.from_percent([100, 0, 0, 0, 100, 0])
+
+
+@pytest.mark.parametrize("family,policy,want", [
+    ("llama", CPU_CACHE, "own"), ("llama", DISK_CACHE, "renorm"),
+    ("opt-post", DISK_CACHE, "input"), ("opt-post", CPU_CACHE, "own")])
+def test_auto_query_takes_the_best_that_runs(stores, family, policy, want):
+    """``auto`` never refuses: ``own`` where the caches are read in place by a CPU, else
+    ``renorm`` where every layer has a norm before attention, else the paper's ``input``
+    (post-norm OPT, cache on disk); and it decodes as asking for that query by name."""
+    outs = []
+    for query in ("auto", want):
+        with OffloadedLM.load(path=stores[family], policy=policy, kv_policy="infinigen",
+                              kv_options={"speculation_query": query, "first_layer": 1,
+                                          "max_kv_fraction": 0.5},
+                              progress=False) as lm:
+            outs.append(lm.generate(PROMPTS, 4, stop_token_id=None, keep_logits=True))
+            assert lm.engine.kv_policy.settings()["speculation_query"] == want
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert torch.equal(a, b)
 
 
 def test_bad_speculation_query():

@@ -96,15 +96,11 @@ class Rehearsal:
         (b' - b * w' / w): no extra reads of h. None where the layer does not speculate."""
         if layer < max(self.options.first_layer, 1) or layer not in engine.part.layers:
             return None
+        refused = renorm_refused(engine, self.cfg, layer)
+        if refused:
+            raise ConfigError(f"--speculation-query renorm: {refused}; use input")
         names = [f"layers.{i}.attn_norm.weight" for i in (layer - 1, layer)]
-        pre_norm = getattr(self.cfg, "do_layer_norm_before", True)
-        if not pre_norm or not all(n in engine.weights for n in names):
-            raise ConfigError("--speculation-query renorm needs a norm before each layer's "
-                              f"attention ({self.cfg.name} has none to take); use input")
         before, after = (engine.weights[n].read().float() for n in names)
-        if bool((before.abs() < 1e-6).any()):
-            raise ConfigError(f"--speculation-query renorm: layer {layer - 1}'s input norm "
-                              "zeroes a channel, which no rescaling recovers; use input")
         scale = after / before
         shift = None
         bias = [f"layers.{i}.attn_norm.bias" for i in (layer - 1, layer)]
@@ -186,3 +182,34 @@ class Rehearsal:
         return {"source": self.skew.meta.get("source"), "tokens": self.skew.meta.get("tokens"),
                 "kept_from_an_earlier_run": bool(self.skew.meta.get("kept")),
                 "per_prompt": self.options.prompt_skew}
+
+
+def renorm_refused(engine, cfg, layer: int) -> str | None:
+    """Why layer ``layer``'s rehearsal cannot renormalize layer ``layer - 1``'s input (no
+    norm before each layer's attention, or one that zeroes a channel), else None."""
+    names = [f"layers.{i}.attn_norm.weight" for i in (layer - 1, layer)]
+    if not getattr(cfg, "do_layer_norm_before", True) or not all(
+            n in engine.weights for n in names):
+        return f"it needs a norm before each layer's attention ({cfg.name} has none to take)"
+    if bool((engine.weights[names[0]].read().abs() < 1e-6).any()):
+        return f"layer {layer - 1}'s input norm zeroes a channel, which no rescaling recovers"
+    return None
+
+
+def auto_query(lm, options: InfiniGenOptions) -> str:
+    """``--speculation-query auto``: ``own`` where every layer's KV cache is float32 in one
+    place a CPU reads in place with the kernels (where ``InfiniGenCache`` attends in place;
+    nothing needs fetching ahead there), else ``renorm`` where every speculating layer can
+    take it, else the paper's ``input``. A default must run everywhere: never refuses."""
+    engine, policy, cfg = lm.engine, lm.policy, lm.cfg
+    tiers = engine.tiers
+    device, host, _ = policy.cache_split
+    one_place = device == 1 or (host == 1 and tiers.host_in_place)
+    if (one_place and not tiers.is_cuda and not policy.compress_cache
+            and engine.dtype == torch.float32 and cfg.head_dim % 8 == 0
+            and cpu_kernels.library() is not None):
+        return "own"
+    layers = [i for i in engine.part.layers if i >= max(options.first_layer, 1)]
+    if all(renorm_refused(engine, cfg, i) is None for i in layers):
+        return "renorm"
+    return "input"

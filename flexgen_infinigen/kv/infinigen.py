@@ -89,14 +89,15 @@ class InfiniGenPolicy(SelectivePolicy):
         g.add_argument("--column-score", default="q",
                        help="rank skewed columns by query energy, or query times key energy")
         g.add_argument("--speculation-query", default="input",
-                       choices=["input", "renorm", "own"],
+                       choices=["input", "renorm", "own", "auto"],
                        help="what the rehearsal multiplies by layer i+1's query weights: "
                             "layer i's attention input (input, the paper's), or layer i's "
                             "residual through layer i+1's own input norm (renorm: no extra "
                             "reads, a closer guess); or own: no guess, each layer chooses "
                             "with its own query as it attends (a KV cache in CPU memory read "
-                            "in place only: nothing is fetched ahead; docs/usage/"
-                            "long_context.md)")
+                            "in place only: nothing is fetched ahead); auto: own where "
+                            "that holds, else renorm where the model allows, else input "
+                            "(docs/usage/long_context.md)")
         g.add_argument("--kv-pool-capacity", type=float, default=1.0,
                        help="fraction of each head's context kept in the host pool")
         g.add_argument("--eviction", default="fifo", help="pool eviction: fifo, lru or counter")
@@ -235,9 +236,12 @@ class InfiniGenPolicy(SelectivePolicy):
     def prepare(self, lm) -> None:
         from dataclasses import replace
 
-        from ..infinigen.rehearsal import Rehearsal
+        from ..infinigen.rehearsal import Rehearsal, auto_query
 
         self.options = self.options.with_defaults(lm.cfg.family, self.default_rule)
+        if self.options.speculation_query == "auto":
+            self.options = replace(self.options,
+                                   speculation_query=auto_query(lm, self.options))
         if self.options.select_from_mb is None:
             env = os.environ.get(SELECT_FROM_ENV)
             self.options = replace(self.options, select_from_mb=float(env) if env else

@@ -64,7 +64,8 @@ class InfiniGenOptions(SelectionOptions):
     column_score: str = "q"
     # the rehearsal's input: layer i's attention input as it is ("input"), or layer i's
     # residual through layer i+1's own input norm ("renorm": the same cost, a closer guess);
-    # or no rehearsal: the layer's own query when it attends ("own": rows read in place only)
+    # or no rehearsal: the layer's own query when it attends ("own": rows read in place only);
+    # "auto": own where it can run, else renorm where the model allows, else input
     speculation_query: str = "input"
     calibration: str | None = None  # text file; default: the store's skew, else built-in text
     prompt_skew: bool = False  # blend each prompt's own query statistics into its skew
@@ -79,8 +80,8 @@ class InfiniGenOptions(SelectionOptions):
         r = self.partial_weight_ratio
         if r is not None and not 0 < r <= 1:
             raise ConfigError(f"--partial-weight-ratio must be in (0, 1] (got {r})")
-        if self.speculation_query not in ("input", "renorm", "own"):
-            raise ConfigError(f"--speculation-query must be input, renorm or own (got "
+        if self.speculation_query not in ("input", "renorm", "own", "auto"):
+            raise ConfigError(f"--speculation-query must be input, renorm, own or auto (got "
                               f"{self.speculation_query!r})")
         if self.speculation_keys not in {**KINDS, **PAGE_KINDS}:
             raise ConfigError(f"--speculation-keys must be one of "
