@@ -34,7 +34,9 @@ OUT = ROOT / "benchmarks" / "results" / "accuracy_sweep"
 
 
 def ig(**kw):
-    return "infinigen", {"options": InfiniGenOptions(**kw)}, False
+    # every layer chooses at every size (a CPU otherwise reads a layer under 12 MB whole,
+    # which is every layer of these short windows): the sweep measures the choosing
+    return "infinigen", {"options": InfiniGenOptions(**{"select_from_mb": 0.0, **kw})}, False
 
 
 PARAGRAPH = ROOT / "benchmarks" / "data" / "calibration_paragraph.txt"  # the first built-in text
@@ -51,7 +53,7 @@ def methods(budgets: list[float], h2o_budgets: list[float], corpus: str) -> dict
     oracle = {f"oracle @{f}": ("oracle", {"options": SelectionOptions(max_kv_fraction=f)},
                                False) for f in budgets}
     four_bit = {f"infinigen+4-bit @{f}": ("infinigen", {"options": InfiniGenOptions(
-        max_kv_fraction=f)}, True) for f in (budgets[-1], budgets[1])}
+        max_kv_fraction=f, select_from_mb=0.0)}, True) for f in (budgets[-1], budgets[1])}
     # the rows every goal needs first (the ends of each curve), then the points between
     for group in (oracle, h2o):
         for name in (list(group)[-1], list(group)[1], list(group)[0]):
@@ -63,6 +65,9 @@ def methods(budgets: list[float], h2o_budgets: list[float], corpus: str) -> dict
     rows.update(h2o)
     rows.update(four_bit)
     rows.update(variants)
+    for query in ("renorm", "own"):  # the better speculation queries, as curves
+        for f in budgets:
+            rows[f"infinigen-{query} @{f}"] = ig(max_kv_fraction=f, speculation_query=query)
     return rows
 
 
