@@ -89,6 +89,9 @@ def parse_policy(label: str):
         opts["speculation_keys"] = "int8"
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
+    # a label keeps its meaning across runs (results are resumed by label): without a named
+    # query it is the paper's, the runtime's default before it became auto (2026-11-28)
+    opts.setdefault("speculation_query", "input")
     # select at every length (the speed default reads small layers whole: not what is measured)
     return "infinigen", {"options": InfiniGenOptions(select_from_mb=0.0, **opts).validate()}, \
         kind.endswith("4bit")

@@ -101,7 +101,8 @@ class OffloadedLM:
         tiers = Tiers(dev, offload_dir, direct_io=policy.direct_io,
                       host_in_place=policy.host_in_place)
         try:
-            names = part.weight_names(cfg) if part is not None else None
+            names = (part.weight_names(cfg) | part.borrowed_names(cfg)
+                     if part is not None else None)
             weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names,
                                     expert_order=order)
         except BaseException:

@@ -48,7 +48,10 @@ def test_host_cache_read_in_place_on_a_cpu(tiny_opt, kv):
     outs = []
     for in_place in (True, False):
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=in_place)
-        with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, progress=False) as lm:
+        # one query both ways (auto takes own only where the cache is read in place)
+        opts = {"speculation_query": "input"} if kv == "infinigen" else None
+        with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=opts,
+                              progress=False) as lm:
             outs.append(lm.generate([PROMPT, PROMPT[:4]], STEPS, stop_token_id=None,
                                     keep_logits=True))
             moved = lm.tiers.bytes_moved

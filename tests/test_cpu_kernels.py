@@ -165,6 +165,7 @@ def test_byte_products_change_few_selections_on_a_real_model(smollm2_store, monk
         chosen.append([])
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
         with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",
+                              kv_options={"speculation_query": "input"},  # speculation ranks
                               progress=False) as lm:
             prompt = synthesize_prompts(lm, 600, 1, 0)[0]
             forced = runs[0].token_ids if runs else None

@@ -370,7 +370,8 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
     monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")
     # a cache (one sequence) holds 2 KV heads x 256 bytes a token: it reads whole below 70
     # cached tokens and selects from there (the prompts hold 41 and 54, the generation 30)
-    options = InfiniGenOptions(max_kv_fraction=0.3, select_from_mb=70 * 512 / 1e6)
+    options = InfiniGenOptions(max_kv_fraction=0.3, select_from_mb=70 * 512 / 1e6,
+                               speculation_query="input")  # the rehearsal ranks (_rank)
     prompts = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
     runs = []
     for pending in (infinigen_cache.PENDING_KEYS, 1):
@@ -404,7 +405,8 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
 
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
-                          kv_options={"max_kv_fraction": 0.3}, progress=False) as lm:
+                          kv_options={"max_kv_fraction": 0.3, "speculation_query": "input"},
+                          progress=False) as lm:
         out = lm.generate([[1] + list(range(7, 90))], 4, stop_token_id=None)
         rehearsal = lm.engine.kv_policy.rehearsal
         layer = rehearsal.options.first_layer

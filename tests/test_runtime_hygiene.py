@@ -195,8 +195,9 @@ def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama, monke
 
     _, store = tiny_llama
     b, prompt, gen = 2, 40, 8
-    with _load(store, [100, 0, 0, 100, 100, 0], "infinigen", gpu_batch_size=b,
-               compress_weight=True) as lm:
+    with _load(store, [100, 0, 0, 100, 100, 0], "infinigen",
+               {"speculation_query": "input"},  # the rehearsal's W_Q (own has none)
+               gpu_batch_size=b, compress_weight=True) as lm:
         cfg, kv = lm.cfg, lm.engine.kv_policy
         cpu, unknown = (memory_plan.plan(cfg, lm.policy, torch.float32, prompt, gen, kv=kv,
                                          device=d) for d in (torch.device("cpu"), None))

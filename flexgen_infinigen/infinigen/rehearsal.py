@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError, read_text
-from ..kv.options import InfiniGenOptions
+from ..kv.options import InfiniGenOptions, own_query_runs
 from ..runtime import cpu_kernels
 from ..runtime.compression import PackedWeight
 from ..runtime.cpu_layers import linear
@@ -201,13 +201,8 @@ def auto_query(lm, options: InfiniGenOptions) -> str:
     place a CPU reads in place with the kernels (where ``InfiniGenCache`` attends in place;
     nothing needs fetching ahead there), else ``renorm`` where every speculating layer can
     take it, else the paper's ``input``. A default must run everywhere: never refuses."""
-    engine, policy, cfg = lm.engine, lm.policy, lm.cfg
-    tiers = engine.tiers
-    device, host, _ = policy.cache_split
-    one_place = device == 1 or (host == 1 and tiers.host_in_place)
-    if (one_place and not tiers.is_cuda and not policy.compress_cache
-            and engine.dtype == torch.float32 and cfg.head_dim % 8 == 0
-            and cpu_kernels.library() is not None):
+    engine, cfg = lm.engine, lm.cfg
+    if own_query_runs(cfg, lm.policy, engine.dtype.itemsize, not engine.tiers.is_cuda):
         return "own"
     layers = [i for i in engine.part.layers if i >= max(options.first_layer, 1)]
     if all(renorm_refused(engine, cfg, i) is None for i in layers):

@@ -174,10 +174,11 @@ class KVPolicy(ABC):
         return DecodeWork()
 
     def device_bytes(self, cfg, policy, item: int, max_len: int,
-                     weights_in_place: bool = False) -> dict[str, int]:
+                     weights_in_place: bool = False, on_cpu: bool = False) -> dict[str, int]:
         """Compute-device bytes this policy allocates besides the KV cache, by term, for an
         engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens;
-        ``weights_in_place``: 4-bit weights are multiplied where they are stored (a CPU)."""
+        ``weights_in_place``: 4-bit weights are multiplied where they are stored (a CPU);
+        ``on_cpu``: the compute device is a CPU."""
         return {}
 
     # ---- running ----------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class H2OPolicy(SelectivePolicy):
         return DecodeWork(gathers_rows=True, layers=cfg.num_layers, overhead=self.overhead_name)
 
     def device_bytes(self, cfg, policy, item: int, max_len: int,
-                     weights_in_place: bool = False) -> dict[str, int]:
+                     weights_in_place: bool = False, on_cpu: bool = False) -> dict[str, int]:
         caches = cfg.num_layers * policy.num_gpu_batches
         cols = policy.gpu_batch_size * cfg.num_kv_heads
         top = min(max_len, math.ceil(max_len * (self.hh_ratio + self.recent_ratio)) + 1)

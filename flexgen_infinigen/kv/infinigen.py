@@ -29,7 +29,8 @@ import torch
 from .base import CacheSpec, DecodeWork
 from .full import selected_bias
 from .infinigen_cache import PENDING_KEYS, InfiniGenCache, StepCaps
-from .options import InfiniGenOptions, add_selection_args, selection_from_args
+from .options import (InfiniGenOptions, add_selection_args, own_query_runs,
+                      selection_from_args)
 from .selective import SelectivePolicy
 from .spec_keys import KINDS, bytes_per_key
 
@@ -88,7 +89,7 @@ class InfiniGenPolicy(SelectivePolicy):
                             "text's; default false)")
         g.add_argument("--column-score", default="q",
                        help="rank skewed columns by query energy, or query times key energy")
-        g.add_argument("--speculation-query", default="input",
+        g.add_argument("--speculation-query", default="auto",
                        choices=["input", "renorm", "own", "auto"],
                        help="what the rehearsal multiplies by layer i+1's query weights: "
                             "layer i's attention input (input, the paper's), or layer i's "
@@ -166,14 +167,17 @@ class InfiniGenPolicy(SelectivePolicy):
                           overhead=self.overhead_name)
 
     def device_bytes(self, cfg, policy, item: int, max_len: int,
-                     weights_in_place: bool = False) -> dict[str, int]:
+                     weights_in_place: bool = False, on_cpu: bool = False) -> dict[str, int]:
         """Speculation keys (selecting layers only), the speculation weights (``r`` rows of
         W_Q per head where the projection folds into them, else the whole W_Q per layer: a
         float copy, except 4-bit weights multiplied in place, which the rehearsal shares
         with the layer), the projections, the KV pool's state, the selected rows in flight
-        and the decode keys that wait while a layer reads itself whole."""
+        and the decode keys that wait while a layer reads itself whole. Each layer's own
+        query (``own``, or ``auto`` where own runs) needs no speculation weights."""
         from ..models import family_of
         o = self.options.with_defaults(cfg.family, self.default_rule)
+        own = o.speculation_query == "own" or (
+            o.speculation_query == "auto" and own_query_runs(cfg, policy, item, on_cpu))
         d = cfg.head_dim
         r = self._columns(cfg)
         layers = max(0, cfg.num_layers - o.first_layer)
@@ -184,7 +188,7 @@ class InfiniGenPolicy(SelectivePolicy):
         terms = {
             "speculation_keys": round(caches * max_len * cols * bytes_per_key(
                 o.speculation_keys, r, item)),
-            "speculation_weights": layers * (rows * cfg.hidden_size * (
+            "speculation_weights": 0 if own else layers * (rows * cfg.hidden_size * (
                 self._folds(cfg) or not weights_in_place) + bias) * item,
             "projections": cfg.num_layers * cfg.num_kv_heads * d * r * item
             + (caches * cols * d * r * item if o.prompt_skew else 0),

@@ -15,6 +15,18 @@ from .spec_pages import PAGE_KINDS
 DEFAULT_KV_FRACTION = 0.18
 
 
+def own_query_runs(cfg, policy, item: int, on_cpu: bool) -> bool:
+    """Where ``--speculation-query own`` runs (``InfiniGenCache.attend_in_place``): a CPU
+    computing on a KV cache of ``item``-byte floats (float32) held in one place it reads in
+    place, with the kernels. ``auto`` takes ``own`` there."""
+    from ..runtime import cpu_kernels
+
+    device, host, _ = policy.cache_split
+    one_place = device == 1 or (host == 1 and policy.host_in_place)
+    return (on_cpu and one_place and not policy.compress_cache and item == 4
+            and cfg.head_dim % 8 == 0 and cpu_kernels.library() is not None)
+
+
 @dataclass(frozen=True)
 class SelectionOptions:
     """Which cached tokens each KV head reads at a decode step."""
@@ -66,7 +78,7 @@ class InfiniGenOptions(SelectionOptions):
     # residual through layer i+1's own input norm ("renorm": the same cost, a closer guess);
     # or no rehearsal: the layer's own query when it attends ("own": rows read in place only);
     # "auto": own where it can run, else renorm where the model allows, else input
-    speculation_query: str = "input"
+    speculation_query: str = "auto"
     calibration: str | None = None  # text file; default: the store's skew, else built-in text
     prompt_skew: bool = False  # blend each prompt's own query statistics into its skew
     kv_pool_capacity: float = 1.0  # fraction of each head's context kept on the host

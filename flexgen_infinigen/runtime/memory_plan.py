@@ -238,8 +238,9 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
                + 4 * b * chunk * max(cfg.intermediate_size, cfg.hidden_size) * item
                + prompt_activation_bytes(cfg, b, prompt_len, item)
                + b * cfg.vocab_size * 4 * head)
-    kv_terms = kv.device_bytes(cfg, policy, item, max_len, weights_in_place=in_place) \
-        if kv is not None else {}
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    kv_terms = kv.device_bytes(cfg, policy, item, max_len, weights_in_place=in_place,
+                               on_cpu=on_cpu) if kv is not None else {}
     # host staging for what is read from disk (a stage's weights or a cache's disk part, the
     # one in use and the next), from the pinned caching allocator, which rounds to a power of 2
     disk_read = max(biggest_stage * max(policy.weight_split[2], policy.expert_split[2]),

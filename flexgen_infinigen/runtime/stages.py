@@ -58,3 +58,13 @@ class LayerSlice:
         """The weight store names this part reads (a tied embedding counts once)."""
         return {full for stage in build_stages(cfg, True, self)
                 for full in stage.weights.values()}
+
+    def borrowed_names(self, cfg: ModelConfig) -> set[str]:
+        """After the first layer, the previous layer's attention norm (a vector or two),
+        loaded beside this part's weights: InfiniGen's renormed query for this part's first
+        layer takes it (``Rehearsal._renorm``)."""
+        if self.start == 0:
+            return set()
+        before = LayerSlice(self.start - 1, self.start, embed=False, head=False)
+        return {full for stage in build_stages(cfg, True, before)
+                for full in stage.weights.values() if ".attn_norm." in full}
