@@ -91,7 +91,9 @@ def run_one(spec: dict) -> dict:
     # dummy weights are 4-bit with --compress-weight; a GGUF's Q4_0 codes are kept as stored
     gguf = spec.get("gguf")
     eg, ec = spec.get("experts_percent") or (None, None)  # None: experts as the weights
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
+    g = spec.get("gpu_batches", 1)
+    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b // g,
+                                 num_gpu_batches=g,
                                  compress_weight=gguf is None, expert_gpu_percent=eg,
                                  expert_cpu_percent=ec)
     source = {"model": gguf} if gguf else {"model": cfg.name, "dummy": True}
@@ -154,9 +156,11 @@ def in_subprocess(spec: dict, timeout: float) -> dict:
     return run_row(spec, timeout, __file__)
 
 
-def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) -> list[dict]:
+def specs_for(model: str, layers: int, contexts: list[int], batches: list[int],
+              batch_policies: tuple[str, ...] = ("full",)) -> list[dict]:
     """Batch 1 with the full cache at every context, InfiniGen at the longest (after the
-    full cache, whose prefill it reads back), the larger batches at the shortest."""
+    full cache, whose prefill it reads back), the larger batches at the shortest (the full
+    cache, and ``batch_policies`` after it)."""
     from flexgen_infinigen.config import get_config
 
     full = get_config(model).num_layers
@@ -167,8 +171,9 @@ def specs_for(model: str, layers: int, contexts: list[int], batches: list[int]) 
     out = [{**base, "context": c, "batch": 1, "policy": "full"} for c in contexts]
     out += [{**base, "context": max(contexts), "batch": 1, "policy": p}
             for p in POLICIES if p != "full"]
-    out += [{**base, "context": min(contexts), "batch": b, "policy": "full"}
-            for b in batches if b > 1]
+    out += [{**base, "context": min(contexts), "batch": b, "policy": p}
+            for b in batches if b > 1
+            for p in ["full", *(q for q in batch_policies if q != "full")]]
     return out
 
 
@@ -198,6 +203,12 @@ def main(argv=None) -> int:
     p.add_argument("--policies", nargs="+", default=["full", "infinigen-pages@0.1"],
                    choices=list(POLICIES), help="run only these rows (infinigen-own@0.1: "
                    "when asked)")
+    p.add_argument("--batch-policies", nargs="+", default=["full"], choices=list(POLICIES),
+                   help="the policies of the larger batches' rows (default the full cache)")
+    p.add_argument("--gpu-batches", type=int, default=1,
+                   help="a larger batch as this many GPU batches of batch / N sequences (one "
+                        "block, each stage's weights read once for all): a long prompt's "
+                        "prefill then holds one GPU batch's activations, not the batch's")
     p.add_argument("--prefill-dir", default=None,
                    help="keep prefills there and reuse them (default: a temporary folder)")
     p.add_argument("--steps", type=int, default=GEN,
@@ -233,11 +244,16 @@ def main(argv=None) -> int:
             contexts = [1024, 2048] if a.quick else a.contexts or MODELS[model][1]
             batches = [1] if a.quick else a.batches
             gguf = gguf_for(model, layers, contexts, ggufs) if a.gguf_weights else None
-            for spec in specs_for(model, layers, contexts, batches):
+            for spec in specs_for(model, layers, contexts, batches, tuple(a.batch_policies)):
                 if spec["policy"] not in a.policies:
                     continue
                 if gguf:
                     spec["gguf"] = gguf
+                if spec["batch"] > 1 and a.gpu_batches > 1:
+                    if spec["batch"] % a.gpu_batches:
+                        raise SystemExit(f"--gpu-batches {a.gpu_batches} must divide the batch "
+                                         f"({spec['batch']})")
+                    spec["gpu_batches"] = a.gpu_batches
                 if a.experts_percent:
                     spec.update(experts_percent=a.experts_percent,
                                 offload_dir=str(Path(prefills) / "offload"))
