@@ -205,6 +205,7 @@ def auto_query(lm, options: InfiniGenOptions) -> str:
     if own_query_runs(cfg, lm.policy, engine.dtype.itemsize, not engine.tiers.is_cuda):
         return "own"
     layers = [i for i in engine.part.layers if i >= max(options.first_layer, 1)]
-    if all(renorm_refused(engine, cfg, i) is None for i in layers):
-        return "renorm"
-    return "input"
+    refused = any(renorm_refused(engine, cfg, i) is not None for i in layers)
+    # pipeline ranks take one query, as one process over every layer would
+    return "input" if engine.any_rank(refused, "agreeing on the speculation query") \
+        else "renorm"
