@@ -142,27 +142,18 @@ class TieredTensor:
 
     def read_for_compute(self):
         """What the model's math gets: the tensor on the compute device (:meth:`read`), or, for
-        a compressed tensor held in one segment in CPU memory that a CPU computes on, its
-        codes as stored (a :class:`~.compression.PackedWeight`: nothing is expanded). A
-        routed expert's codes elsewhere (on disk, or in CPU memory copied as a GPU's link
-        would) come to a CPU as codes too: the kernels multiply them, nothing is expanded."""
+        a compressed tensor a CPU computes on, its codes (a :class:`~.compression.PackedWeight`:
+        nothing is expanded): as stored where it is one segment in CPU memory, else every
+        segment's codes brought into one buffer (split over tiers, on disk, or in CPU memory
+        copied as a GPU's link would). Expanding them to floats every step (:meth:`read`)
+        writes 4-8x the codes' bytes and costs far more than reading them."""
         if (self.compressed and len(self.segments) == 1 and not self.tiers.is_cuda
                 and (self.segments[0].tier == DEVICE
                      or (self.segments[0].tier == HOST and self.tiers.host_in_place))):
             if self._packed is None:
                 self._packed = compression.PackedWeight(self.segments[0].data, self.dtype)
             return self._packed
-        if (self.compressed and self.kind == "experts" and len(self.segments) == 1
-                and not self.tiers.is_cuda):  # a routed expert's codes, multiplied as read
-            seg = self.segments[0]
-            moved = [self._move(p, seg.tier, DEVICE) for p in seg.data.parts]
-            return compression.PackedWeight(compression.Packed(*moved, seg.data.shape),
-                                            self.dtype)
         if self.compressed and not self.tiers.is_cuda and self.split_dim == 0:
-            # split over tiers, or held where a CPU does not read it in place (disk): the
-            # segments' codes copied into one buffer, multiplied as codes. Expanding them to
-            # floats every step (read()) writes 4-8x the codes' bytes and costs far more
-            # than reading them.
             return compression.PackedWeight(self._codes_in_one_place(), self.dtype)
         return self.read()
 
