@@ -152,12 +152,14 @@ def test_portable_build(portable):
     assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("sequences", [1, 2])
-def test_decode_matches_transformers(tmp_path, monkeypatch, sequences):
-    """A Qwen3-MoE GGUF with Q4_0 experts of width 64, one sequence and two in one GPU batch:
-    greedy tokens and logits equal transformers' on the dequantized weights, and every MoE
-    layer of every decode step went through the one call (one token, then two a call; the
-    one 14-token prompt as well, each expert taking several rows)."""
+@pytest.mark.parametrize("per_batch,batches", [(1, 1), (2, 1), (1, 2)])
+def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
+    """A Qwen3-MoE GGUF with Q4_0 experts of width 64; one sequence, two in one GPU batch,
+    two as two GPU batches of one: greedy tokens and logits equal transformers' on the
+    dequantized weights, and every MoE layer of every decode step went through the one
+    call, once for the whole block (two GPU batches' tokens together, equal to each GPU
+    batch through its own call); a prompt as well wherever no expert takes more of its
+    rows than the call can."""
     import test_moe_gguf as moe_files
     from conftest import hf_greedy
 
@@ -176,24 +178,37 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, sequences):
 
     def counted(*args):
         out = cpu_layers.moe_experts(*args)
-        taken.append(out is not None)
+        taken.append((out is not None, args[0].shape[0]))
         return out
     monkeypatch.setattr(moe, "moe_experts", counted)
-    prompts = moe_files.PROMPTS[:sequences]
+    prompts = moe_files.PROMPTS[:per_batch * batches]
     steps = moe_files.STEPS
-    # every sequence in one GPU batch: two tokens a decode step, 28 prompt rows
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=sequences,
-                                 expert_gpu_percent=0, expert_cpu_percent=100)
-    with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
-        out = lm.generate(prompts, steps, stop_token_id=None, keep_logits=True)
-        per_batch = lm.policy.gpu_batch_size
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=per_batch,
+                                 num_gpu_batches=batches, expert_gpu_percent=0,
+                                 expert_cpu_percent=100)
+
+    def run(block: bool):
+        with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
+            for stage in lm.engine.stages:  # off: each GPU batch through its own call
+                stage.moe = stage.moe and block
+            return lm.generate(prompts, steps, stop_token_id=None, keep_logits=True)
+    if batches > 1:
+        apart = run(False)
+        taken.clear()
+    out = run(True)
+    if batches > 1:  # the block's call changes no token, and no logit beyond rounding
+        assert apart.token_ids == out.token_ids
+        for a, b in zip(apart.logits, out.logits):
+            assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
     for row, prompt in enumerate(prompts):
         tokens, logits = hf_greedy(model, prompt, steps)
         assert out.token_ids[row] == tokens
         assert (out.logits[row] - logits).abs().max().item() < 2e-3 * logits.abs().max().item()
     moe_layers = model.config.num_hidden_layers - 1
-    # a call per MoE layer, GPU batch and decode step; the prompts' pass too where a GPU
-    # batch of them (padded to the longest) is few enough rows for the call
-    batches = -(-len(prompts) // per_batch)
-    prefill = per_batch * max(map(len, prompts)) <= cpu_layers.MOE_MAX_ROWS
-    assert all(taken) and len(taken) == moe_layers * batches * (steps - 1 + prefill)
+    assert all(ok for ok, _ in taken)
+    # one call per MoE layer and decode step, with every sequence's token; the others are
+    # prompt passes (a GPU batch's prompts, padded to the longest: more rows)
+    decode = [rows for _, rows in taken if rows <= len(prompts)]
+    assert decode == [len(prompts)] * (moe_layers * (steps - 1))
+    assert all(rows >= per_batch * max(map(len, prompts)) for _, rows in taken
+               if rows > len(prompts))

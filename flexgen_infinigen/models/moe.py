@@ -86,13 +86,15 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
             if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
                 w[f"experts.{e}.{m}.weight"].start()
     out = None
-    # a decode step on a CPU: every expert in one compiled call (on a GPU the routing below
-    # would cost host syncs for a call that never takes GPU tensors)
-    if flat.shape[0] <= MOE_MAX_ROWS and not flat.is_cuda:
-        chosen = experts.reshape(-1)
+    # on a CPU, every expert in one compiled call when none takes more rows than the call
+    # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
+    # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
+    chosen = experts.reshape(-1)
+    counts = torch.bincount(chosen) if not flat.is_cuda else None
+    if counts is not None and int(counts.max()) <= MOE_MAX_ROWS:
         # by expert, and within one expert by token: the order torch.where gives below
         order = torch.argsort(chosen, stable=True)
-        first = [0] + torch.cumsum(torch.bincount(chosen)[used], 0).tolist()
+        first = [0] + torch.cumsum(counts[used], 0).tolist()
         mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
         out = moe_experts(flat, mats, first, order // experts.shape[1],
                           weights.reshape(-1)[order])

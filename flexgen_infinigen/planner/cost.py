@@ -35,26 +35,36 @@ def _matmul(hw: HardwareProfile, m: float, params: float, on_cpu: bool = False) 
     return 2 * m * params / hw.flops(m, on_cpu)
 
 
+def _expert_products(cfg, sz, hw: HardwareProfile, calls: int, tokens: int,
+                     on_cpu: bool = False) -> float:
+    """Seconds for ``calls`` products of ``tokens`` tokens each over the experts they route
+    to, in every MoE layer (each expert's codes read once a call)."""
+    per_call = expert_coverage(cfg, tokens)
+    return calls * sz.moe_layers * _matmul(hw, tokens * cfg.experts_per_token / per_call,
+                                           per_call * sz.expert_params, on_cpu)
+
+
 def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, tokens: int,
-                 cached: bool = False) -> dict:
+                 cached: bool = False, decode: bool = False) -> dict:
     """Seconds per resource for the routed experts of one step of the block, whose GPU
     batches of ``tokens`` tokens each (the block's ``num_gpu_batches`` of them) read the
     union of their experts once (:func:`~.workload.expert_coverage` of all the block's
     tokens; an expert off the device is fetched by the first token that picks it and kept
-    for the stage). Each GPU batch multiplies its own routed rows. Linear in the expert
-    fractions ``x["eg"]``, ``x["ec"]``, ``x["ed"]``; all zero for a dense model."""
+    for the stage). A prompt's GPU batches multiply their own routed rows; a ``decode``
+    step multiplies the block's tokens together (the engine's MoE stage runs once a block).
+    Linear in the expert fractions ``x["eg"]``, ``x["ec"]``, ``x["ed"]``; all zero for a
+    dense model."""
     cfg, sz = work.cfg, Sizes.of(work, policy)
     zero = {k: 0.0 for k in ("h2d", "disk_read", "compute")}
     if not sz.moe_layers:
         return zero
-    n, k = policy.num_gpu_batches, cfg.experts_per_token
+    n = policy.num_gpu_batches
     read = sz.expert_step_bytes(cfg, n * tokens)  # as stored, per step of the block
     pieces = 3 * sz.moe_layers * expert_coverage(cfg, n * tokens)  # one copy per matrix
     off = x["ec"] + x["ed"]
     r = work.weight_reads
-    per_batch = expert_coverage(cfg, tokens)
-    compute = n * sz.moe_layers * _matmul(hw, tokens * k / per_batch,
-                                          per_batch * sz.expert_params)
+    compute = _expert_products(cfg, sz, hw, 1, n * tokens) if decode \
+        else _expert_products(cfg, sz, hw, n, tokens)
     if policy.compress_weight:  # expanded from 4 bits where they are multiplied
         compute += r * hw.seconds("dequant", sz.expert_step_bytes(cfg, n * tokens, raw=True),
                                   pieces)
@@ -66,16 +76,13 @@ def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, t
 def expert_cpu_seconds(work: Workload, policy: Policy, hw: HardwareProfile,
                        tokens: int) -> float:
     """Seconds for the CPU to multiply one decode step's routed experts where they are held
-    in CPU memory, at the profile's measured CPU matmul rate (each GPU batch's ``tokens``
-    rows, spread over the experts they route to): what computing experts on the host
-    would cost instead of fetching them (``expert_terms``)."""
+    in CPU memory, at the profile's measured CPU matmul rate (the block's GPU batches of
+    ``tokens`` rows in one product, spread over the experts they route to): what computing
+    experts on the host would cost instead of fetching them (``expert_terms``)."""
     cfg, sz = work.cfg, Sizes.of(work, policy)
     if not sz.moe_layers:
         return 0.0
-    per_batch = expert_coverage(cfg, tokens)
-    return policy.num_gpu_batches * sz.moe_layers * _matmul(
-        hw, tokens * cfg.experts_per_token / per_batch, per_batch * sz.expert_params,
-        on_cpu=True)
+    return _expert_products(cfg, sz, hw, 1, policy.num_gpu_batches * tokens, on_cpu=True)
 
 
 def _add(terms: dict, extra: dict) -> dict:
@@ -180,7 +187,7 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     terms = {"h2d": h2d, "d2h": d2h, "disk_read": disk_read,
              "disk_write": (x["cd"] * kv_new + x["hd"] * hid) / hw.disk_write_bw,
              "gather": gather, "compute": compute, "cpu_compute": cpu_compute}
-    return _add(terms, expert_terms(work, policy, hw, x, b, cached))
+    return _add(terms, expert_terms(work, policy, hw, x, b, cached, decode=True))
 
 
 def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,

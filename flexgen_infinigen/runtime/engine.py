@@ -6,6 +6,8 @@ per iteration, attending to the cache). For each iteration, for each schedule st
 (embedding, attention and MLP of every layer, output head), for each GPU batch k of the
 block: the stage's weights are loaded once and reused across the k batches, the batch's KV
 cache is loaded, the stage computes and returns the new keys and values, and they are stored.
+A decode step's mixture-of-experts MLP stage is the exception: it runs once, for the tokens
+of every GPU batch of the block together (each routed expert read once for all of them).
 
 The overlapped loop issues the next step's loads and the previous step's stores on
 separate lanes while the current step computes, with one synchronization per step.
@@ -91,6 +93,7 @@ class Engine:
         self.prefilled: Prefilled | None = None  # the block starts from this prefill
         self.capture: Prefilled | None = None  # the block's prefill is kept here
         self.prefill_chunk = 1 << 30  # tokens per prefill chunk, set for each block
+        self._block: list[int] = []  # the GPU batches of the iteration being run
         self.running = False  # one block at a time: its caches and states are the engine's
         self._activations: dict[tuple, TieredTensor] = {}  # offloaded hidden states, reused
         # debug statistics of the last block: host synchronizations of each iteration
@@ -303,6 +306,7 @@ class Engine:
         """Every stage for the GPU batches ``batches`` (all of the block's, or one pipeline
         micro-batch): each stage's weights loaded once for them, in the zig-zag order."""
         first, last = batches[0], batches[-1]
+        self._block = list(batches)
         if not self.policy.overlap:
             for j in range(len(self.stages)):
                 weights = self._load_weights(j)
@@ -345,6 +349,10 @@ class Engine:
         """Stage ``j`` for batch ``k``; returns the new (q, k, v, valid) of an attention
         stage, to be stored, else None."""
         stage, state, fam, cfg = self.stages[j], self.states[k], self.family, self.cfg
+        if decode and stage.kind == "mlp" and stage.moe:
+            if k == self._block[0]:
+                self._experts_for_block(w)
+            return None
         h, new = state.hidden, None
         if isinstance(h, TieredTensor):
             h = h.read()
@@ -419,6 +427,20 @@ class Engine:
             rows = min(self.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
             out = attend_prompt(q, k, v, state.valid, cfg.sliding_window, rows=rows)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
+
+    def _experts_for_block(self, w: dict) -> None:
+        """A MoE MLP stage of a decode step for every GPU batch of the block at once: the
+        math is token by token, so their tokens go through it together, and each expert a
+        token chose is read once for the block, not once for each GPU batch that chose it
+        (FlexGen's reuse of a stage's weights across its GPU batches, for experts; on a CPU
+        one experts call a block)."""
+        hidden = []
+        for k in self._block:
+            h = self.states[k].hidden
+            hidden.append(h.read() if isinstance(h, TieredTensor) else h)
+        out = self._mlp(w, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        for k, h in zip(self._block, out.split([h.shape[0] for h in hidden])):
+            self.states[k].hidden = self._keep_hidden(k, h)
 
     def _mlp(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """The MLP, a prompt in chunks of ``prefill_chunk`` tokens (it works token by token,

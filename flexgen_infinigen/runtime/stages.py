@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..models import family_of
+from ..models.moe import is_moe_layer
 
 
 @dataclass
@@ -13,6 +14,7 @@ class Stage:
     kind: str  # "embed", "attn", "mlp", "layer" (attention + MLP) or "head"
     layer: int | None
     weights: dict[str, str]  # name the family math uses -> name in the weight store
+    moe: bool = False  # an MLP of routed experts (a decode step runs it for the whole block)
 
 
 def build_stages(cfg: ModelConfig, sep_layer: bool, part: "LayerSlice | None" = None
@@ -27,7 +29,8 @@ def build_stages(cfg: ModelConfig, sep_layer: bool, part: "LayerSlice | None" = 
         layer = family.stage_weights(cfg, i)
         per = {kind: {n: f"layers.{i}.{n}" for n in layer[kind]} for kind in ("attn", "mlp")}
         if sep_layer:
-            stages += [Stage("attn", i, per["attn"]), Stage("mlp", i, per["mlp"])]
+            stages += [Stage("attn", i, per["attn"]),
+                       Stage("mlp", i, per["mlp"], is_moe_layer(cfg, i))]
         else:
             stages.append(Stage("layer", i, {**per["attn"], **per["mlp"]}))
     if part.head:
