@@ -5,6 +5,7 @@ tree's, each call alternating between them on the same inputs, so that the machi
     python benchmarks/kernel_ab.py --base HEAD            # this tree's kernels against HEAD's
     python benchmarks/kernel_ab.py --base 6fbcb01 --rows 1 8 --rounds 24 --passes 3
     python benchmarks/kernel_ab.py --base 6fbcb01 --kernel moe --gguf q3-4layers.gguf
+    python benchmarks/kernel_ab.py --base 5415ce6 --kernel attention --shapes 4,8,128,16384
 
 Both builds are compiled as the runtime compiles its kernels and loaded by its own loader;
 the runtime's calls (``cpu_layers``) go to one build or the other as the benchmark swaps the
@@ -15,7 +16,11 @@ loaded library, so what is timed is what a decode step calls. Kernels:
   matrices (the output head), with ``rows`` rows of x;
 - ``moe``: a decode step's routed experts (``cpu_layers.moe_experts``) of every MoE layer
   of ``--gguf`` (e.g. a few layers of Qwen3-30B-A3B written by
-  ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn.
+  ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn;
+- ``attention``: decode attention (``cpu_kernels.attend_rows``) over every row of a float32
+  head-major cache, and over a fifth of its rows chosen at random (``attend_indexed``,
+  InfiniGen's read), for each ``--shapes C,G,D,T``: C columns (batch x KV heads), G query
+  heads a KV head, head width D, T rows (e.g. 4,8,128,16384: Qwen3-30B-A3B at 16K).
 
 Each round runs A then B or B then A, in turn. The benchmark also checks whether the two
 builds give the same outputs, bit for bit, and records the largest change (over the largest
@@ -133,15 +138,37 @@ def moe_work(lm, rows: int):
     return one_pass, nbytes
 
 
+def attention_work(shape: str, chosen: bool):
+    """(one pass, its bytes): decode attention of ``shape`` = "C,G,D,T" over every row of a
+    head-major cache, or (``chosen``) over a fifth of them picked at random."""
+    from flexgen_infinigen.runtime import cpu_kernels
+    c, g, d, t = (int(x) for x in shape.split(","))
+    gen = torch.Generator().manual_seed(t)
+    k, v = (torch.randn(c, t, d, generator=gen) for _ in range(2))
+    kr, vr = k.transpose(0, 1), v.transpose(0, 1)  # the head-major cache viewed [T, C, D]
+    q = torch.randn(c, g, d, generator=gen) / d ** 0.5
+    if not chosen:
+        bias = torch.zeros(c, t)
+        return (lambda: [cpu_kernels.attend_rows(q, kr, vr, bias)]), 2 * k.nbytes
+    n = t // 5
+    index = torch.stack([torch.randperm(t, generator=gen)[:n].sort().values for _ in range(c)])
+    counts = torch.full((c,), n)
+    new = torch.randn(c, d, generator=gen)
+    return (lambda: [cpu_kernels.attend_indexed(q, kr, vr, index, counts, new, new)],
+            2 * c * n * d * 4)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are build A")
-    p.add_argument("--kernel", default="linear", choices=["linear", "moe"])
+    p.add_argument("--kernel", default="linear", choices=["linear", "moe", "attention"])
     p.add_argument("--bits", type=int, default=4, choices=[4, 8],
                    help="linear: the 4-bit layer matrices, or the 8-bit ones (the output head)")
     p.add_argument("--gguf", default=None, help="moe: a MoE GGUF (random_gguf.py writes one)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
                    help="rows of x (batch), or tokens for moe")
+    p.add_argument("--shapes", nargs="+", default=["4,8,128,16384", "24,3,64,8192"],
+                   help="attention: C,G,D,T (columns, heads a KV head, head width, rows)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--passes", type=int, default=5, help="passes a timing")
     p.add_argument("--out", default=str(OUT))
@@ -160,9 +187,15 @@ def main(argv=None) -> int:
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
         with OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
                               policy=policy, progress=False, max_len_hint=(64, 8)) as lm:
-            for rows in a.rows:
-                one_pass, nbytes = (moe_work(lm, rows) if a.kernel == "moe"
-                                    else linear_work(lm, a.bits, rows))
+            cells = [(shape, chosen) for shape in a.shapes for chosen in (False, True)] \
+                if a.kernel == "attention" else a.rows
+            for rows in cells:
+                if a.kernel == "attention":
+                    one_pass, nbytes = attention_work(*rows)
+                    rows = f"{rows[0]}{' chosen' if rows[1] else ''}"
+                else:
+                    one_pass, nbytes = (moe_work(lm, rows) if a.kernel == "moe"
+                                        else linear_work(lm, a.bits, rows))
                 outs = {}
                 for name, lib in libs.items():  # warm, and each build's outputs
                     use(lib)
@@ -189,7 +222,8 @@ def main(argv=None) -> int:
                       f"{med['tree'] / med['base']:.3f}, same outputs: {same} (largest change "
                       f"{moved:.1e} of the largest output)", flush=True)
         use(None)
-    what = "moe_q4_h16" if a.kernel == "moe" else f"linear_q{a.bits}_h16"
+    what = {"moe": "moe_q4_h16", "attention": "attend_rows, attend_indexed"}.get(
+        a.kernel, f"linear_q{a.bits}_h16")
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),
               "threads": threads, "kernel": what, "cases": cases}
@@ -203,7 +237,8 @@ def main(argv=None) -> int:
     at = range(len(cases))
     ax.bar([x - 0.2 for x in at], [1e3 * c["base_s"] for c in cases], 0.4, label=a.base)
     ax.bar([x + 0.2 for x in at], [1e3 * c["tree_s"] for c in cases], 0.4, label="tree")
-    ax.set_xticks(list(at), [f"{c['rows']} rows" for c in cases])
+    ax.set_xticks(list(at), [f"{c['rows']} rows" if isinstance(c["rows"], int)
+                             else c["rows"].replace(" ", "\n") for c in cases])
     ax.set_ylabel("ms a pass")
     ax.set_title(f"{what}, two builds alternating")
     ax.legend()

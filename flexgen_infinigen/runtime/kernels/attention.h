@@ -66,15 +66,21 @@ static inline void ask_ahead(const float *const *ahead, int64_t n_ahead, int64_t
    more, the first three heads against four rows at a time (twelve sums in registers, each
    row loaded once for the three), then heads in pairs against four rows (eight sums), an
    odd last head (G = 1) against eight rows. The rows ``ahead`` (of a later block) are asked
-   for along the way, spread evenly over the rows scored. */
+   for along the way, spread evenly over every pass over the rows. */
 static void score_block(const float *q, const float *const *rows, int64_t n, int64_t G,
                         int64_t D, float *s, const float *const *ahead, int64_t n_ahead) {
     int64_t g = 0, asked = 0;
+    /* the passes over the rows (a triple of heads, pairs, a single head). Asking for every
+       row ahead during the first pass (as before) stalled that pass on the full queue of
+       outstanding misses while the later passes, reading from cache, left memory idle. */
+    const int64_t passes = (G >= 3 && G % 2 == 1) ? 1 + (G - 3) / 2 : G / 2 + G % 2;
+    int64_t pass = 0;
+#define SPREAD(i) ((n_ahead * (pass * n + (i)) + passes * n - 1) / (passes * n))
     if (G % 2 == 1 && G >= 3) {
         const float *q0 = q, *q1 = q + D, *q2 = q + 2 * D;
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
-            ask_ahead(ahead, n_ahead, &asked, (n_ahead * (i + 4) + n - 1) / n, D);
+            ask_ahead(ahead, n_ahead, &asked, SPREAD(i + 4), D);
             const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
@@ -103,12 +109,13 @@ static void score_block(const float *q, const float *const *rows, int64_t n, int
             s[2 * TB + i] = dot(q2, rows[i], D);
         }
         g = 3;
+        pass++;
     }
     for (; g + 2 <= G; g += 2) {
         const float *q0 = q + g * D, *q1 = q0 + D;
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
-            ask_ahead(ahead, n_ahead, &asked, (n_ahead * (i + 4) + n - 1) / n, D);
+            ask_ahead(ahead, n_ahead, &asked, SPREAD(i + 4), D);
             const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int64_t d = 0; d < D; d += 8) {
@@ -127,12 +134,13 @@ static void score_block(const float *q, const float *const *rows, int64_t n, int
             s[g * TB + i] = dot(q0, rows[i], D);
             s[(g + 1) * TB + i] = dot(q1, rows[i], D);
         }
+        pass++;
     }
-    ask_ahead(ahead, n_ahead, &asked, n_ahead, D);
     if (g < G) {
         const float *q0 = q + g * D;
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
+            ask_ahead(ahead, n_ahead, &asked, SPREAD(i + 8), D);
             const float *const *r = rows + i;
             v8 a[8] = {{0}};
             for (int64_t d = 0; d < D; d += 8) {
@@ -145,6 +153,8 @@ static void score_block(const float *q, const float *const *rows, int64_t n, int
         for (; i < n; i++)
             s[g * TB + i] = dot(q0, rows[i], D);
     }
+    ask_ahead(ahead, n_ahead, &asked, n_ahead, D);
+#undef SPREAD
 }
 
 /* acc[g0 + g] += sum_i p[(g0 + g) * TB + i] * rows[i] for NG <= 3 heads, W vectors of 8
