@@ -26,7 +26,7 @@ FLOORS = [
     ("KV policies", ["kv", "infinigen"]),
     ("engine", ["runtime.stages", "runtime.memory_plan", "runtime.fused_args",
                 "runtime.fused_decode", "runtime.fused_select", "runtime.routing_profile",
-                "runtime.engine", "runtime.loading"]),
+                "runtime.stage_compute", "runtime.engine", "runtime.loading"]),
     ("library", ["api"]),
     ("planner", ["planner"]),
     ("pipeline", ["pipeline", "pipeline.engine", "pipeline.link", "pipeline.partition"]),
