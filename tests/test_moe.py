@@ -46,6 +46,10 @@ PLACEMENTS = {
     "weights-on-disk": Policy.from_percent([0, 0, 100, 0, 100, 0]),
     "mixed-with-disk-two-batches": Policy.from_percent([30, 40, 30, 40, 100, 0],
                                                        num_gpu_batches=2, overlap=True),
+    # hidden states kept off the device between stages: a decode step's MoE MLP reads every
+    # GPU batch's back for the block's one pass and keeps each one's result apart again
+    "activations-offloaded-two-batches": Policy.from_percent([100, 0, 100, 0, 0, 100],
+                                                             num_gpu_batches=2),
 }
 KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
 
