@@ -68,9 +68,12 @@ def parse_policy(label: str):
     if kind == "h2o":
         f = f or 0.2
         return "h2o", {"hh_ratio": f / 2, "recent_ratio": f / 2}, False
-    opts = {} if f is None else {"max_kv_fraction": f}
+    # a label keeps its meaning across runs (results are resumed by label): a fraction alone,
+    # no floor in rows; without one, 0.18, the runtime's default before it became 4% with a
+    # floor of 256 rows (2026-11-28; at these lengths the two read the same rows at 4%)
+    opts = {"max_kv_fraction": 0.18 if f is None else f, "min_num_kv": 4}
     if tokens:
-        opts = {"max_kv_fraction": 1.0, "max_num_kv": int(tokens)}
+        opts = {"max_kv_fraction": 1.0, "max_num_kv": int(tokens), "min_num_kv": 4}
     if first:
         opts["first_layer"] = int(first)
     if kind == "oracle":
@@ -89,8 +92,7 @@ def parse_policy(label: str):
         opts["speculation_keys"] = "int8"
     if kind == "infinigen-fp":  # float speculation keys, every column: only the query guessed
         opts.update(speculation_keys="partial", partial_weight_ratio=1.0)
-    # a label keeps its meaning across runs (results are resumed by label): without a named
-    # query it is the paper's, the runtime's default before it became auto (2026-11-28)
+    # without a named query it is the paper's, the runtime's default before it became auto
     opts.setdefault("speculation_query", "input")
     # select at every length (the speed default reads small layers whole: not what is measured)
     return "infinigen", {"options": InfiniGenOptions(select_from_mb=0.0, **opts).validate()}, \

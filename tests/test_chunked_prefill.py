@@ -86,7 +86,8 @@ def _run(store, kv, chunk, **kw):
         return out, snaps, lm.engine.kv_policy.report()
 
 
-@pytest.mark.parametrize("kv,kw", [("full", {}), ("infinigen", {"max_kv_fraction": 0.3}),
+@pytest.mark.parametrize("kv,kw", [("full", {}),
+                                   ("infinigen", {"max_kv_fraction": 0.3, "min_num_kv": 4}),
                                    ("h2o", {"hh_ratio": 0.3, "recent_ratio": 0.2})])
 def test_chunked_prefill_equals_one_pass(tiny_llama, kv, kw):
     one, one_caches, one_report = _run(tiny_llama[1], kv, None, **kw)

@@ -129,7 +129,8 @@ def test_generation_with_the_kernel_equals_without(tiny_llama, monkeypatch):
                                 _scores_rounded_as_the_kernel(SpeculationKeys.scores))
         policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
         with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
-                              kv_options={"max_kv_fraction": 0.3}, progress=False) as lm:
+                              kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4},
+                              progress=False) as lm:
             out = lm.generate(prompts, 8, stop_token_id=None, keep_logits=True)
             runs.append((out, lm.engine.kv_policy.report()))
     (a, ra), (b, rb) = runs
@@ -333,7 +334,8 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
             monkeypatch.setattr(infinigen.InfiniGenCache, "__init__", gathering)
         policy = Policy.from_percent(percent, gpu_batch_size=2)
         with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
-                              kv_options={"max_kv_fraction": 0.25}, progress=False) as lm:
+                              kv_options={"max_kv_fraction": 0.25, "min_num_kv": 4},
+                              progress=False) as lm:
             out = lm.generate(prompts, 8, stop_token_id=None, keep_logits=True)
             runs.append((out, lm.engine.kv_policy.report()))
     (a, ra), (b, rb) = runs
@@ -465,7 +467,7 @@ def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monk
     from flexgen_infinigen.runtime import cpu_kernels as ck
 
     prompts = [[1] + list(range(7, 7 + 1200 + 70 * i)) for i in range(2)]
-    options = InfiniGenOptions(select_from_mb=0.0, max_kv_fraction=0.2,
+    options = InfiniGenOptions(select_from_mb=0.0, max_kv_fraction=0.2, min_num_kv=4,
                                speculation_keys=keys).validate()
     calls, runs = [], []
     real = ck.attend_rows_q4

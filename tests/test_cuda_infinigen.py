@@ -89,7 +89,8 @@ def test_gpu_and_cpu_selections_agree(tiny_llama, monkeypatch):
         return order, counts
 
     monkeypatch.setattr(infinigen_cache.InfiniGenCache, "_rank", recording)
-    opts = {"options": InfiniGenOptions(max_kv_fraction=0.3, first_layer=1, select_from_mb=0.0)}
+    opts = {"options": InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_layer=1,
+                                        select_from_mb=0.0)}
     for device in ("cuda", "cpu"):
         chosen[device] = []
         with OffloadedLM.load(path=store, device=device, dtype="float32",

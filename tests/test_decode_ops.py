@@ -46,7 +46,8 @@ def gqa_store(tmp_path_factory):
 def _ops_per_step(store, kv: str) -> collections.Counter:
     """The ops of one decode step: a generation with one more step, minus one without."""
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
-    options = {"max_kv_fraction": 0.2, "select_from_mb": 0.0} if kv == "infinigen" else None
+    options = ({"max_kv_fraction": 0.2, "min_num_kv": 4, "select_from_mb": 0.0}
+               if kv == "infinigen" else None)
     prompts = [list(range(3, 300))]  # batch 1: the long-context case
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=options,
                           progress=False) as lm:

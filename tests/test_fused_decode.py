@@ -37,8 +37,8 @@ def _generate(path, prompts, kv, monkeypatch, fused: bool, steps: int = 8, **pol
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts),
                                  **policy_kw)
     # the paper's rehearsal (the next layer's speculation in the call; own: test_speculation_query)
-    options = {"max_kv_fraction": 0.3, "speculation_query": "input"} if kv == "infinigen" \
-        else None
+    options = ({"max_kv_fraction": 0.3, "min_num_kv": 4, "speculation_query": "input"}
+               if kv == "infinigen" else None)
     with OffloadedLM.load(path=path, policy=policy, kv_policy=kv, kv_options=options,
                           progress=False) as lm:
         assert (lm.engine.fused is not None) == fused

@@ -41,8 +41,9 @@ def _generate(path, monkeypatch, fused: bool, options: dict, steps: int = 10):
                         cpu_kernels.MIN_ATTEND_ROWS)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(PROMPTS))
     with OffloadedLM.load(path=path, policy=policy, kv_policy="infinigen",
-                          kv_options={"max_kv_fraction": 0.3, "speculation_query": "input",
-                                      **options},  # the rehearsal's speculation unless said
+                          kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4,
+                                      # the rehearsal's speculation unless said
+                                      "speculation_query": "input", **options},
                           progress=False) as lm:
         assert (lm.engine.fused is not None) == fused
         out = lm.generate(PROMPTS, steps, stop_token_id=None, keep_logits=True)

@@ -76,7 +76,7 @@ def test_skew_alone_leaves_llama_logits_unchanged(smollm2_store):
 
 
 def test_each_sequence_gets_what_it_gets_alone(tiny_opt):
-    options = InfiniGenOptions(alpha=1.0, max_kv_fraction=0.5, first_layer=1)
+    options = InfiniGenOptions(alpha=1.0, max_kv_fraction=0.5, min_num_kv=4, first_layer=1)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=3)
     batch = _run(tiny_opt[1], policy, "infinigen", options)[0]
     for row, prompt in enumerate(PROMPTS):
@@ -218,7 +218,8 @@ def test_first_layer_flag_sets_which_layers_select(tiny_llama):
     prompts = [[1] + list(range(7, 120))]
     for first in (1, 2):
         a = build_parser().parse_args(["--kv-policy", "infinigen", "--first-layer", str(first),
-                                       "--max-kv-fraction", "0.25", "--alpha", "inf"])
+                                       "--max-kv-fraction", "0.25", "--min-num-kv", "4",
+                                       "--alpha", "inf"])
         with OffloadedLM.load(path=tiny_llama[1], kv_policy=kv_policy_from_args(a),
                               progress=False) as lm:
             lm.generate(prompts, 4, stop_token_id=None)
@@ -234,6 +235,7 @@ def test_first_layer_flag_sets_which_layers_select(tiny_llama):
                                          "--partial-weight-ratio"),
                                         (["--keep-sink", "-1"], "--keep-sink"),
                                         (["--keep-recent", "-1"], "--keep-recent"),
+                                        (["--min-num-kv", "-1"], "--min-num-kv"),
                                         (["--column-score", "k"], "--column-score"),
                                         (["--max-kv-fraction", "1.5"], "--max-kv-fraction"),
                                         (["--first-layer", "0"], "--first-layer"),
@@ -306,7 +308,7 @@ def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
 
     monkeypatch.setattr(module.InfiniGenCache, "_rank", recording_rank)
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
-    options = InfiniGenOptions(max_kv_fraction=0.3, first_layer=1)
+    options = InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
     d, kv, item = 32, 4, 4  # tiny OPT: head_dim 32, 4 heads, float32
     row = 2 * d * item  # one token's K and V for one KV head
@@ -370,7 +372,7 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
     monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "0")
     # a cache (one sequence) holds 2 KV heads x 256 bytes a token: it reads whole below 70
     # cached tokens and selects from there (the prompts hold 41 and 54, the generation 30)
-    options = InfiniGenOptions(max_kv_fraction=0.3, select_from_mb=70 * 512 / 1e6,
+    options = InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, select_from_mb=70 * 512 / 1e6,
                                speculation_query="input")  # the rehearsal ranks (_rank)
     prompts = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
     runs = []
@@ -405,7 +407,8 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
 
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
-                          kv_options={"max_kv_fraction": 0.3, "speculation_query": "input"},
+                          kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4,
+                                      "speculation_query": "input"},
                           progress=False) as lm:
         out = lm.generate([[1] + list(range(7, 90))], 4, stop_token_id=None)
         rehearsal = lm.engine.kv_policy.rehearsal
@@ -489,7 +492,7 @@ def test_a_run_keeps_its_calibration_for_the_next_run_like_it(tiny_llama, monkey
     real, calls = rehearsal.calibrate, []
     monkeypatch.setattr(rehearsal, "calibrate",
                         lambda lm, text=None: calls.append(1) or real(lm, text))
-    options = {"options": InfiniGenOptions(max_kv_fraction=0.4, select_from_mb=0.0)}
+    options = {"options": InfiniGenOptions(max_kv_fraction=0.4, min_num_kv=4, select_from_mb=0.0)}
 
     def run(policy):
         with OffloadedLM.load(path=store, policy=policy, kv_policy="infinigen",

@@ -150,7 +150,7 @@ class ExactRehearsal:
 def test_infinigen_with_exact_scores_selects_what_the_oracle_selects(tiers, where):
     """The same rule and budget over exact scores: InfiniGen (speculate, then fetch only the
     chosen rows) must attend exactly as the oracle (score the whole cache, then choose)."""
-    budget = dict(alpha=math.inf, max_kv_fraction=0.3, first_layer=1)
+    budget = dict(alpha=math.inf, max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
     ig = InfiniGenPolicy(InfiniGenOptions(speculation_keys="partial", partial_weight_ratio=1.0,
                                           **budget))
     ig.options = ig.options.with_defaults("opt", ig.default_rule)

@@ -18,7 +18,8 @@ from flexgen_infinigen.runtime.tiers import Tiers
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17] * 2,
            [2, 40, 41, 42, 43, 44, 9, 8, 7, 6] * 2]
 STEPS = 6
-OPTIONS = {"options": InfiniGenOptions(max_kv_fraction=0.3, first_layer=1, select_from_mb=0.0)}
+OPTIONS = {"options": InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_layer=1,
+                                       select_from_mb=0.0)}
 
 
 def _run(store, kv="infinigen", overlap=True):

@@ -17,9 +17,10 @@ PROMPTS = [[1, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19
            [1, 90, 91, 92]]
 STEPS = 6
 POLICIES = [("full", {}, False), ("full", {}, True),
-            ("infinigen", {"max_kv_fraction": 0.3}, False),
-            ("infinigen", {"max_kv_fraction": 0.3, "speculation_keys": "pages8"}, False),
-            ("oracle", {"max_kv_fraction": 0.3}, False),
+            ("infinigen", {"max_kv_fraction": 0.3, "min_num_kv": 4}, False),
+            ("infinigen", {"max_kv_fraction": 0.3, "min_num_kv": 4,
+                           "speculation_keys": "pages8"}, False),
+            ("oracle", {"max_kv_fraction": 0.3, "min_num_kv": 4}, False),
             ("h2o", {"hh_ratio": 0.2, "recent_ratio": 0.2}, False)]
 
 

@@ -136,3 +136,25 @@ def test_speculation_keys_score_like_their_dequantized_keys(kind, width):
     keys.use_kernel = False  # the format itself (the CPU kernel: tests/test_cpu_kernels.py)
     expected = torch.matmul(pq, back.view(40, 2, 3, width).permute(1, 2, 3, 0))
     assert torch.allclose(keys.scores(pq, 40), expected, atol=1e-4)
+
+
+def test_default_budget_reads_a_share_with_a_floor_in_rows():
+    """The default: 4% of a long context, but at least 256 rows (all of a shorter one); an
+    explicit ``--max-num-kv`` below the floor wins; the cost model's share follows the same
+    counts (``fetch_fraction`` at a context)."""
+    from flexgen_infinigen.config import get_config
+    from flexgen_infinigen.kv import InfiniGenOptions
+    from flexgen_infinigen.kv.infinigen import InfiniGenPolicy
+
+    n = torch.tensor([100, 1000, 6400, 32000])
+    caps = InfiniGenOptions().budget.caps(n).tolist()
+    assert caps == [100, 256, 256, 1280]  # all of 100; the floor; 4% of 6,400 = 256; 4%
+    assert InfiniGenOptions(max_num_kv=64).budget.caps(n).tolist() == [64, 64, 64, 64]
+    assert InfiniGenOptions(min_num_kv=4, max_kv_fraction=0.04).budget.caps(n).tolist() == \
+        [4, 40, 256, 1280]
+    cfg = get_config("smollm2-135m")  # 30 layers, the first two read whole
+    policy = InfiniGenPolicy()
+    for context, share in [(1000, 0.256), (32000, 0.04), (100, 1.0)]:
+        want = (2 + 28 * share) / 30
+        assert policy.fetch_fraction(cfg, context) == pytest.approx(want)
+    assert policy.fetch_fraction(cfg) == pytest.approx((2 + 28 * 0.04) / 30)

@@ -83,7 +83,8 @@ def test_keeping_every_page_equals_the_full_cache(tiny_llama):
 def test_pages_select_and_read_fewer_rows(tiny_llama):
     prompts = [[1] + list(range(7, 200))]
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
-    options = InfiniGenOptions(speculation_keys="pages16", max_kv_fraction=0.25, first_layer=1)
+    options = InfiniGenOptions(speculation_keys="pages16", max_kv_fraction=0.25, min_num_kv=4,
+                               first_layer=1)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                           kv_options={"options": options}, progress=False) as lm:
         lm.generate(prompts, 4, stop_token_id=None)

@@ -76,7 +76,8 @@ def test_renorm_query_is_the_next_layers_norm_of_the_residual(stores, family):
     """The renorm query from layer i's attention input equals the input query computed from
     layer i+1's own norm of the same residual (an independent route: the family's norm on
     h), and differs from the input query (the norms differ)."""
-    opts = {"speculation_query": "renorm", "max_kv_fraction": 0.5, "first_layer": 1}
+    opts = {"speculation_query": "renorm", "max_kv_fraction": 0.5, "min_num_kv": 4,
+            "first_layer": 1}
     with OffloadedLM.load(path=stores[family], policy=CPU_CACHE, kv_policy="infinigen",
                           kv_options=opts, progress=False) as lm:
         lm.generate([PROMPTS[0]], 2, stop_token_id=None)
@@ -131,7 +132,7 @@ def test_auto_query_takes_the_best_that_runs(stores, family, policy, want):
     for query in ("auto", want):
         with OffloadedLM.load(path=stores[family], policy=policy, kv_policy="infinigen",
                               kv_options={"speculation_query": query, "first_layer": 1,
-                                          "max_kv_fraction": 0.5},
+                                          "max_kv_fraction": 0.5, "min_num_kv": 4},
                               progress=False) as lm:
             outs.append(lm.generate(PROMPTS, 4, stop_token_id=None, keep_logits=True))
             assert lm.engine.kv_policy.settings()["speculation_query"] == want
@@ -183,7 +184,7 @@ def test_own_query_with_float_keys_chooses_what_the_oracle_chooses(stores):
     """With float speculation keys of every skewed column (an orthogonal skew: the same
     scores), the layer's own query gives the exact scores, so ``own`` reads the rows the
     exact oracle reads at the same budget: the same tokens and the same share of the KV."""
-    opts = dict(max_kv_fraction=0.3, first_layer=1)
+    opts = dict(max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
     got = []
     for kv, extra in (("oracle", {}), ("infinigen", dict(
             speculation_query="own", speculation_keys="partial", partial_weight_ratio=1.0,

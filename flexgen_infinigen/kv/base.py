@@ -148,8 +148,9 @@ class KVPolicy(ABC):
         """Fraction of the context read in each layer that selects (1.0: everything)."""
         return 1.0
 
-    def fetch_fraction(self, cfg) -> float:
-        """Average fraction of each layer's cached rows read per decode step."""
+    def fetch_fraction(self, cfg, context: float | None = None) -> float:
+        """Average fraction of each layer's cached rows read per decode step (at ``context``
+        cached tokens where given: a policy may read more of a short context)."""
         return 1.0
 
     # the fixed time a decode step's layer spends on this policy beyond bytes and flops, for

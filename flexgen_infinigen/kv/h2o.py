@@ -152,7 +152,7 @@ class H2OPolicy(SelectivePolicy):
     def kv_fraction(self) -> float:
         return min(1.0, self.hh_ratio + self.recent_ratio)
 
-    def fetch_fraction(self, cfg) -> float:
+    def fetch_fraction(self, cfg, context: float | None = None) -> float:
         return self.kv_fraction
 
     def decode_work(self, cfg, batch: int, context: float, item: int) -> DecodeWork:

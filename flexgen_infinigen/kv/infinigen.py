@@ -139,10 +139,13 @@ class InfiniGenPolicy(SelectivePolicy):
     def kv_fraction(self) -> float:
         return self.options.max_kv_fraction
 
-    def fetch_fraction(self, cfg) -> float:
+    def fetch_fraction(self, cfg, context: float | None = None) -> float:
         layers = cfg.num_layers
         full = min(self.options.first_layer, layers)  # these read the whole cache
-        return (full + (layers - full) * self.options.max_kv_fraction) / layers
+        share = self.options.max_kv_fraction
+        if context:  # the floor in rows (all of a context under it)
+            share = min(1.0, max(share, self.options.budget.min_num / context))
+        return (full + (layers - full) * share) / layers
 
     def _columns(self, cfg) -> int:
         return max(1, round(self.options.ratio * cfg.head_dim))

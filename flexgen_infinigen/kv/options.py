@@ -10,9 +10,13 @@ from .selection import RULES, Budget
 from .spec_keys import KINDS
 from .spec_pages import PAGE_KINDS
 
-# Per selecting layer; with the two layers that read everything, SmolLM2 (30 layers) then reads
-# 0.235 of its cache and OPT-13B (40 layers) 0.22 (see benchmarks/results/accuracy_sweep.md).
-DEFAULT_KV_FRACTION = 0.18
+# Per selecting layer, with a floor in rows: what a head needs grows more slowly than its
+# context, so a fraction that keeps long-context answers (0.04: Qwen2.5's retrieval at 8K-32K
+# equal to the full cache's) starves a short context, and the floor covers it (SmolLM2's
+# perplexity within ~1% of the full cache's from 1K to 8K tokens; docs/usage/long_context.md).
+# With the two layers that read everything, Qwen2.5 (24 layers) reads 0.120 of a long cache.
+DEFAULT_KV_FRACTION = 0.04
+DEFAULT_MIN_KV = 256
 
 
 def own_query_runs(cfg, policy, item: int, on_cpu: bool) -> bool:
@@ -35,7 +39,7 @@ class SelectionOptions:
     alpha: float | None = None  # None: 4 for OPT, 5 for Llama (the paper's defaults)
     max_kv_fraction: float = DEFAULT_KV_FRACTION
     max_num_kv: int | None = None
-    min_num_kv: int = 4
+    min_num_kv: int = DEFAULT_MIN_KV  # rows a head reads at least (all below that)
     keep_sink: int = 0  # the first tokens of each sequence, always read
     keep_recent: int = 0  # the newest cached tokens, always read
     first_layer: int = 2  # layers below this read the whole cache
@@ -51,7 +55,7 @@ class SelectionOptions:
         if self.max_num_kv is not None and self.max_num_kv < 1:
             raise ConfigError(f"--max-num-kv must be at least 1 (got {self.max_num_kv})")
         for flag, v in [("--keep-sink", self.keep_sink), ("--keep-recent", self.keep_recent),
-                        ("min_num_kv", self.min_num_kv)]:
+                        ("--min-num-kv", self.min_num_kv)]:
             if v < 0:
                 raise ConfigError(f"{flag} must be 0 or more (got {v})")
         if self.first_layer < 1:
@@ -61,7 +65,10 @@ class SelectionOptions:
 
     @property
     def budget(self) -> Budget:
-        return Budget(self.max_kv_fraction, self.max_num_kv, self.min_num_kv, self.keep_sink,
+        floor = self.min_num_kv  # an explicit cap below the floor wins: it is what was asked
+        if self.max_num_kv is not None:
+            floor = min(floor, self.max_num_kv)
+        return Budget(self.max_kv_fraction, self.max_num_kv, floor, self.keep_sink,
                       self.keep_recent)
 
     def with_defaults(self, family: str, rule: str):
@@ -135,6 +142,9 @@ def add_selection_args(parser) -> None:
     g.add_argument("--max-kv-fraction", type=float, default=DEFAULT_KV_FRACTION,
                    help="cap on tokens read per KV head, as a fraction of the context")
     g.add_argument("--max-num-kv", type=int, default=None, help="cap on tokens read")
+    g.add_argument("--min-num-kv", type=int, default=DEFAULT_MIN_KV,
+                   help="tokens a KV head reads at least, whatever the fraction (all of a "
+                        f"shorter context; default {DEFAULT_MIN_KV})")
     g.add_argument("--keep-sink", type=int, default=0,
                    help="always read the first N tokens of each sequence (inside the cap)")
     g.add_argument("--keep-recent", type=int, default=0,
@@ -148,5 +158,5 @@ def selection_from_args(a, options_class=SelectionOptions, **more):
     """``options_class`` from the selection flags plus ``more``, checked."""
     return options_class(selection=a.selection, alpha=a.alpha,
                          max_kv_fraction=a.max_kv_fraction, max_num_kv=a.max_num_kv,
-                         keep_sink=a.keep_sink, keep_recent=a.keep_recent,
+                         min_num_kv=a.min_num_kv, keep_sink=a.keep_sink, keep_recent=a.keep_recent,
                          first_layer=a.first_layer, **more).validate()

@@ -146,7 +146,7 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     """Seconds per resource for one decode step of one block at ``context`` cached tokens."""
     cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
     b, n, layers = policy.gpu_batch_size, policy.num_gpu_batches, cfg.num_layers
-    f = work.fetch_fraction()
+    f = work.fetch_fraction(context)
     hid = n * b * cfg.hidden_size * item * sz.num_stages
     ctx = n * b * context * sz.kv_token * layers * f  # cached bytes read, as stored
     ctx_raw = n * b * context * sz.kv_token_raw * layers * f
@@ -210,7 +210,7 @@ def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
                      for v in sz.weight_tensors)
     if context is None:
         return t
-    per = policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction() / 2
+    per = policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction(context) / 2
     if c[0] < 1 or policy.cpu_cache_compute:
         # a loaded (not resident) cache is joined with the new token's keys and values
         t += 2 * n * layers * hw.seconds("device_copy", per)

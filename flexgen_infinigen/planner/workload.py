@@ -54,9 +54,10 @@ class Workload:
         """The KV policy object this workload plans with (one per name and fraction)."""
         return _kv_policy(self.kv_policy, self.kv_fraction)
 
-    def fetch_fraction(self) -> float:
-        """Average fraction of each layer's cached rows read per decode step."""
-        return self.kv.fetch_fraction(self.cfg)
+    def fetch_fraction(self, context: float | None = None) -> float:
+        """Average fraction of each layer's cached rows read per decode step (at ``context``
+        cached tokens where given)."""
+        return self.kv.fetch_fraction(self.cfg, context)
 
 
 @functools.lru_cache(maxsize=64)
