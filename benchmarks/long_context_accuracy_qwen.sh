@@ -5,7 +5,7 @@
 # useful: every policy at 8K (with transformers as the reference: at 16K its generate peaks
 # near 14 GB, see long_context_qwen.md), then 16K, then InfiniGen with --speculation-query
 # renorm and own at 8K and 16K, then 32K (what decides the default first), then H2O (its own
-# prefill: the slowest policy, on one seed).
+# prefill: the slowest policy, on one seed; 8K and 16K, then 32K).
 #
 # One prompt a round (--batch 1): a stopped run loses at most one prompt's prefill.
 # Resumable: each (prompt, policy) result is appended to the JSONL as it completes and a rerun
@@ -47,3 +47,5 @@ run --lengths 32768 --seeds 1 --batch 1 --policies full infinigen infinigen@0.04
 # shellcheck disable=SC2086
 run --lengths 32768 --seeds 1 --batch 1 --policies $POLICIES --reference-max-length 0
 run --lengths 8192 16384 --seeds 1 --batch 1 --policies h2o@0.12 --reference-max-length 0
+# H2O at 32K too (the issue compares every length): its own 32K prefill per prompt, hours
+run --lengths 32768 --seeds 1 --batch 1 --policies h2o@0.12 --reference-max-length 0
