@@ -95,6 +95,9 @@ def main(argv=None) -> int:
                    default=["full", "infinigen", "infinigen:max_kv_fraction=0.1"],
                    help="NAME or NAME:key=value,... (kv options)")
     p.add_argument("--compress-weight", action="store_true")
+    p.add_argument("--sep-layer", choices=["true", "false"], default=None,
+                   help="attention and MLP as separate schedule stages or one (default: the "
+                        "runtime's choice, one stage a layer here)")
     p.add_argument("--prefill-dir", default=None, help="keep the prefill there (reused)")
     p.add_argument("--data-dir", default=None,
                    help="folder with pg19_firstbook.txt / wikitext2_test.txt (default: "
@@ -116,7 +119,9 @@ def main(argv=None) -> int:
     _timed_kernels(times, calls, active)
     kept = PrefillCache(a.prefill_dir) if a.prefill_dir else PrefillCache()
     policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
-                                 compress_weight=a.compress_weight)
+                                 compress_weight=a.compress_weight,
+                                 sep_layer=None if a.sep_layer is None
+                                 else a.sep_layer == "true")
     rows = []
     with OffloadedLM.load(model=a.model, policy=policy, progress=False,
                           max_len_hint=(a.context, a.steps + 2)) as lm:
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
                 f"{k} {1e3 * v:.1f}" for k, v in per_step.items()), flush=True)
     result = {"machine": machine_info(), "model": a.model, "context": a.context,
               "batch": a.batch, "compress_weight": a.compress_weight, "prompt_source": source,
+              "sep_layer": a.sep_layer or "auto",
               "read_bandwidth_bytes_s": read_bandwidth(256 << 20), "rows": rows}
     OUT.mkdir(parents=True, exist_ok=True)
     stem = OUT / f"decode_profile_{a.tag}"

@@ -95,6 +95,9 @@ class OffloadedLM:
             check_lengths(cfg, *max_len_hint)
         order = expert_order(expert_profile, cfg) if expert_profile else None
         layouts = weight_layouts(source, cfg)
+        if policy.sep_layer is None:
+            policy = dataclasses.replace(policy, sep_layer=not memory_plan.one_stage_a_layer(
+                cfg, policy, dev, layouts))
         need = memory_plan.plan(cfg, policy, torch_dtype, *(max_len_hint or (1, 1)), kv=kv,
                                 part=part, device=dev, layouts=layouts)
         memory_plan.check_fit(need, memory_plan.available(dev, offload_dir), dev)

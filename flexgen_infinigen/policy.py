@@ -29,7 +29,11 @@ class Policy:
     # None: on with CUDA; on a CPU-only machine on when anything is on disk (a reader waits on
     # the disk, not on the cores), else off (a copy thread would compete with compute)
     overlap: bool | None = None
-    sep_layer: bool = True
+    # attention and MLP as separate schedule stages (FlexGen's --sep-layer): a stage's weights
+    # load while the one before computes. None: one stage a layer where nothing loads (every
+    # dense weight read in place by a CPU, no routed experts: half the per-stage bookkeeping
+    # of a decode step), else separate (memory_plan.one_stage_a_layer)
+    sep_layer: bool | None = None
     pin_weight: bool = True
     cpu_cache_compute: bool = False
     compress_weight: bool = False
@@ -41,6 +45,11 @@ class Policy:
     # CPU-only: a KV cache in CPU memory is read where it is (False: copied per step as over
     # a GPU's link, which exercises the transfer path on a machine without one)
     host_in_place: bool = True
+
+    @property
+    def split_layers(self) -> bool:
+        """Separate attention and MLP stages (what an unresolved ``sep_layer`` plans with)."""
+        return self.sep_layer is not False
 
     @property
     def block_size(self) -> int:

@@ -154,8 +154,9 @@ def test_fused_step_with_qk_norms(tiny_qwen3, variant, kv, monkeypatch):
     modes = _calls(monkeypatch)
     fused = _generate(tiny_qwen3[variant], PROMPTS[:1], kv, monkeypatch, True)
     kinds = {kind for kind, _, _ in modes}
-    assert "attn" in kinds
-    assert ("mlp" in kinds) == (variant == "dense")  # MoE MLPs stay per-operation
+    # a dense model on a CPU runs one stage a layer (attention and MLP in one call); a MoE
+    # model keeps them apart, its MLPs on the experts path (sep_layer=None resolved so)
+    assert kinds == ({"layer"} if variant == "dense" else {"attn"})
     assert any(whole for _, whole, _ in modes) == (kv == "full")
     _assert_same(fused, _generate(tiny_qwen3[variant], PROMPTS[:1], kv, monkeypatch, False))
 
@@ -222,3 +223,27 @@ def test_weights_in_a_form_the_call_does_not_read_fall_back(tiny_llama, monkeypa
     fused = _generate(tiny_llama[1], PROMPTS[:2], "full", monkeypatch, True, **kw)
     assert not modes  # every layer fell back
     _assert_same(fused, _generate(tiny_llama[1], PROMPTS[:2], "full", monkeypatch, False, **kw))
+
+
+def test_sep_layer_resolves_to_one_stage_a_layer_only_where_nothing_loads(tiny_llama,
+                                                                          tiny_qwen3):
+    """``sep_layer=None``: one stage a layer on a CPU whose dense weights are all read in
+    place (floats or 4-bit codes), attention and MLP apart where weights load (a share off
+    the compute device) or a MoE layer's experts run once a block; an explicit value
+    stays. Both schedules give the same tokens."""
+    _, store = tiny_llama
+
+    def kinds(path, percent=(100, 0, 0, 100, 100, 0), **kw):
+        with OffloadedLM.load(path=path, policy=Policy.from_percent(list(percent), **kw),
+                              progress=False) as lm:
+            out = lm.generate([[1] + list(range(7, 40))], 4, stop_token_id=None)
+            return {s.kind for s in lm.engine.stages}, lm.engine.policy.sep_layer, out.token_ids
+
+    one, sep, tokens = kinds(store)
+    assert (one, sep) == ({"embed", "layer", "head"}, False)
+    split, sep, split_tokens = kinds(store, sep_layer=True)
+    assert (split, sep) == ({"embed", "attn", "mlp", "head"}, True)
+    assert tokens == split_tokens
+    assert kinds(store, compress_weight=True)[1] is False  # codes multiplied in place
+    assert kinds(store, percent=(50, 50, 0, 100, 100, 0))[1] is True  # half the weights load
+    assert kinds(tiny_qwen3["moe"])[1] is True  # experts once a block, on the MLP stage

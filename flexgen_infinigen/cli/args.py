@@ -43,7 +43,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="CPU-only machines: read a KV cache held in CPU memory where it is "
                         "(default); false copies it every step as a GPU's link would (to "
                         "test or measure the transfer path without a GPU)")
-    g.add_argument("--sep-layer", type=str2bool, default=True)
+    g.add_argument("--sep-layer", type=str2bool, default=None,
+                   help="attention and MLP as separate schedule stages, so a stage's weights "
+                        "load while the one before computes (default: separate, except one "
+                        "stage a layer on a CPU whose dense weights are all read in place)")
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
     g.add_argument("--compress-weight", action="store_true",

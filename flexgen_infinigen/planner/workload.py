@@ -87,13 +87,13 @@ class Sizes:
 
     @classmethod
     def of(cls, work: Workload, policy: Policy) -> "Sizes":
-        return _sizes(work, policy.sep_layer, policy.compress_weight, policy.compress_cache)
+        return _sizes(work, policy.split_layers, policy.compress_weight, policy.compress_cache)
 
     @classmethod
     def compute(cls, work: Workload, policy: Policy) -> "Sizes":
         cfg, item = work.cfg, work.dtype_bytes
         shapes = family_of(cfg).weight_shapes(cfg)
-        stages = build_stages(cfg, policy.sep_layer)
+        stages = build_stages(cfg, policy.split_layers)
         dense = [full for stage in stages for full in stage.weights.values()
                  if not is_expert_weight(full)]
         tensors = tuple(stored_bytes(shapes[full], item, policy.compress_weight)

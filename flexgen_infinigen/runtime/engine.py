@@ -83,7 +83,7 @@ class Engine(StageCompute):
         self.kv_policy, self.dtype = kv_policy, dtype
         self.family = family_of(cfg)
         self.part = part or LayerSlice.whole(cfg)
-        self.stages = build_stages(cfg, policy.sep_layer, self.part)
+        self.stages = build_stages(cfg, policy.split_layers, self.part)
         self.states: list[BatchState] = []
         self.caches: dict[tuple[int, int], object] = {}  # (stage, GPU batch) -> KVCache
         self.attention_stage: dict[int, int] = {}  # layer -> its attention stage

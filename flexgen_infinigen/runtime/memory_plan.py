@@ -80,6 +80,18 @@ def _packed_in_place(policy: Policy, device: torch.device | None, coded: bool = 
             and policy.weight_split[0] >= 1.0)
 
 
+def one_stage_a_layer(cfg: ModelConfig, policy: Policy, device: torch.device,
+                      layouts: dict | None = None) -> bool:
+    """Whether ``sep_layer=None`` resolves to one schedule stage a layer: on a CPU, every
+    dense weight on the compute device and read where it is (floats, or codes the kernels
+    multiply in place), no routed experts (a MoE layer's MLP stage runs once a block). Then
+    no stage's weights load, so splitting a layer overlaps nothing and only adds a stage's
+    bookkeeping to every step; the working set is the same either way."""
+    coded = bool(layouts) or policy.compress_weight
+    return (device.type == "cpu" and policy.weight_split[0] >= 1.0 and cfg.num_experts == 0
+            and (not coded or _packed_in_place(policy, device, bool(layouts))))
+
+
 def _expert_copies(cfg: ModelConfig, policy: Policy, device: torch.device | None,
                    layouts: dict, item: int, per_layer: int) -> int:
     """The most bytes of one layer's routed experts a stage holds copied while it computes
@@ -219,7 +231,7 @@ def plan(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int,
     # MLP's widest temporaries for one prefill chunk, the prompt-sized tensors of a layer) and
     # one fused attention chunk's mask (scores are never materialized; a policy that needs
     # the prompt's attention mass, H2O, counts its score chunk itself)
-    biggest_stage = max(max(per) if policy.sep_layer else sum(per) for per in layer_stages)
+    biggest_stage = max(max(per) if policy.split_layers else sum(per) for per in layer_stages)
     biggest_stage = max(biggest_stage, cfg.vocab_size * cfg.embed_dim * ends) * item
     cache_off_device = per_cache[1] + per_cache[2] > 0 or policy.compress_cache
     loads = 2 * 2 * math.prod(cache_shape) * item if cache_off_device else 0
