@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     rows = []
     with OffloadedLM.load(model=a.model, policy=policy, progress=False,
                           max_len_hint=(a.context, a.steps + 2)) as lm:
+        sep_layer = lm.policy.sep_layer
         prompts, source = natural_prompts(lm.tokenizer, a.context, a.batch,
                                           Path(a.data_dir) if a.data_dir else SHARED)
         print(f"prompts: {source}", flush=True)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
                 f"{k} {1e3 * v:.1f}" for k, v in per_step.items()), flush=True)
     result = {"machine": machine_info(), "model": a.model, "context": a.context,
               "batch": a.batch, "compress_weight": a.compress_weight, "prompt_source": source,
-              "sep_layer": a.sep_layer or "auto",
+              "sep_layer": sep_layer,  # as the runtime resolved it
               "read_bandwidth_bytes_s": read_bandwidth(256 << 20), "rows": rows}
     OUT.mkdir(parents=True, exist_ok=True)
     stem = OUT / f"decode_profile_{a.tag}"

@@ -288,4 +288,3 @@ def test_half_precision_scores_do_not_overflow(fn):
     half, full = run(torch.float16), run(torch.float32)
     assert torch.isfinite(half).all()
     assert (half - full).abs().max() < 0.05 * math.sqrt(d)
-
