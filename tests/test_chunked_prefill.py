@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime.attention import attend, attend_prompt, mask_bias
+from flexgen_infinigen.runtime.attention import attend, attend_prompt, mask_bias, prompt_key_mass
 
 PROMPTS = [[1, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 3, 9],
            [1, 40, 41, 42, 43, 44, 45, 46, 400, 2, 77]]
@@ -27,9 +27,10 @@ def test_attend_prompt_equals_one_masked_pass(window, prefix):
     valid[2, :prefix + 2] = False
     real = valid[:, prefix:]
     ref_out = attend(q, k, v, mask_bias(valid, s, q.dtype, window))
-    whole = attend_prompt(q, k, v, valid, window, return_key_mass=True, rows=s)
+    whole = attend_prompt(q, k, v, valid, window, rows=s), prompt_key_mass(q, k, valid, window, s)
     for rows in (1, 3, 5, s):
-        out, mass = attend_prompt(q, k, v, valid, window, return_key_mass=True, rows=rows)
+        out = attend_prompt(q, k, v, valid, window, rows=rows)
+        mass = prompt_key_mass(q, k, valid, window, rows=rows)
         # real query rows equal the masked reference; padding rows are zero, add no mass
         assert torch.allclose(out * real[..., None], ref_out * real[..., None], atol=1e-6)
         assert torch.allclose(out, whole[0], atol=1e-6)
@@ -40,15 +41,20 @@ def test_attend_prompt_equals_one_masked_pass(window, prefix):
 
 
 def _real_query_mass(q, k, v, valid, window, prefix):
-    """Key mass of the real queries only, one query row at a time with its own mask."""
-    b, s = q.shape[:2]
-    mass = torch.zeros(b, k.shape[2], k.shape[1])
-    for i in range(s):
-        bias = mask_bias(valid[:, :prefix + i + 1], 1, q.dtype, window)
-        _, m = attend(q[:, i:i + 1], k[:, :prefix + i + 1], v[:, :prefix + i + 1], bias,
-                      return_key_mass=True)
-        m = m * valid[:, prefix + i][:, None, None]
-        mass[:, :, :prefix + i + 1] += m
+    """Key mass of the real queries only, one query row and head at a time, by hand."""
+    b, s, heads, d = q.shape
+    kv = k.shape[2]
+    mass = torch.zeros(b, kv, k.shape[1])
+    for n in range(b):
+        for i in range(s):
+            if not valid[n, prefix + i]:
+                continue
+            seen = [j for j in range(prefix + i + 1)
+                    if valid[n, j] and (not window or prefix + i - j < window)]
+            for h in range(heads):
+                g = h // (heads // kv)
+                p = torch.softmax(k[n, seen, g] @ q[n, i, h] / d ** 0.5, 0)
+                mass[n, g, seen] += p
     return mass
 
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..config import ConfigError
-from ..runtime.attention import attend_prompt, score_rows
+from ..runtime.attention import prompt_key_mass, score_rows
 from .base import CacheSpec, DecodeWork
 from .full import attend_selected
 from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
@@ -43,7 +43,7 @@ class H2OCache(SelectiveCache):
     def store_prompt(self, q, k, v, valid) -> None:
         super().store_prompt(q, k, v, valid)
         length = k.shape[1]
-        _, mass = attend_prompt(q, k, v, valid, self.spec.window, return_key_mass=True)
+        mass = prompt_key_mass(q, k, valid, self.spec.window)
         kv_valid = valid[:, None, :].expand(-1, self.spec.kv_heads, -1)
         self.score[:, :length] = self._columns(mass)
         self.alive[:, :length] = self._columns(kv_valid)

@@ -77,39 +77,44 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 
 def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                  window: int = 0, return_key_mass: bool = False, rows: int | None = None):
-    """Causal attention of a prompt (or a chunk of one) without any [q, k]-sized mask.
+                  window: int = 0, rows: int | None = None) -> torch.Tensor:
+    """Causal attention of a prompt (or a chunk of one) through torch's fused attention,
+    without any [q, k]-sized mask.
 
     q: [b, s, H, d]; k, v: [b, t, KV, d], the last ``s`` keys being the queries' own;
-    ``valid`` [b, t]. Query rows go in chunks (``rows``, default: float32 scores under
-    ``SCORE_CHUNK_BYTES``); each chunk builds its own bias and reads only the keys it may see
-    (up to its last query), so the causal half of the score matrix is never computed.
-    Equal to ``attend(q, k, v, mask_bias(valid, s, ...))``; with ``return_key_mass`` also
-    the attention each key receives, summed over query heads and positions: [b, KV, t].
+    ``valid`` [b, t]. Query rows go in chunks (``rows``), each with its own boolean mask over
+    only the keys it may see (up to its last query), so the causal half of the score matrix
+    is never computed. Equal to ``attend(q, k, v, mask_bias(valid, s, ...))`` on real query
+    rows; padding query rows are zero.
+    """
+    return _attend_prompt_fused(q, k, v, valid, window, rows)
+
+
+def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, window: int = 0,
+                    rows: int | None = None) -> torch.Tensor:
+    """The attention each key of a prompt receives, summed over query heads and the real
+    query positions: [b, KV, t] (what H2O scores its heavy hitters by).
+
+    Shapes as :func:`attend_prompt`. The probabilities are materialized (a fused kernel does
+    not return them), in chunks of ``rows`` query rows (default: float32 scores under
+    ``SCORE_CHUNK_BYTES``), each over only the keys it may see; no values are read.
     """
     b, s, heads, _ = q.shape
     t, kv_heads = k.shape[1], k.shape[2]
-    if not return_key_mass:
-        return _attend_prompt_fused(q, k, v, valid, window, rows)
     rows = rows or score_rows(b, heads, t)
     offset = t - s  # keys before the first query (a cached prefix)
-    outs = []
-    mass = torch.zeros(b, kv_heads, t, device=q.device) if return_key_mass else None
+    mass = torch.zeros(b, kv_heads, t, device=q.device)
     for start in range(0, s, rows):
         stop = min(s, start + rows)
         first = max(0, offset + start + 1 - window) if window else 0  # the window's oldest key
         end = offset + stop  # keys after the chunk's last query are never seen
         bias = _chunk_bias(valid[:, first:end], start + offset - first, stop - start, q.dtype,
                            window)
-        real = valid[:, offset + start:offset + stop]  # padding queries: zero output, no mass
-        got = _attend_block(q[:, start:stop], k[:, first:end], v[:, first:end], bias,
-                            return_key_mass, real)
-        if return_key_mass:
-            got, m = got
-            mass[:, :, first:end] += m
-        outs.append(got)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return (out, mass) if return_key_mass else out
+        real = valid[:, offset + start:offset + stop]  # padding queries add no mass
+        per_query = _probabilities(q[:, start:stop], k[:, first:end], bias).sum(2)
+        # [b, KV, 1, n] x [b, KV, n, keys]: the real query rows' sum
+        mass[:, :, first:end] += torch.matmul(real.float()[:, None, None, :], per_query)[:, :, 0]
+    return mass
 
 
 # a fused chunk's boolean mask [b, 1, rows, keys] stays under this many bytes, and its rows
@@ -186,10 +191,9 @@ def _chunk_bias(valid: torch.Tensor, first_query: int, n: int, dtype: torch.dtyp
     return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
 
 
-def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                  return_key_mass: bool = False, real: torch.Tensor | None = None):
-    """One chunk of query rows of :func:`attend`; ``real`` [b, s]: queries that count (the
-    others give zeros and no key mass)."""
+def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Float32 softmax probabilities [b, KV, group, s, t] of queries [b, s, H, d] over keys
+    [b, t, KV, d] with an additive ``bias`` broadcastable to [b, 1, s, t]."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -199,9 +203,16 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     # scaled before the product: q.k of a large model can pass fp16's range, q.k / sqrt(d) not
     scores = torch.matmul(qg * (1.0 / math.sqrt(d)), kt).float()
     scores = scores.view(b, kv_heads, group, s, -1) + bias[:, :, None].float()
-    probs = torch.softmax(scores, dim=-1)
-    if real is not None:
-        probs = probs * real[:, None, None, :, None]
+    return torch.softmax(scores, dim=-1)
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                  return_key_mass: bool = False):
+    """One chunk of query rows of :func:`attend`."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    probs = _probabilities(q, k, bias)
     out = torch.matmul(probs.to(v.dtype).view(b, kv_heads, group * s, -1), v.permute(0, 2, 1, 3))
     out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
     return (out, probs.sum((2, 3))) if return_key_mass else out
