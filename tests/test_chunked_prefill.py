@@ -40,6 +40,20 @@ def test_attend_prompt_equals_one_masked_pass(window, prefix):
     assert torch.allclose(whole[1], _real_query_mass(q, k, v, valid, window, prefix), atol=1e-5)
 
 
+@pytest.mark.parametrize("b,heads,kv,d", [(1, 6, 2, 8), (2, 4, 4, 64)])
+def test_key_mass_of_an_unpadded_prompt(b, heads, kv, d):
+    """No padding, prefix or window: the fused path, against the same sums by hand."""
+    torch.manual_seed(1)
+    s = 37
+    q, k = torch.randn(b, s, heads, d) * 2, torch.randn(b, s, kv, d) * 2
+    valid = torch.ones(b, s, dtype=torch.bool)
+    mass = prompt_key_mass(q, k, valid, 0)
+    expected = _real_query_mass(q, k, None, valid, 0, 0)
+    assert torch.allclose(mass, expected, rtol=1e-5, atol=1e-6)
+    # every query hands out one unit a head: the masses sum to heads x queries
+    assert torch.allclose(mass.sum((1, 2)), torch.full((b,), float(heads * s)), rtol=1e-6)
+
+
 def _real_query_mass(q, k, v, valid, window, prefix):
     """Key mass of the real queries only, one query row and head at a time, by hand."""
     b, s, heads, d = q.shape

@@ -95,12 +95,16 @@ def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, windo
     """The attention each key of a prompt receives, summed over query heads and the real
     query positions: [b, KV, t] (what H2O scores its heavy hitters by).
 
-    Shapes as :func:`attend_prompt`. The probabilities are materialized (a fused kernel does
-    not return them), in chunks of ``rows`` query rows (default: float32 scores under
-    ``SCORE_CHUNK_BYTES``), each over only the keys it may see; no values are read.
+    Shapes as :func:`attend_prompt`. A float32 prompt on the CPU with no padding, prefix or
+    window goes through the fused kernel (:func:`_key_mass_fused`). Otherwise the
+    probabilities are materialized in chunks of ``rows`` query rows (default: float32 scores
+    under ``SCORE_CHUNK_BYTES``), each over only the keys it may see; no values are read.
     """
     b, s, heads, _ = q.shape
     t, kv_heads = k.shape[1], k.shape[2]
+    if (s == t and not window and q.device.type == "cpu" and q.dtype == torch.float32
+            and k.dtype == torch.float32 and bool(valid.all())):
+        return _key_mass_fused(q, k)
     rows = rows or score_rows(b, heads, t)
     offset = t - s  # keys before the first query (a cached prefix)
     mass = torch.zeros(b, kv_heads, t, device=q.device)
@@ -115,6 +119,36 @@ def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, windo
         # [b, KV, 1, n] x [b, KV, n, keys]: the real query rows' sum
         mass[:, :, first:end] += torch.matmul(real.float()[:, None, None, :], per_query)[:, :, 0]
     return mass
+
+
+def _key_mass_fused(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """:func:`prompt_key_mass` of a causal prompt with no padding, prefix or window, through
+    two calls of torch's fused CPU attention (no probabilities materialized).
+
+    Key j's mass is sum over queries i >= j of exp(q_i.k_j / sqrt(d) - lse_i), lse_i being
+    query i's log normalizer. The first call returns every lse_i; the second swaps the roles
+    (each key asks, the queries answer) with -lse_i as one more key dimension, so its own
+    log normalizer for key j is log(mass_j). Both sequences are reversed in the second call,
+    which turns "i >= j" into the kernel's causal mask. The kernel takes only values of the
+    query's head size, so each call also multiplies zeros it does not need: still fewer
+    passes over memory than the probabilities."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(d)
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qt = q.transpose(1, 2).contiguous()  # [b, H, t, d]
+    kt = k.transpose(1, 2).repeat_interleave(group, 1)  # [b, H, t, d]
+    _, lse = fused(qt, kt, torch.zeros_like(qt), is_causal=True, scale=scale)  # [b, H, t]
+    # the extra dimension is padded to a multiple of 8 (the kernel's vector width)
+    extra = torch.zeros(b, heads, t, 8, dtype=q.dtype)
+    asks = torch.cat([kt, extra], -1)
+    asks[..., d] = 1.0
+    answers = torch.cat([qt, extra], -1)
+    answers[..., d] = -lse / scale
+    asks, answers = asks.flip(2), answers.flip(2)
+    _, log_mass = fused(asks, answers, torch.zeros_like(asks), is_causal=True, scale=scale)
+    return log_mass.flip(2).exp().view(b, kv_heads, group, t).sum(2)
 
 
 # a fused chunk's boolean mask [b, 1, rows, keys] stays under this many bytes, and its rows
