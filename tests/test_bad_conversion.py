@@ -76,6 +76,20 @@ def test_convert_checkpoint_missing_tensor(capsys, hf_folder_copy, tmp_path):
     assert leftovers(tmp_path, {"ckpt"}) == []  # no store and no .partial folder
 
 
+def test_convert_without_room_on_disk(capsys, monkeypatch, hf_folder_copy, tmp_path):
+    """A disk without room for the store: one line with what it needs and where, and the
+    fix, before any tensor is written."""
+    import collections
+
+    from flexgen_infinigen.weights import store as store_mod
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", lambda _p: usage(1 << 30, 1 << 30, 4096))
+    line = convert_cli(capsys, ["--checkpoint", hf_folder_copy, "--out", tmp_path / "out"])
+    assert_mentions(line, "GB free", str(tmp_path), "FLEXGEN_INFINIGEN_CACHE")
+    assert leftovers(tmp_path, {"ckpt"}) == []
+
+
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError], ids=["ctrl-c", "disk-error"])
 def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_path, exc_type):
     real_add = StoreWriter.add

@@ -263,6 +263,35 @@ def test_truncated_gguf_is_one_error(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
+def test_store_that_would_not_fit_is_refused(tmp_path, monkeypatch):
+    """A conversion that would fill the disk is one error naming the room it needs, before
+    anything is written; with exactly that room it goes through, and the store it writes
+    takes no more than the room asked for."""
+    import collections
+
+    from flexgen_infinigen.weights import store as store_mod
+    from flexgen_infinigen.weights.gguf_convert import convert_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_quantized_gguf(_tiny("llama"), "llama", path)
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    need = int(tensor_bytes * store_mod.ROOM_MARGIN) + store_mod.ROOM_SLACK
+    usage = collections.namedtuple("usage", "total used free")
+    for free in (need - 1, need):
+        monkeypatch.setattr(store_mod.shutil, "disk_usage",
+                            lambda _p, free=free: usage(10 * need, 9 * need, free))
+        if free < need:
+            with pytest.raises(ConfigError, match="FLEXGEN_INFINIGEN_CACHE") as err:
+                convert_gguf(path, tmp_path / "store", progress=False)
+            assert "GB free" in str(err.value) and "\n" not in str(err.value)
+            assert not (tmp_path / "store").exists()
+            assert not list(tmp_path.glob(".store.partial-*"))
+        else:
+            store = convert_gguf(path, tmp_path / "store", progress=False)
+    written = sum(f.stat().st_size for f in store.iterdir())
+    assert tensor_bytes <= written <= need
+
+
 def test_sharded_gguf_is_one_model(tmp_path):
     """A GGUF split into shards converts, named by any shard, to the store the whole file
     gives (the same tensors, bit for bit); a missing shard is one error naming it."""

@@ -299,7 +299,10 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
         print("note: the GGUF has no tokenizer; the store has none: run it with --prompt-len",
               file=sys.stderr)
     info = {"special_ids": special_ids(reader), **(extra or {})}
-    with StoreWriter(dest, cfg, source=f"gguf:{src.name}", extra=info) as writer:
+    # every tensor is kept as the file stores it: the store takes the file's tensor bytes
+    size = sum(int(t.n_bytes) for t, _, _ in plan)
+    with StoreWriter(dest, cfg, source=f"gguf:{src.name}", extra=info,
+                     expected_bytes=size) as writer:
         for t, keys, shape in tqdm(plan, desc=f"converting {src.name}", unit="tensor",
                                    disable=not progress):
             raise_if_interrupted()

@@ -186,7 +186,10 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
     expected = family_of(cfg).weight_shapes(cfg)
     total, tensors = read_checkpoint(folder)
     seen = set()
-    with StoreWriter(dest, cfg, source=str(folder), extra=extra) as w:
+    # tensors keep their dtype: the store takes at most the checkpoint files' bytes
+    size = sum(f.stat().st_size for f in safetensors_files(folder)
+               or folder.glob("*.bin"))
+    with StoreWriter(dest, cfg, source=str(folder), extra=extra, expected_bytes=size) as w:
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
             raise_if_interrupted()

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import CACHE_ENV, ConfigError, ModelConfig
 from ..runtime.compression import CodeLayout, Packed
 from . import gguf_codes
 
@@ -38,12 +38,36 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
+# room kept beyond the tensors' bytes: .npy headers, the manifest, the tokenizer, and the
+# filesystem's own blocks
+ROOM_MARGIN = 1.02
+ROOM_SLACK = 64 << 20
+
+
+def check_room(dest: Path, nbytes: int, source: str) -> None:
+    """One error before anything is written when a store of ``nbytes`` would not fit on the
+    disk that will hold ``dest`` (a conversion that fills the disk half way would fail with
+    a bare OSError after minutes of work)."""
+    if nbytes <= 0:
+        return
+    root = Path(dest).absolute().parent
+    while not root.exists():  # folders the writer will create: their disk is the parent's
+        root = root.parent
+    need, free = int(nbytes * ROOM_MARGIN) + ROOM_SLACK, shutil.disk_usage(root).free
+    if need > free:
+        raise ConfigError(
+            f"converting {source or 'the model'} needs about {need / 1e9:.1f} GB in {root}, "
+            f"which has {free / 1e9:.1f} GB free; free space there, or set ${CACHE_ENV} to "
+            "a folder on a disk with room")
+
+
 class StoreWriter:
     """Writes a store atomically: ``with StoreWriter(dest, cfg) as w: w.add(name, array)``."""
 
     def __init__(self, dest: str | os.PathLike, config: ModelConfig, source: str = "",
-                 extra: dict | None = None):
+                 extra: dict | None = None, expected_bytes: int = 0):
         self.dest = Path(dest)
+        self.expected_bytes = expected_bytes  # refused up front when the disk has less
         self.config = config
         self.source = source
         self.extra = dict(extra or {})  # more manifest fields (special ids, source identity)
@@ -53,7 +77,8 @@ class StoreWriter:
         self.tokenizer_file: str | None = None
 
     def __enter__(self) -> "StoreWriter":
-        self._remove_stale_partials()
+        self._remove_stale_partials()  # what killed conversions left is free space for this one
+        check_room(self.dest, self.expected_bytes, self.source)
         self.tmp.mkdir(parents=True)
         return self
 
