@@ -1,6 +1,7 @@
 """The GPU check: the CUDA tests in shards, host-to-device bandwidth, how much copy time hides
 under compute, planned against actual peak memory, the paper's OPT-13B setting, Llama-3.1-8B
-shapes at 32K, and a profile of InfiniGen's decode steps.
+shapes at 32K, a profile of InfiniGen's decode steps, and a mixture of experts with its experts
+on the GPU and in CPU memory.
 
     scripts/gpu_check.sh --list                   # the steps, one command each
     scripts/gpu_check.sh --steps tests-core       # one step (each fits one 10-minute call)
@@ -123,7 +124,8 @@ def steps() -> dict:
                   "memory": s.step_memory, "paper-full": s.paper("full"),
                   "paper-infinigen": s.paper("infinigen"), "paper-no-kv-transfer": s.paper_no_kv,
                   "long-full": s.long_context("full"),
-                  "long-infinigen": s.long_context("infinigen"), "profile": s.step_profile})
+                  "long-infinigen": s.long_context("infinigen"), "profile": s.step_profile,
+                  "moe": s.step_moe})
     return table
 
 

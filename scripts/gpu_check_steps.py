@@ -202,6 +202,63 @@ def long_context(kv: str):
     return step
 
 
+def _moe_model(a) -> str:
+    """Qwen3-30B-A3B's layer shapes in 6 of its 48 layers, the vocabulary cut alike (bf16,
+    ~7.5 GB: four loads of it fit one step's time limit), or a toy MoE for a dry run;
+    registered under its name for ``--dummy`` loading."""
+    import dataclasses
+
+    from flexgen_infinigen.config import KNOWN_MODELS, get_config
+    full = get_config("qwen3-30b-a3b")
+    if a.dry_run:
+        cfg = dataclasses.replace(full, name="gpu-check-toy-moe", vocab_size=1024,
+                                  hidden_size=256, intermediate_size=512, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, attn_head_dim=64,
+                                  num_experts=16, experts_per_token=4,
+                                  expert_intermediate_size=128)
+    else:
+        layers = 6
+        cfg = dataclasses.replace(full, name=f"qwen3-30b-a3b-{layers}-of-48-layers",
+                                  num_layers=layers,
+                                  vocab_size=round(full.vocab_size * layers / 48 / 64) * 64)
+    KNOWN_MODELS[cfg.name] = cfg
+    return cfg.name
+
+
+def step_moe(a) -> dict:
+    """A MoE on the GPU (MoE issue): decode with every expert on the GPU (the ceiling) and
+    with the routed experts in CPU memory, fetched when a token picks them (attention, the
+    router and the KV cache on the GPU in both), at batch 1 and 8; expert bytes over the link
+    per step against the measured pinned rate. Computing experts on the CPU beside a GPU is
+    not built, so "experts in CPU memory" is the fetching row."""
+    model = _moe_model(a)
+    prompt, gen, cut = (64, 8, 4) if a.dry_run else (4096, 24, 12)
+    dtype = "float32" if a.dry_run else "bfloat16"
+    peak, rows = _pinned_peak(a), []
+    for b in (1, 8):
+        for where, experts in (("gpu", (100, 0)), ("cpu-fetched", (0, 100))):
+            policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=b,
+                                         expert_gpu_percent=experts[0],
+                                         expert_cpu_percent=experts[1])
+            with _load(a, model, policy, dtype=dtype) as lm:
+                prompts = _prompts(lm, b, prompt)
+                _, row = _measured(lm, prompts, gen, cut)
+                whole = dict(lm.tiers.bytes_moved["host->device"])
+                # the prefill alone, taken out: it fetches nearly every expert once
+                lm.tiers.reset_counters()
+                lm.generate(prompts, 1, stop_token_id=None)
+                prefill = lm.tiers.bytes_moved["host->device"]
+                steps = row["decode_steps_run"] or 1
+                row.update(batch=b, experts=where,
+                           host_to_device_bytes_per_step=(sum(whole.values())
+                                                          - sum(prefill.values())) / steps,
+                           expert_bytes_per_step=(whole["experts"] - prefill["experts"])
+                           / steps)
+            rows.append(_against_link(row, peak))
+    return {"model": model, "prompt_len": prompt, "gen_len": gen, "cut_gen_len": cut,
+            "dtype": dtype, "runs": rows}
+
+
 def step_profile(a) -> dict:
     """torch.profiler over 3 InfiniGen decode steps (KV in CPU memory): kernels, copies and
     host synchronizations per step, and the ops that take the most device time."""
