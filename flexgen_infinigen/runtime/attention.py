@@ -103,7 +103,8 @@ def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, windo
     b, s, heads, _ = q.shape
     t, kv_heads = k.shape[1], k.shape[2]
     if (s == t and not window and q.device.type == "cpu" and q.dtype == torch.float32
-            and k.dtype == torch.float32 and bool(valid.all())):
+            and k.dtype == torch.float32 and bool(valid.all())
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")):
         return _key_mass_fused(q, k)
     rows = rows or score_rows(b, heads, t)
     offset = t - s  # keys before the first query (a cached prefix)
@@ -140,7 +141,7 @@ def _key_mass_fused(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     qt = q.transpose(1, 2).contiguous()  # [b, H, t, d]
     kt = k.transpose(1, 2).repeat_interleave(group, 1)  # [b, H, t, d]
     _, lse = fused(qt, kt, torch.zeros_like(qt), is_causal=True, scale=scale)  # [b, H, t]
-    # the extra dimension is padded to a multiple of 8 (the kernel's vector width)
+    # one extra dimension carries -lse; the other 7 are zeros
     extra = torch.zeros(b, heads, t, 8, dtype=q.dtype)
     asks = torch.cat([kt, extra], -1)
     asks[..., d] = 1.0

@@ -57,8 +57,8 @@ def check_room(dest: Path, nbytes: int, source: str) -> None:
     if need > free:
         raise ConfigError(
             f"converting {source or 'the model'} needs about {need / 1e9:.1f} GB in {root}, "
-            f"which has {free / 1e9:.1f} GB free; free space there, or set ${CACHE_ENV} to "
-            "a folder on a disk with room")
+            f"which has {free / 1e9:.1f} GB free; free space there, or write the store to a "
+            f"disk with room (convert's --out; for the cache, ${CACHE_ENV})")
 
 
 class StoreWriter:
