@@ -289,7 +289,8 @@ def test_store_that_would_not_fit_is_refused(tmp_path, monkeypatch):
         else:
             store = convert_gguf(path, tmp_path / "store", progress=False)
     written = sum(f.stat().st_size for f in store.iterdir())
-    assert tensor_bytes <= written <= need
+    # the tensors' bytes plus headers, the manifest and the tokenizer: well inside the margin
+    assert tensor_bytes <= written <= tensor_bytes * store_mod.ROOM_MARGIN + (1 << 20)
 
 
 def test_sharded_gguf_is_one_model(tmp_path):

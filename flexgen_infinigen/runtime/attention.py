@@ -90,6 +90,13 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     return _attend_prompt_fused(q, k, v, valid, window, rows)
 
 
+# the fused key mass holds about this many q-sized float32 tensors at once (repeated keys,
+# zero values, the extended copies and both calls' outputs); above the budget the chunked
+# path, whose scores stay under SCORE_CHUNK_BYTES, is taken instead
+FUSED_MASS_COPIES = 10
+FUSED_MASS_BYTES = 2 << 30
+
+
 def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, window: int = 0,
                     rows: int | None = None) -> torch.Tensor:
     """The attention each key of a prompt receives, summed over query heads and the real
@@ -104,7 +111,8 @@ def prompt_key_mass(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, windo
     t, kv_heads = k.shape[1], k.shape[2]
     if (s == t and not window and q.device.type == "cpu" and q.dtype == torch.float32
             and k.dtype == torch.float32 and bool(valid.all())
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")):
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+            and FUSED_MASS_COPIES * 4 * b * heads * t * (q.shape[-1] + 8) <= FUSED_MASS_BYTES):
         return _key_mass_fused(q, k)
     rows = rows or score_rows(b, heads, t)
     offset = t - s  # keys before the first query (a cached prefix)
