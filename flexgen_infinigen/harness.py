@@ -47,7 +47,8 @@ def _argv(options: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool) or str(value).lower() in ("true", "false"):
             truthy = value if isinstance(value, bool) else str(value).lower() == "true"
-            if key in ("compress_weight", "compress_cache", "cpu_cache_compute", "dummy",
+            if key in ("compress_weight", "compress_cache", "cpu_cache_compute",
+                       "cpu_expert_compute", "dummy",
                        "offline"):
                 if truthy:
                     argv.append(flag)

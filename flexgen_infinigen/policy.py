@@ -36,6 +36,9 @@ class Policy:
     sep_layer: bool | None = None
     pin_weight: bool = True
     cpu_cache_compute: bool = False
+    # a decode step's routed experts held in CPU memory multiplied there by the CPU, the
+    # tokens' rows sent to them (not the experts to the compute device); prompts still fetch
+    cpu_expert_compute: bool = False
     compress_weight: bool = False
     compress_cache: bool = False
     direct_io: bool = False  # read the disk tier with O_DIRECT (bypassing the page cache)

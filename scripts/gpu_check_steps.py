@@ -229,21 +229,25 @@ def step_moe(a) -> dict:
     """A MoE on the GPU (MoE issue): decode with every expert on the GPU (the ceiling) and
     with the routed experts in CPU memory, fetched when a token picks them (attention, the
     router and the KV cache on the GPU in both), at batch 1 and 8; expert bytes over the link
-    per step against the measured pinned rate. Computing experts on the CPU beside a GPU is
-    not built, so "experts in CPU memory" is the fetching row."""
+    per step against the measured pinned rate; and with those experts multiplied in CPU memory
+    by the CPU (``--cpu-expert-compute``: only the tokens' rows cross)."""
     model = _moe_model(a)
     prompt, gen, cut = (64, 8, 4) if a.dry_run else (4096, 24, 12)
     dtype = "float32" if a.dry_run else "bfloat16"
     peak, rows = _pinned_peak(a), []
     for b in (1, 8):
-        for where, experts in (("gpu", (100, 0)), ("cpu-fetched", (0, 100))):
+        for where, experts, on_cpu in (("gpu", (100, 0), False),
+                                       ("cpu-fetched", (0, 100), False),
+                                       ("cpu-computed", (0, 100), True)):
             policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=b,
                                          expert_gpu_percent=experts[0],
-                                         expert_cpu_percent=experts[1])
+                                         expert_cpu_percent=experts[1],
+                                         cpu_expert_compute=on_cpu)
             with _load(a, model, policy, dtype=dtype) as lm:
                 prompts = _prompts(lm, b, prompt)
                 _, row = _measured(lm, prompts, gen, cut)
                 whole = dict(lm.tiers.bytes_moved["host->device"])
+                sent = lm.tiers.bytes_moved["device->host"]["activations"]
                 # the prefill alone, taken out: it fetches nearly every expert once
                 lm.tiers.reset_counters()
                 lm.generate(prompts, 1, stop_token_id=None)
@@ -253,6 +257,9 @@ def step_moe(a) -> dict:
                            host_to_device_bytes_per_step=(sum(whole.values())
                                                           - sum(prefill.values())) / steps,
                            expert_bytes_per_step=(whole["experts"] - prefill["experts"])
+                           / steps,
+                           activation_bytes_to_host_per_step=(
+                               sent - lm.tiers.bytes_moved["device->host"]["activations"])
                            / steps)
             rows.append(_against_link(row, peak))
     return {"model": model, "prompt_len": prompt, "gen_len": gen, "cut_gen_len": cut,

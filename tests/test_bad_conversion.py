@@ -90,6 +90,30 @@ def test_convert_without_room_on_disk(capsys, monkeypatch, hf_folder_copy, tmp_p
     assert leftovers(tmp_path, {"ckpt"}) == []
 
 
+def test_room_counts_only_the_files_read(monkeypatch, hf_folder_copy, tmp_path):
+    """A ``.bin`` folder the conversion reads ``pytorch_model.bin`` of: the room it asks for
+    is that file's size, not that of every ``*.bin`` beside it (a 1 TB sparse
+    ``optimizer.bin`` here), so a disk with room for the weights is not refused."""
+    import collections
+
+    import torch
+    from safetensors.torch import load_file
+
+    from flexgen_infinigen.weights import store as store_mod
+
+    weights = hf_folder_copy / "model.safetensors"
+    torch.save(load_file(str(weights)), hf_folder_copy / "pytorch_model.bin")
+    weights.unlink()
+    with open(hf_folder_copy / "optimizer.bin", "wb") as f:
+        f.truncate(1 << 40)
+    need = (hf_folder_copy / "pytorch_model.bin").stat().st_size
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(store_mod.shutil, "disk_usage",
+                        lambda _p: usage(1 << 41, 0, 2 * need + (256 << 20)))
+    out = hf_convert.convert_hf(hf_folder_copy, tmp_path / "out", "tiny-opt", progress=False)
+    assert WeightStore(out).manifest["tensors"]
+
+
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, OSError], ids=["ctrl-c", "disk-error"])
 def test_interrupted_conversion_leaves_nothing(monkeypatch, hf_folder_copy, tmp_path, exc_type):
     real_add = StoreWriter.add

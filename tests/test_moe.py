@@ -143,6 +143,17 @@ def expert_reads(ref, prompts, token_ids, steps: int) -> int:
 
 def expert_read_counts(ref, prompts, token_ids, steps: int) -> dict[tuple[int, int], int]:
     """:func:`expert_reads` per (layer, expert): the iterations that read the expert."""
+    counts: dict[tuple[int, int], int] = {}
+    for i, per_iteration in routed_sets(ref, prompts, token_ids, steps).items():
+        for used in per_iteration:
+            for e in used:
+                counts[(i, e)] = counts.get((i, e), 0) + 1
+    return counts
+
+
+def routed_sets(ref, prompts, token_ids, steps: int) -> dict[int, list[set[int]]]:
+    """Per MoE layer and iteration, the experts any row was routed to, from transformers'
+    own router choices on the tokens the run produced."""
     routers = _routers(ref)
     choices = {i: [] for i in routers}  # layer -> per prompt, the top-k indices per position
     hooks = [r.register_forward_hook(lambda m, a, o, i=i: choices[i].append(o[2]))
@@ -155,12 +166,8 @@ def expert_read_counts(ref, prompts, token_ids, steps: int) -> dict[tuple[int, i
     length = len(prompts[0])
     # iteration 0 routes every prompt token, iteration t the t-th fed token, of both rows
     positions = [range(length)] + [[length + t - 1] for t in range(1, steps)]
-    counts: dict[tuple[int, int], int] = {}
-    for i in routers:
-        for pos in positions:
-            for e in {int(e) for per_row in choices[i] for p in pos for e in per_row[p]}:
-                counts[(i, e)] = counts.get((i, e), 0) + 1
-    return counts
+    return {i: [{int(e) for per_row in choices[i] for p in pos for e in per_row[p]}
+                for pos in positions] for i in routers}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"], indirect=True)
@@ -184,6 +191,60 @@ def test_expert_bytes_equal_the_routers_choices(family, tier):
     dense = sum(math.prod(s) * 4 for n, s in family_of(cfg).weight_shapes(cfg).items()
                 if not is_expert_weight(n))
     assert moved["host->device"]["weights"] == STEPS * dense
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"], indirect=True)
+@pytest.mark.parametrize("on_device", [0, 50])
+def test_experts_multiplied_in_cpu_memory(family, on_device):
+    """``--cpu-expert-compute``, the CPU standing in for a GPU (its CPU memory copied as over
+    a link), the other weights on the device, two GPU batches: tokens and logits equal
+    transformers'. At decode no expert crosses the link: the experts' bytes moved are the
+    prompt's fetches of experts in CPU memory alone, counted from transformers' router
+    choices; what crosses instead is, for each decode stage that routed a token to an
+    expert in CPU memory, the block's rows and their routing there and the sum back."""
+    name, ref, store = family
+    prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
+    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+                                 expert_gpu_percent=on_device, expert_cpu_percent=100 - on_device,
+                                 host_in_place=False, cpu_expert_compute=True)
+    out, _, moved, cfg = _run(store, policy, prompts=prompts)
+    for row, prompt in enumerate(prompts):
+        tokens, logits = hf_greedy(ref, prompt, STEPS)
+        assert out.token_ids[row] == tokens, name
+        assert (out.logits[row] - logits).abs().max().item() < 1e-4, name
+    first_host = cfg.num_experts * on_device // 100  # experts by index: the first on device
+    sets = routed_sets(ref, prompts, out.token_ids, STEPS)
+    per_expert = 3 * cfg.expert_intermediate_size * cfg.hidden_size * 4  # float32
+    prompt_fetches = sum(e >= first_host for used in sets.values() for e in used[0])
+    assert moved["host->device"]["experts"] == prompt_fetches * per_expert
+    stages = sum(any(e >= first_host for e in used) for per in sets.values() for used in per[1:])
+    rows, k = len(prompts), cfg.experts_per_token
+    assert stages > 0
+    assert moved["device->host"]["activations"] == stages * rows * (cfg.hidden_size * 4
+                                                                  + k * (4 + 8))
+    assert moved["host->device"]["activations"] == stages * rows * cfg.hidden_size * 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_packed_experts_multiplied_in_cpu_memory(family):
+    """4-bit experts (``--compress-weight``) multiplied as codes by the CPU kernels where they
+    are held give the run that fetches the same codes: equal tokens, logits to float32
+    rounding, and no expert bytes moved after the prompt."""
+    _, _, store = family
+    runs = []
+    for on_host in (False, True):
+        policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+                                     expert_cpu_percent=100, host_in_place=False,
+                                     compress_weight=True, cpu_expert_compute=on_host)
+        runs.append(_run(store, policy, steps=1)[2]["host->device"]["experts"])
+        runs.append(_run(store, policy))
+    (prompt_only, fetched), (prompt_only_host, computed) = runs[:2], runs[2:]
+    assert computed[0].token_ids == fetched[0].token_ids
+    for a, b in zip(computed[0].logits, fetched[0].logits):
+        assert (a - b).abs().max().item() < 1e-4
+    assert fetched[2]["host->device"]["experts"] > prompt_only > 0
+    assert computed[2]["host->device"]["experts"] == prompt_only_host == prompt_only
+    assert computed[2]["device->host"]["activations"] > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
@@ -250,6 +311,29 @@ def test_routing_profile_from_the_command_line(family, tmp_path, capsys):
     assert run.main(["--model", "smollm2-135m", "--dummy", "--prompt-len", "8", "--gen-len",
                      "2", "--record-routing", str(tmp_path / "x.json")]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_cpu_expert_compute_from_the_command_line(family, tmp_path, capsys):
+    """`run --experts-percent 0 100 --cpu-expert-compute` (a CPU standing in for a GPU): the
+    report says the experts are computed in CPU memory, and its bytes moved show activations
+    going to the host and no more expert bytes than the prompt's fetches."""
+    import json
+
+    from flexgen_infinigen import run
+
+    _, _, store = family
+    base = ["--path", str(store), "--prompt-len", "8", "--gen-len", "4", "--no-stop",
+            "--experts-percent", "0", "100", "--host-in-place", "false"]
+    moved = {}
+    for flag in ([], ["--cpu-expert-compute"]):
+        out = tmp_path / f"report{len(flag)}.json"
+        assert run.main(base + flag + ["--json", str(out)]) == 0
+        moved[bool(flag)] = json.loads(out.read_text())["bytes_moved"]
+    assert "experts in CPU memory computed there" in capsys.readouterr().out
+    assert moved[True]["host->device"]["experts"] < moved[False]["host->device"]["experts"]
+    assert moved[True]["device->host"]["activations"] > 0 == \
+        moved[False]["device->host"]["activations"]
 
 
 def test_refused_by_name(tmp_path):

@@ -161,3 +161,31 @@ def test_expert_bytes_count_toward_what_cannot_fit():
     assert cost.predict(Workload(QWEN3, 512, 16), Policy.from_percent(
         [100, 0, 100, 0, 100, 0], expert_gpu_percent=0, expert_cpu_percent=0),
         BUILTIN["a6000-pcie3"].with_memory(disk_gb=70))["fits"]
+
+
+def test_cpu_expert_compute_priced_against_fetching():
+    """Experts in CPU memory on a GPU machine: multiplying them there
+    (``--cpu-expert-compute``) costs the CPU's products plus the block's rows crossing, and
+    saves fetching them. At one token the CPU reads each routed expert once, faster than the
+    link brings it; at a block of thousands of tokens the CPU's flops cost more than
+    fetching every expert once. The optimizer takes the flag where it predicts the step
+    faster, and writes it into the command."""
+    hw = BUILTIN["a6000-pcie3"].with_memory(gpu_gb=24, cpu_gb=200)
+    work = Workload(QWEN3, 512, 16)
+
+    def experts_s(tokens: int, on: bool) -> float:
+        policy = dataclasses.replace(EXPERTS_IN_CPU_MEMORY, cpu_expert_compute=on)
+        terms = cost.expert_terms(work, policy, hw, cost.fractions(policy), tokens,
+                                  decode=True)
+        return sum(terms.values())
+
+    assert experts_s(1, True) < experts_s(1, False) / 2
+    assert experts_s(4096, True) > experts_s(4096, False)
+    on = dataclasses.replace(EXPERTS_IN_CPU_MEMORY, cpu_expert_compute=True)
+    assert (cost.predict(work, on, hw)["decode_step_s"]
+            < cost.predict(work, EXPERTS_IN_CPU_MEMORY, hw)["decode_step_s"])
+    given = Policy(expert_gpu_percent=0, expert_cpu_percent=100)
+    best, _ = search(QWEN3, 512, 16, hw, given, gpu_batch_size=1, num_gpu_batches=1,
+                     progress=False)
+    assert best.policy.cpu_expert_compute
+    assert "--cpu-expert-compute" in run_command(best, "qwen3-30b-a3b", 512, 16, "full")

@@ -49,6 +49,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "stage a layer on a CPU whose dense weights are all read in place)")
     g.add_argument("--pin-weight", type=str2bool, default=True)
     g.add_argument("--cpu-cache-compute", action="store_true")
+    g.add_argument("--cpu-expert-compute", action="store_true",
+                   help="a mixture-of-experts model: at decode, routed experts held in CPU "
+                        "memory (--experts-percent) are multiplied there by the CPU and only "
+                        "the tokens' rows cross the link; prompts still fetch them")
     g.add_argument("--compress-weight", action="store_true",
                    help="pack float weights into 4-bit groups of 64; weights a quantized GGUF "
                         "brought are kept as its codes, and this changes nothing for them")
@@ -128,7 +132,8 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
     (``weight_reads``: see :func:`~.planner.auto.search`)."""
     percent = parse_percent(a.percent)
     switches = dict(overlap=a.overlap, sep_layer=a.sep_layer, pin_weight=a.pin_weight,
-                    cpu_cache_compute=a.cpu_cache_compute, compress_weight=a.compress_weight,
+                    cpu_cache_compute=a.cpu_cache_compute,
+                    cpu_expert_compute=a.cpu_expert_compute, compress_weight=a.compress_weight,
                     compress_cache=a.compress_cache, direct_io=a.direct_io,
                     prefill_chunk=a.prefill_chunk, host_in_place=a.host_in_place,
                     **expert_percent(a))
@@ -164,6 +169,7 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
           + f"--gpu-batch-size {best.policy.gpu_batch_size} --num-gpu-batches "
           f"{best.policy.num_gpu_batches}" + (" --cpu-cache-compute" if
                                                best.policy.cpu_cache_compute else "")
+          + (" --cpu-expert-compute" if best.policy.cpu_expert_compute else "")
           + f"; predicted {best.prediction['throughput']:.2f} tokens/s")
     return best.policy, {"hardware": hw.name, "hardware_source": hw.source, **summary(best)}
 

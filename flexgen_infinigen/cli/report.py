@@ -135,7 +135,8 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
           pol["gpu_batch_size"], pol["num_gpu_batches"], pol["overlap"], pol["sep_layer"],
           pol["cpu_cache_compute"], pol["compress_weight"], pol["compress_cache"])
       + ("" if pol.get("expert_gpu_percent") is None else
-         f", experts percent {pol['expert_gpu_percent']} {pol['expert_cpu_percent']}"))
+         f", experts percent {pol['expert_gpu_percent']} {pol['expert_cpu_percent']}")
+      + (", experts in CPU memory computed there" if pol.get("cpu_expert_compute") else ""))
     s = r["sizes_bytes"]
     placed = r["weights_by_tier_bytes"]
     tot = max(sum(placed.values()), 1)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..runtime.cpu_layers import MOE_MAX_ROWS, linear, moe_experts
-from ..runtime.tiered import OnDemand
+from ..runtime.compression import PackedWeight
+from ..runtime.tiered import OnDemand, OnHost
 
 ROUTER = "router.weight"
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
@@ -70,40 +71,73 @@ def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
 
 
 def fetch(weight):
-    """A weight the math can multiply: an :class:`OnDemand` handle is read (once)."""
-    return weight.get() if isinstance(weight, OnDemand) else weight
+    """A weight the math can multiply: an :class:`OnDemand` handle is read (once), an
+    :class:`OnHost` one gives the stored tensor (for the host's own math)."""
+    if isinstance(weight, OnDemand):
+        return weight.get()
+    return weight.value if isinstance(weight, OnHost) else weight
+
+
+def _routed(w: dict, flat, weights, experts, used: list[int], some: bool = False):
+    """The sum over the experts ``used`` of each token's routed outputs, on the device
+    ``flat`` is on; ``some``: ``used`` leaves out experts the tokens chose (their share is
+    added elsewhere)."""
+    # on a CPU, every expert in one compiled call when none takes more rows than the call
+    # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
+    # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
+    if not flat.is_cuda:
+        chosen = experts.reshape(-1)
+        if some:  # the others last in the order below, and cut off
+            chosen = torch.where(torch.isin(chosen, torch.tensor(used, dtype=chosen.dtype)),
+                                 chosen, int(experts.max()) + 1)
+        counts = torch.bincount(chosen)
+        if int(counts[used].max()) <= MOE_MAX_ROWS:
+            # by expert, and within one expert by token: the order torch.where gives below
+            first = [0] + torch.cumsum(counts[used], 0).tolist()
+            order = torch.argsort(chosen, stable=True)[:first[-1]]
+            mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
+            out = moe_experts(flat, mats, first, order // experts.shape[1],
+                              weights.reshape(-1)[order])
+            if out is not None:
+                return out
+    out = torch.zeros_like(flat)
+    for e in used:
+        rows, slot = torch.where(experts == e)
+        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
+        out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
+    return out
+
+
+def _routed_on_host(w: dict, flat, weights, experts, used: list[int]) -> torch.Tensor:
+    """:func:`_routed` for experts the CPU multiplies in CPU memory (:class:`OnHost`): the
+    tokens' rows and their routing cross to the host, the sum comes back; the experts do
+    not move. In float32 on the host when the experts are codes (the CPU kernels' form)."""
+    handle = w[f"experts.{used[0]}.{EXPERT_MATRICES[0]}.weight"]
+    x, wts, exps = (handle.to_host(t) for t in (flat, weights, experts))
+    if isinstance(handle.value, PackedWeight):
+        x, wts = x.float(), wts.float()
+    return handle.to_compute(_routed(w, x, wts, exps, used, some=True).to(flat.dtype))
 
 
 def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The MoE MLP of the normalized input ``x`` [b, s, h] (no residual): each routed expert
     takes the rows of the tokens that chose it, scaled by their router weight; the shared
-    expert, if any, takes every token, scaled by the sigmoid of its gate."""
+    expert, if any, takes every token, scaled by the sigmoid of its gate. Experts the CPU
+    multiplies where they are held (:class:`OnHost`) take their tokens there."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(cfg, flat, w[ROUTER])
     used = torch.unique(experts).tolist()  # the experts this stage's tokens use, in order
-    for e in used:  # reads from disk all in flight before the first is needed
+    on_host = [e for e in used if isinstance(w[f"experts.{e}.{EXPERT_MATRICES[0]}.weight"],
+                                             OnHost)]
+    here = [e for e in used if e not in on_host] if on_host else used
+    for e in here:  # reads from disk all in flight before the first is needed
         for m in EXPERT_MATRICES:
             if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
                 w[f"experts.{e}.{m}.weight"].start()
-    out = None
-    # on a CPU, every expert in one compiled call when none takes more rows than the call
-    # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
-    # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
-    chosen = experts.reshape(-1)
-    counts = torch.bincount(chosen) if not flat.is_cuda else None
-    if counts is not None and int(counts.max()) <= MOE_MAX_ROWS:
-        # by expert, and within one expert by token: the order torch.where gives below
-        order = torch.argsort(chosen, stable=True)
-        first = [0] + torch.cumsum(counts[used], 0).tolist()
-        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
-        out = moe_experts(flat, mats, first, order // experts.shape[1],
-                          weights.reshape(-1)[order])
-    if out is None:
-        out = torch.zeros_like(flat)
-        for e in used:
-            rows, slot = torch.where(experts == e)
-            mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
-            out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
+    out = _routed(w, flat, weights, experts, here, some=bool(on_host)) if here \
+        else torch.zeros_like(flat)
+    if on_host:
+        out += _routed_on_host(w, flat, weights, experts, on_host)
     if cfg.shared_expert_size:
         shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
         out += torch.sigmoid(linear(flat, w[SHARED_GATE])) * shared

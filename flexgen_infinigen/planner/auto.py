@@ -101,6 +101,7 @@ def run_command(plan: Plan, model: str, prompt_len: int, gen_len: int, kv_policy
     if plan.experts_percent() is not None:
         args += ["--experts-percent", *map(str, plan.experts_percent())]
     for flag, on in (("--cpu-cache-compute", p.cpu_cache_compute),
+                     ("--cpu-expert-compute", p.cpu_expert_compute),
                      ("--compress-weight", p.compress_weight),
                      ("--compress-cache", p.compress_cache)):
         if on:
@@ -115,6 +116,7 @@ def summary(plan: Plan) -> dict:
     return {"percent": plan.percent(), "experts_percent": plan.experts_percent(),
             "experts": pred.get("experts"), "gpu_batch_size": p.gpu_batch_size,
             "num_gpu_batches": p.num_gpu_batches, "cpu_cache_compute": p.cpu_cache_compute,
+            "cpu_expert_compute": p.cpu_expert_compute,
             "compress_weight": p.compress_weight, "compress_cache": p.compress_cache,
             "predicted_throughput": pred["throughput"],
             "predicted_decode_throughput": pred["decode_throughput"],
@@ -132,7 +134,8 @@ def describe(plan: Plan, hw: HardwareProfile) -> str:
     lines = [f"  --percent {' '.join(map(str, plan.percent()))}"
              + (f"  --experts-percent {' '.join(map(str, experts))}" if experts else "")
              + f"  --gpu-batch-size {p.gpu_batch_size}  --num-gpu-batches {p.num_gpu_batches}"
-             + ("  --cpu-cache-compute" if p.cpu_cache_compute else ""),
+             + ("  --cpu-cache-compute" if p.cpu_cache_compute else "")
+             + ("  --cpu-expert-compute" if p.cpu_expert_compute else ""),
              f"  predicted: {pred['throughput']:.2f} tokens/s overall, "
              f"{pred['decode_throughput']:.2f} tokens/s decoding; "
              f"prefill {pred['prefill_s']:.2f} s, decode step {pred['decode_step_s'] * 1e3:.1f} ms",

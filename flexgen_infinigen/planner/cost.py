@@ -68,9 +68,23 @@ def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, t
     if policy.compress_weight:  # expanded from 4 bits where they are multiplied
         compute += r * hw.seconds("dequant", sz.expert_step_bytes(cfg, n * tokens, raw=True),
                                   pieces)
-    return {"h2d": r * off * hw.seconds("h2d", read, pieces),
-            "disk_read": r * x["ed"] * _disk_read(hw, read, pieces, cached, policy.direct_io),
-            "compute": compute}
+    terms = {"h2d": r * off * hw.seconds("h2d", read, pieces),
+             "disk_read": r * x["ed"] * _disk_read(hw, read, pieces, cached, policy.direct_io),
+             "compute": compute}
+    if decode and policy.cpu_expert_compute:
+        # the experts in CPU memory are multiplied there, not fetched: the CPU's products
+        # join the step's compute (the next layer waits for them), and every MoE layer
+        # sends the block's rows and routing to the host and the sum back
+        rows = n * tokens * sz.moe_layers
+        item = work.dtype_bytes
+        terms["h2d"] = r * x["ed"] * hw.seconds("h2d", read, pieces) + hw.seconds(
+            "h2d", rows * cfg.hidden_size * item, sz.moe_layers)
+        terms["d2h"] = hw.seconds("d2h", rows * (cfg.hidden_size * item
+                                                 + cfg.experts_per_token * (item + 8)),
+                                  3 * sz.moe_layers)
+        terms["compute"] = (1 - x["ec"]) * compute + x["ec"] * _expert_products(
+            cfg, sz, hw, 1, n * tokens, on_cpu=True)
+    return terms
 
 
 def expert_cpu_seconds(work: Workload, policy: Policy, hw: HardwareProfile,

@@ -229,7 +229,8 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
     """The predicted-fastest policy, and every feasible candidate scored (best first).
 
     With a policy that can attend where the cache is (the full cache), attention on the CPU
-    (``--cpu-cache-compute``) is tried as well.
+    (``--cpu-cache-compute``) is tried as well; with a mixture-of-experts model on a GPU
+    machine, multiplying the experts held in CPU memory there (``--cpu-expert-compute``).
     With ``fixed_placement`` only the batch shape is searched and ``base``'s percentages
     are kept (``--percent`` given with ``--gpu-batch-size auto``).
     """
@@ -239,11 +240,17 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
     flags = [base.cpu_cache_compute]
     if work.kv.attends_on_cpu and not (base.cpu_cache_compute or fixed_placement):
         flags.append(True)
-    shapes = [(b, n, ccc) for b in batch_sizes for n in num_batches for ccc in flags]
+    # routed experts in CPU memory multiplied there at decode, or fetched (MoE, with a GPU)
+    expert_flags = [base.cpu_expert_compute]
+    if (work.cfg.num_experts and not hw.shared_memory and not base.cpu_expert_compute
+            and not fixed_placement):
+        expert_flags.append(True)
+    shapes = [(b, n, ccc, cec) for b in batch_sizes for n in num_batches for ccc in flags
+              for cec in expert_flags]
     plans = []
-    for b, n, ccc in (progress(shapes) if progress else shapes):
+    for b, n, ccc, cec in (progress(shapes) if progress else shapes):
         trial = dataclasses.replace(base, gpu_batch_size=b, num_gpu_batches=n,
-                                    cpu_cache_compute=ccc)
+                                    cpu_cache_compute=ccc, cpu_expert_compute=cec)
         if fixed_placement:
             pred = predict(work, trial, hw)
             if pred["fits"]:

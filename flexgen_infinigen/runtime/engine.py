@@ -102,6 +102,7 @@ class Engine(StageCompute):
         self.fused = FusedDecode.for_model(cfg, dtype, tiers.is_cuda)
         # per stage: (what the weights read in place give, built once; the names read anew)
         self._stage_reads: dict[int, tuple[dict, list[tuple[str, str]]]] = {}
+        self._host_experts: dict[int, dict] = {}  # stage -> OnHost handles (cpu_expert_compute)
 
     def reset_counters(self) -> None:
         """Start a generation's own statistics (the host syncs are per block already)."""

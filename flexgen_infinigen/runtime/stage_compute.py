@@ -8,7 +8,8 @@ import torch
 
 from .attention import attend_prompt, score_rows
 from .compression import PackedWeight
-from .tiered import TieredTensor
+from .tiered import OnHost, TieredTensor
+from .tiers import HOST
 
 
 class StageCompute:
@@ -21,7 +22,8 @@ class StageCompute:
         stage, state, fam, cfg = self.stages[j], self.states[k], self.family, self.cfg
         if decode and stage.kind == "mlp" and stage.moe:
             if k == self._block[0]:
-                self._experts_for_block(w)
+                on_host = self.policy.cpu_expert_compute and self.routing_counts is None
+                self._experts_for_block(self._experts_on_host(j, w) if on_host else w)
             return None
         h, new = state.hidden, None
         if isinstance(h, TieredTensor):
@@ -111,6 +113,23 @@ class StageCompute:
         out = self._mlp(w, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
         for k, h in zip(self._block, out.split([h.shape[0] for h in hidden])):
             self.states[k].hidden = self._keep_hidden(k, h)
+
+    def _experts_on_host(self, j: int, w: dict) -> dict:
+        """Stage ``j``'s weights with its routed experts held whole in CPU memory handed over
+        as :class:`~.tiered.OnHost` (``--cpu-expert-compute``: a decode step's few tokens go
+        to them rather than they to the compute device; a prompt still fetches them, its
+        many tokens being faster on the device). Experts the compute device already reads
+        where they are (codes a CPU multiplies in place) stay as they are."""
+        handles = self._host_experts.get(j)
+        if handles is None:
+            handles = {}
+            for short, full in self.stages[j].weights.items():
+                t = self.weights[full]
+                if (t.kind == "experts" and not (t.resident or t.packed_in_place)
+                        and len(t.segments) == 1 and t.segments[0].tier == HOST):
+                    handles[short] = OnHost(t)
+            self._host_experts[j] = handles
+        return {**w, **handles} if handles else w
 
     def _mlp(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """The MLP, a prompt in chunks of ``prefill_chunk`` tokens (it works token by token,

@@ -308,6 +308,28 @@ class OnDemand:
         return self._value
 
 
+class OnHost:
+    """A routed expert held whole in CPU memory that the CPU multiplies where it is
+    (``--cpu-expert-compute``): the math sends the tokens' rows to the host instead of the
+    expert to the compute device. ``value`` is the stored tensor as a CPU multiplies it (4-bit
+    codes as a float32 :class:`~.compression.PackedWeight`: the CPU kernels' form); nothing
+    is copied or counted here, the activations' crossings are (:meth:`to_host`,
+    :meth:`to_compute`)."""
+
+    def __init__(self, tensor: TieredTensor):
+        assert len(tensor.segments) == 1 and tensor.segments[0].tier == HOST
+        data = tensor.segments[0].data
+        self.tiers = tensor.tiers
+        self.value = compression.PackedWeight(data, torch.float32) if tensor.compressed \
+            else data
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return self.tiers.to_host(t, DEVICE, "activations")
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        return self.tiers.to_compute(t, HOST, "activations")
+
+
 _READERS = None
 _READERS_LOCK = threading.Lock()
 

@@ -147,6 +147,13 @@ def _chain(files):
         yield from read_safetensors(f)
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The weight files a conversion reads: the safetensors, else the ``pytorch_model*.bin``
+    shards, else any ``*.bin`` (empty when there are none)."""
+    return (safetensors_files(folder) or sorted(folder.glob("pytorch_model*.bin"))
+            or sorted(folder.glob("*.bin")))
+
+
 def read_checkpoint(folder: Path):
     """(number of tensors, iterator of (hf_name, torch tensor)), one tensor in memory at a
     time for safetensors; weights-only ``.bin`` files otherwise."""
@@ -154,7 +161,7 @@ def read_checkpoint(folder: Path):
     if files:
         total = sum(len(safetensors_header(f)[0]) for f in files)
         return total, _chain(files)
-    files = sorted(folder.glob("pytorch_model*.bin")) or sorted(folder.glob("*.bin"))
+    files = checkpoint_files(folder)
     if not files:
         raise ConfigError(f"{folder} holds no *.safetensors or *.bin weights; "
                           "point --checkpoint at a Hugging Face model folder")
@@ -187,8 +194,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
     total, tensors = read_checkpoint(folder)
     seen = set()
     # tensors keep their dtype: the store takes at most the checkpoint files' bytes
-    size = sum(f.stat().st_size for f in safetensors_files(folder)
-               or folder.glob("*.bin"))
+    size = sum(f.stat().st_size for f in checkpoint_files(folder))
     with StoreWriter(dest, cfg, source=str(folder), extra=extra, expected_bytes=size) as w:
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
