@@ -34,20 +34,30 @@ def _prompts(lm, b: int, length: int) -> list[list[int]]:
 
 def _measured(lm, prompts, gen: int, cut: int) -> tuple[object, dict]:
     """A warm-up generation, then the measured one: its decode steps' median and range, and
-    the host-to-device bytes of a decode step (the ledger restarted after the warm-up)."""
+    the bytes a decode step moves over each link, by kind (the ledger of the measured run
+    less that of a prefill-only run of the same prompts: a prefill moves every weight and
+    expert it reads, which is not a step's)."""
     lm.generate(prompts, WARM_UP_STEPS + 1, stop_token_id=None)
     lm.tiers.reset_counters()
     out = lm.generate(prompts, gen, stop_token_id=None, cut_gen_len=cut)
+    whole = {link: dict(kinds) for link, kinds in lm.tiers.bytes_moved.items()}
+    syncs = lm.engine.debug["host_syncs_per_step"][1:]
+    lm.tiers.reset_counters()
+    lm.generate(prompts, 1, stop_token_id=None)
+    prefill = lm.tiers.bytes_moved
     steps = out.step_times[1:]
     b = len(prompts)
     median = statistics.median(steps) if steps else None
-    h2d = sum(lm.tiers.bytes_moved["host->device"].values())
+    per_step = {link: {kind: (n - prefill[link][kind]) / len(steps) for kind, n in kinds.items()}
+                for link, kinds in whole.items()} if steps else None
     return out, {"decode_steps_run": len(steps), "decode_step_median_s": median,
                  "decode_step_range_s": [min(steps), max(steps)] if steps else None,
                  "decode_tokens_per_s": b / median if median else None,
                  "prefill_s": out.step_times[0],
-                 "host_to_device_bytes_per_step": h2d / len(steps) if steps else None,
-                 "host_syncs_per_step": lm.engine.debug["host_syncs_per_step"][1:]}
+                 "host_to_device_bytes_per_step":
+                     sum(per_step["host->device"].values()) if steps else None,
+                 "bytes_per_step": per_step,
+                 "host_syncs_per_step": syncs}
 
 
 def _pinned_peak(a) -> float | None:
@@ -246,21 +256,11 @@ def step_moe(a) -> dict:
             with _load(a, model, policy, dtype=dtype) as lm:
                 prompts = _prompts(lm, b, prompt)
                 _, row = _measured(lm, prompts, gen, cut)
-                whole = dict(lm.tiers.bytes_moved["host->device"])
-                sent = lm.tiers.bytes_moved["device->host"]["activations"]
-                # the prefill alone, taken out: it fetches nearly every expert once
-                lm.tiers.reset_counters()
-                lm.generate(prompts, 1, stop_token_id=None)
-                prefill = lm.tiers.bytes_moved["host->device"]
-                steps = row["decode_steps_run"] or 1
+                per_step = row["bytes_per_step"] or {}
                 row.update(batch=b, experts=where,
-                           host_to_device_bytes_per_step=(sum(whole.values())
-                                                          - sum(prefill.values())) / steps,
-                           expert_bytes_per_step=(whole["experts"] - prefill["experts"])
-                           / steps,
-                           activation_bytes_to_host_per_step=(
-                               sent - lm.tiers.bytes_moved["device->host"]["activations"])
-                           / steps)
+                           expert_bytes_per_step=per_step.get("host->device", {}).get("experts"),
+                           activation_bytes_to_host_per_step=per_step.get(
+                               "device->host", {}).get("activations"))
             rows.append(_against_link(row, peak))
     return {"model": model, "prompt_len": prompt, "gen_len": gen, "cut_gen_len": cut,
             "dtype": dtype, "runs": rows}
