@@ -91,6 +91,9 @@ class OffloadedLM:
             kv = make_kv_policy(kv_policy, **(kv_options or {}))
         kv.check_placement(policy.cpu_cache_compute)
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
+        if policy.cpu_expert_compute and not cfg.num_experts:
+            raise ConfigError(f"--cpu-expert-compute needs a mixture-of-experts model; "
+                              f"{cfg.name} has no routed experts (drop the flag)")
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
         order = expert_order(expert_profile, cfg) if expert_profile else None

@@ -334,6 +334,9 @@ def test_cpu_expert_compute_from_the_command_line(family, tmp_path, capsys):
     assert moved[True]["host->device"]["experts"] < moved[False]["host->device"]["experts"]
     assert moved[True]["device->host"]["activations"] > 0 == \
         moved[False]["device->host"]["activations"]
+    assert run.main(["--model", "smollm2-135m", "--dummy", "--prompt-len", "8", "--gen-len",
+                     "2", "--cpu-expert-compute"]) == 2
+    assert "--cpu-expert-compute needs a mixture-of-experts model" in capsys.readouterr().err
 
 
 def test_refused_by_name(tmp_path):
