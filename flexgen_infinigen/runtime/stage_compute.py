@@ -129,7 +129,8 @@ class StageCompute:
                         and len(t.segments) == 1 and t.segments[0].tier == HOST):
                     handles[short] = OnHost(t)
             self._host_experts[j] = handles
-        return {**w, **handles} if handles else w
+        w.update(handles)  # a fresh dict per stage load (Engine._load_weights)
+        return w
 
     def _mlp(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """The MLP, a prompt in chunks of ``prefill_chunk`` tokens (it works token by token,
