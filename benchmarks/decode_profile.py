@@ -68,20 +68,23 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
     except (ImportError, AttributeError):  # an older checkout: no fused call
         pass
     # rms_norm and rotary are called as cpu_layers.<name>; linear is imported by name
-    layer = {name: wrap(cpu_layers, name) for name in LAYER_KERNELS
-             if hasattr(cpu_layers, name)}
+    real = {name: getattr(cpu_layers, name) for name in LAYER_KERNELS
+            if hasattr(cpu_layers, name)}
+    layer = {name: wrap(cpu_layers, name) for name in real}
     for name, fn in layer.items():
         setattr(cpu_layers, name, fn)
     for module in ("flexgen_infinigen.runtime.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
                    "flexgen_infinigen.kv.spec_pages",
                    "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
-                   "flexgen_infinigen.models.opt", "flexgen_infinigen.runtime.attention"):
+                   "flexgen_infinigen.models.opt", "flexgen_infinigen.models.moe",
+                   "flexgen_infinigen.runtime.attention"):
         mod = importlib.import_module(module)
         for name, fn in timed.items():
             if module.endswith("cpu_kernels") or getattr(mod, name, None) is not None:
                 setattr(mod, name, fn)
-        if "linear" in layer and getattr(mod, "linear", None) is not None:
-            mod.linear = layer["linear"]
+        for name, fn in layer.items():  # imported by name (linear, moe_experts)
+            if getattr(mod, name, None) is real[name]:
+                setattr(mod, name, fn)
 
 
 def main(argv=None) -> int:

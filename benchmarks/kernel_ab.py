@@ -17,6 +17,9 @@ loaded library, so what is timed is what a decode step calls. Kernels:
 - ``moe``: a decode step's routed experts (``cpu_layers.moe_experts``) of every MoE layer
   of ``--gguf`` (e.g. a few layers of Qwen3-30B-A3B written by
   ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn;
+- ``speculation``: InfiniGen's speculation over 4-bit packed keys, scored and chosen by
+  the mass rule in one call (``cpu_kernels.speculate_mass``), for each ``--shapes C,G,D,T``
+  (the cap: 4% of the rows and 256 more, the default budget's share);
 - ``attention``: decode attention (``cpu_kernels.attend_rows``) over every row of a float32
   head-major cache, and over a fifth of its rows chosen at random (``attend_indexed``,
   InfiniGen's read), for each ``--shapes C,G,D,T``: C columns (batch x KV heads), G query
@@ -138,6 +141,22 @@ def moe_work(lm, rows: int):
     return one_pass, nbytes
 
 
+def speculation_work(shape: str):
+    """(one pass, its bytes): speculate_mass of ``shape`` = "C,G,D,T" over random 4-bit keys
+    (D / 2 bytes a row, a float32 minimum and scale), one row of a batch."""
+    from flexgen_infinigen.runtime import cpu_kernels
+    c, g, d, t = (int(x) for x in shape.split(","))
+    gen = torch.Generator().manual_seed(t)
+    codes = torch.randint(0, 256, (c, t, d // 2), dtype=torch.uint8, generator=gen)
+    scale, lo = torch.rand(c, t, generator=gen) * 0.1, -torch.rand(c, t, generator=gen)
+    q = torch.randn(c, g, d, generator=gen)
+    visible = torch.ones(1, t, dtype=torch.bool)
+    cap = int(0.04 * t) + 256
+    caps = torch.tensor([cap])
+    return (lambda: [cpu_kernels.speculate_mass(codes, scale, lo, q, 4, visible, caps, cap)],
+            codes.nbytes + scale.nbytes + lo.nbytes)
+
+
 def attention_work(shape: str, chosen: bool):
     """(one pass, its bytes): decode attention of ``shape`` = "C,G,D,T" over every row of a
     head-major cache, or (``chosen``) over a fifth of them picked at random."""
@@ -161,14 +180,16 @@ def attention_work(shape: str, chosen: bool):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are build A")
-    p.add_argument("--kernel", default="linear", choices=["linear", "moe", "attention"])
+    p.add_argument("--kernel", default="linear",
+                   choices=["linear", "moe", "attention", "speculation"])
     p.add_argument("--bits", type=int, default=4, choices=[4, 8],
                    help="linear: the 4-bit layer matrices, or the 8-bit ones (the output head)")
     p.add_argument("--gguf", default=None, help="moe: a MoE GGUF (random_gguf.py writes one)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
                    help="rows of x (batch), or tokens for moe")
     p.add_argument("--shapes", nargs="+", default=["4,8,128,16384", "24,3,64,8192"],
-                   help="attention: C,G,D,T (columns, heads a KV head, head width, rows)")
+                   help="attention, speculation: C,G,D,T (columns, heads a KV head, head "
+                        "width, rows)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--passes", type=int, default=5, help="passes a timing")
     p.add_argument("--out", default=str(OUT))
@@ -188,11 +209,14 @@ def main(argv=None) -> int:
         with OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
                               policy=policy, progress=False, max_len_hint=(64, 8)) as lm:
             cells = [(shape, chosen) for shape in a.shapes for chosen in (False, True)] \
-                if a.kernel == "attention" else a.rows
+                if a.kernel == "attention" else a.shapes if a.kernel == "speculation" \
+                else a.rows
             for rows in cells:
                 if a.kernel == "attention":
                     one_pass, nbytes = attention_work(*rows)
                     rows = f"{rows[0]}{' chosen' if rows[1] else ''}"
+                elif a.kernel == "speculation":
+                    one_pass, nbytes = speculation_work(rows)
                 else:
                     one_pass, nbytes = (moe_work(lm, rows) if a.kernel == "moe"
                                         else linear_work(lm, a.bits, rows))
@@ -222,7 +246,8 @@ def main(argv=None) -> int:
                       f"{med['tree'] / med['base']:.3f}, same outputs: {same} (largest change "
                       f"{moved:.1e} of the largest output)", flush=True)
         use(None)
-    what = {"moe": "moe_q4_h16", "attention": "attend_rows, attend_indexed"}.get(
+    what = {"moe": "moe_q4_h16", "attention": "attend_rows, attend_indexed",
+            "speculation": "speculate_mass"}.get(
         a.kernel, f"linear_q{a.bits}_h16")
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),

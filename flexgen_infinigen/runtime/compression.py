@@ -167,6 +167,12 @@ class PackedWeight:
         self.kernel_ready = (len(p.shape) == 2 and fits and scales
                              and self.dtype == torch.float32 and not p.codes.is_cuda
                              and all(t.is_contiguous() for t in p.parts))
+        # what the one-call experts kernel needs of a matrix (4-bit codes, float16 factors),
+        # worked out once: a decode step hands it every routed matrix of a layer
+        self.expert_view = ((p.group, *p.shape, p.codes.data_ptr(), p.scale.data_ptr(),
+                             p.minimum.data_ptr())
+                            if self.kernel_ready and p.bits == 4
+                            and p.scale.dtype == torch.float16 else None)
 
     @property
     def shape(self) -> tuple[int, ...]:

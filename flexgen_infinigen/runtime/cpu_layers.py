@@ -129,24 +129,20 @@ def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens: torch.Ten
         return None
     if any(not 0 < b - a <= MOE_MAX_ROWS for a, b in zip(first, first[1:])):
         return None
-    packs = []
-    for m in mats:
-        if not (isinstance(m, PackedWeight) and m.kernel_ready and m.packed.bits == 4
-                and m.packed.scale.dtype == torch.float16):
-            return None
-        packs.append(m.packed)
-    f, h = packs[0].shape
-    group = packs[0].group
-    if x.shape[1] != h or any(p.group != group or tuple(p.shape) != ((f, h) if i % 3 < 2
-                                                                      else (h, f))
-                              for i, p in enumerate(packs)):
+    views = [m.expert_view if isinstance(m, PackedWeight) else None for m in mats]
+    if None in views:
+        return None
+    group, f, h = views[0][:3]
+    # gate and up [f, h], down [h, f], one group throughout
+    if x.shape[1] != h or {v[:3] for v in views[0::3] + views[1::3]} != {(group, f, h)} \
+            or {v[:3] for v in views[2::3]} != {(group, h, f)}:
         return None
     lib = library()
     if lib is None:
         return None
-    codes = (ctypes.c_void_p * n)(*(p.codes.data_ptr() for p in packs))
-    scales = (ctypes.c_void_p * n)(*(p.scale.data_ptr() for p in packs))
-    minima = (ctypes.c_void_p * n)(*(p.minimum.data_ptr() for p in packs))
+    codes = (ctypes.c_void_p * n)(*(v[3] for v in views))
+    scales = (ctypes.c_void_p * n)(*(v[4] for v in views))
+    minima = (ctypes.c_void_p * n)(*(v[5] for v in views))
     starts = torch.tensor(first, dtype=torch.int64)
     tok = tokens.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()

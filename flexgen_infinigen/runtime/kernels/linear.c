@@ -133,13 +133,9 @@ static inline __attribute__((always_inline)) void q4_rows(
             const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(c, 8), nibble);
             const __m256i c3 = _mm256_srli_epi16(c, 12);
             for (int64_t m = 0; m < M; m++) {
-                const __m256i *q = (const __m256i *)(xq + m * K + g * 64);
-                const __m256i p = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256(q)),
-                                     _mm256_madd_epi16(c1, _mm256_loadu_si256(q + 1))),
-                    _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(q + 2)),
-                                     _mm256_madd_epi16(c3, _mm256_loadu_si256(q + 3))));
-                acc[m] += (v8)_mm256_cvtepi32_ps(p) * q4_scales(so, g, group, xs[m * G + g]);
+                const __m256i p = q4_block_planes(
+                    c0, c1, c2, c3, (const __m256i *)(xq + m * K + g * 64));
+                acc[m] = q4_accumulate(acc[m], p, q4_scales(so, g, group, xs[m * G + g]));
             }
         }
         for (int64_t m = 0; m < M; m++)
@@ -150,8 +146,7 @@ static inline __attribute__((always_inline)) void q4_rows(
 
 /* Output rows o .. o + P of linear_q4 for one row of x, by byte products: x's 16-bit values
    split as 256 hi + lo (signed bytes: hi within +-127, lo -128 .. 127), and the codes,
-   unsigned bytes after one mask or shift, multiply each (vpmaddubsw: pairs of products, at
-   most 3840 in size, sums of two pairs at most 7680, exact in 16 bits). Each 32-bit lane
+   unsigned bytes after one mask or shift, multiply each (common.h's q4_block_bytes). Each 32-bit lane
    sums elements 8i .. 8i + 7, as the 16-bit planes do: the same integers, the same float
    steps, so one row gives what it gives in any batch. Fewer operations a group than
    widening the codes, which matters when one row of x shares them. */
@@ -160,8 +155,6 @@ static inline __attribute__((always_inline)) void q4_row1(
         float *out, const int8_t *xb, const float *xs, const float *xsum, int64_t o,
         int64_t P, int64_t K, int64_t group, __m256i tail) {
     const int64_t G = K / 64, GW = K / group;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(256),
-                  one = _mm256_set1_epi16(1);
     for (int64_t r = 0; r < P; r++) {
         const uint8_t *co = codes + (o + r) * G * 32;
         const float *so = scale + (o + r) * GW;
@@ -169,18 +162,8 @@ static inline __attribute__((always_inline)) void q4_row1(
         for (int64_t g = 0; g < G; g++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
             __builtin_prefetch(co + g * 32 + Q4_AHEAD, 0, 3);
-            const __m256i even = _mm256_and_si256(c, nibble);
-            const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
-            const __m256i *q = (const __m256i *)(xb + g * 128);
-            const __m256i hi = _mm256_add_epi16(
-                _mm256_maddubs_epi16(even, _mm256_loadu_si256(q)),
-                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 1)));
-            const __m256i lo = _mm256_add_epi16(
-                _mm256_maddubs_epi16(even, _mm256_loadu_si256(q + 2)),
-                _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
-                                               _mm256_madd_epi16(lo, one));
-            acc += (v8)_mm256_cvtepi32_ps(p) * q4_scales(so, g, group, xs[g]);
+            const __m256i p = q4_block_bytes(c, (const __m256i *)(xb + g * 128));
+            acc = q4_accumulate(acc, p, q4_scales(so, g, group, xs[g]));
         }
         out[o + r] = q4_finish(acc, minimum + (o + r) * GW, xsum, GW, tail,
                                bias ? bias[o + r] : 0.0f);

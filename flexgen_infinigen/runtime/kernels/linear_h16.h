@@ -134,13 +134,9 @@ static inline __attribute__((always_inline)) void h16_q4_rows(
         const __m256i c3 = _mm256_srli_epi16(c, 12);
         const v8 sc = h16_scale_lanes(so, g, group);
         for (int64_t m = 0; m < M; m++) {
-            const __m256i *q = (const __m256i *)(xq + m * K + g * 64);
-            const __m256i p = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256(q)),
-                                 _mm256_madd_epi16(c1, _mm256_loadu_si256(q + 1))),
-                _mm256_add_epi32(_mm256_madd_epi16(c2, _mm256_loadu_si256(q + 2)),
-                                 _mm256_madd_epi16(c3, _mm256_loadu_si256(q + 3))));
-            acc[m] += (v8)_mm256_cvtepi32_ps(p) * (sc * splat8(xs[m * G + g]));
+            const __m256i p = q4_block_planes(
+                c0, c1, c2, c3, (const __m256i *)(xq + m * K + g * 64));
+            acc[m] = q4_accumulate(acc[m], p, sc * splat8(xs[m * G + g]));
         }
     }
     for (int64_t m = 0; m < M; m++)
@@ -152,24 +148,12 @@ static inline __attribute__((always_inline)) float h16_q4_row1(
         const uint8_t *co, const uint16_t *so, const uint16_t *mo, float bias, const int8_t *xb,
         const float *xs, const float *xsum, int64_t K, int64_t group) {
     const int64_t G = K / 64, GW = K / group;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi16(256),
-                  one = _mm256_set1_epi16(1);
     v8 acc = {0};
     for (int64_t g = 0; g < G; g++) {
         const __m256i c = _mm256_loadu_si256((const __m256i *)(co + g * 32));
         __builtin_prefetch(co + g * 32 + H16_AHEAD, 0, 3);
-        const __m256i even = _mm256_and_si256(c, nibble);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
-        const __m256i *q = (const __m256i *)(xb + g * 128);
-        const __m256i hi = _mm256_add_epi16(
-            _mm256_maddubs_epi16(even, _mm256_loadu_si256(q)),
-            _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 1)));
-        const __m256i lo = _mm256_add_epi16(
-            _mm256_maddubs_epi16(even, _mm256_loadu_si256(q + 2)),
-            _mm256_maddubs_epi16(odd, _mm256_loadu_si256(q + 3)));
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(hi, high),
-                                           _mm256_madd_epi16(lo, one));
-        acc += (v8)_mm256_cvtepi32_ps(p) * (h16_scale_lanes(so, g, group) * splat8(xs[g]));
+        const __m256i p = q4_block_bytes(c, (const __m256i *)(xb + g * 128));
+        acc = q4_accumulate(acc, p, h16_scale_lanes(so, g, group) * splat8(xs[g]));
     }
     return h16_finish(acc, mo, xsum, GW, bias);
 }

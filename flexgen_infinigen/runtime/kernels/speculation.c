@@ -39,11 +39,13 @@ static inline __attribute__((always_inline)) __m256i sum_rows8(const __m256i *ac
    P a multiple of 32) with the 8-bit queries qi[g0 + g] (low nibbles against the first P
    bytes, high ones against the next P). Each row's codes are loaded and split into nibbles
    once for all NG heads; a head's byte products of a row are summed in 16 bits (at most
-   2 * 15 * 127 per pair of bytes, four pairs: no overflow) and then in 32. */
+   2 * 15 * 127 per pair of bytes, four pairs: no overflow) and then in 32, or with VNNI
+   straight into 32 bits (common.h's q4_dpbusd): the same integers. */
 static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, int64_t P,
                                                         const int8_t (*qi)[256], int64_t g0,
                                                         const int NG, __m256i *dots) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    (void)ones;  /* unused with VNNI */
     __m256i acc[4][8];
     for (int r = 0; r < 8; r++) {
         const uint8_t *row = codes + r * P;
@@ -55,14 +57,25 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
             const __m256i lo4 = _mm256_and_si256(c, nibble);
             const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
             for (int g = 0; g < NG; g++) {
+#ifdef Q4_VNNI  /* four byte products into each 32-bit lane at once: the same sums */
+                sum[g] = q4_dpbusd(sum[g], lo4,
+                                   _mm256_load_si256((const __m256i *)(qi[g0 + g] + j)));
+                sum[g] = q4_dpbusd(sum[g], hi4,
+                                   _mm256_load_si256((const __m256i *)(qi[g0 + g] + P + j)));
+#else
                 sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(
                     lo4, _mm256_load_si256((const __m256i *)(qi[g0 + g] + j))));
                 sum[g] = _mm256_add_epi16(sum[g], _mm256_maddubs_epi16(
                     hi4, _mm256_load_si256((const __m256i *)(qi[g0 + g] + P + j))));
+#endif
             }
         }
         for (int g = 0; g < NG; g++)
+#ifdef Q4_VNNI
+            acc[g][r] = sum[g];
+#else
             acc[g][r] = _mm256_madd_epi16(sum[g], ones);
+#endif
     }
     for (int g = 0; g < NG; g++)
         dots[g] = sum_rows8(acc[g]);
