@@ -85,7 +85,26 @@ def _routed(w: dict, flat, weights, experts, used: list[int], some: bool = False
     # on a CPU, every expert in one compiled call when none takes more rows than the call
     # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
     # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
-    if not flat.is_cuda:
+    if not flat.is_cuda and flat.shape[0] <= MOE_MAX_ROWS:
+        # a decode step's few tokens: grouped in Python, in the order the general case
+        # below gives (by expert, then by token), without its half-dozen tensor operations
+        keep = set(used)
+        rows: dict[int, list] = {e: [] for e in used}
+        for t, (row, wts) in enumerate(zip(experts.tolist(), weights.tolist())):
+            for e, wt in zip(row, wts):
+                if e in keep:
+                    rows[e].append((t, wt))
+        first, tokens, wts = [0], [], []
+        for e in used:
+            for t, wt in rows[e]:
+                tokens.append(t)
+                wts.append(wt)
+            first.append(len(tokens))
+        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
+        out = moe_experts(flat, mats, first, tokens, wts)
+        if out is not None:
+            return out
+    elif not flat.is_cuda:
         chosen = experts.reshape(-1)
         if some:  # the others last in the order below, and cut off
             chosen = torch.where(torch.isin(chosen, torch.tensor(used, dtype=chosen.dtype)),
@@ -126,7 +145,7 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     multiplies where they are held (:class:`OnHost`) take their tokens there."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(cfg, flat, w[ROUTER])
-    used = torch.unique(experts).tolist()  # the experts this stage's tokens use, in order
+    used = sorted(set(experts.reshape(-1).tolist()))  # the experts the tokens use, in order
     on_host = [e for e in used if isinstance(w[f"experts.{e}.{EXPERT_MATRICES[0]}.weight"],
                                              OnHost)]
     here = [e for e in used if e not in on_host] if on_host else used

@@ -112,17 +112,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 MOE_MAX_ROWS = 16  # tokens an expert may take in the experts call (kernels/moe_experts.c)
 
 
-def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor | None:
+def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens, weights
+                ) -> torch.Tensor | None:
     """A decode step's routed experts in one compiled call (``kernels/moe_experts.c``):
     ``out[t] = sum_u weights * down_u(silu(gate_u x[t]) * up_u x[t])`` over the experts
     ``u`` of each token, added in the order of ``mats`` (gate, up and down of each expert,
     in turn), as the per-expert path adds them. Expert ``u`` takes the tokens
     ``tokens[first[u]:first[u + 1]]`` (ascending, at most ``MOE_MAX_ROWS``) with router
-    weights ``weights`` at the same places. ``x`` is ``[T, H]`` float32 on a CPU. None when
-    the call cannot take them (a matrix that is not 4-bit codes with float16 factors, mixed
-    groups or shapes, too many tokens for an expert, no compiler): the caller multiplies
-    expert by expert."""
+    weights ``weights`` at the same places (tensors or lists). ``x`` is ``[T, H]`` float32
+    on a CPU. None when the call cannot take them (a matrix that is not 4-bit codes with
+    float16 factors, mixed groups or shapes, too many tokens for an expert, no compiler):
+    the caller multiplies expert by expert."""
     n = len(mats)
     if (x.is_cuda or x.dtype != torch.float32 or x.dim() != 2 or not n or n % 3
             or len(first) != n // 3 + 1):
@@ -144,8 +144,8 @@ def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens: torch.Ten
     scales = (ctypes.c_void_p * n)(*(v[4] for v in views))
     minima = (ctypes.c_void_p * n)(*(v[5] for v in views))
     starts = torch.tensor(first, dtype=torch.int64)
-    tok = tokens.to(torch.int64).contiguous()
-    w = weights.to(torch.float32).contiguous()
+    tok = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
+    w = torch.as_tensor(weights, dtype=torch.float32).contiguous()
     xs = x.contiguous()
     out = torch.empty(x.shape[0], h, dtype=torch.float32)
     done = lib.moe_q4_h16(xs.data_ptr(), x.shape[0], n // 3, starts.data_ptr(), tok.data_ptr(),
