@@ -19,7 +19,7 @@ loaded library, so what is timed is what a decode step calls. Kernels:
   ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn;
 - ``speculation``: InfiniGen's speculation over 4-bit packed keys, scored and chosen by
   the mass rule in one call (``cpu_kernels.speculate_mass``), for each ``--shapes C,G,D,T``
-  (the cap: 4% of the rows and 256 more, the default budget's share);
+  (the cap: the default budget's, 4% of the rows but at least 256);
 - ``attention``: decode attention (``cpu_kernels.attend_rows``) over every row of a float32
   head-major cache, and over a fifth of its rows chosen at random (``attend_indexed``,
   InfiniGen's read), for each ``--shapes C,G,D,T``: C columns (batch x KV heads), G query
@@ -151,7 +151,7 @@ def speculation_work(shape: str):
     scale, lo = torch.rand(c, t, generator=gen) * 0.1, -torch.rand(c, t, generator=gen)
     q = torch.randn(c, g, d, generator=gen)
     visible = torch.ones(1, t, dtype=torch.bool)
-    cap = int(0.04 * t) + 256
+    cap = max(int(0.04 * t), 256)
     caps = torch.tensor([cap])
     return (lambda: [cpu_kernels.speculate_mass(codes, scale, lo, q, 4, visible, caps, cap)],
             codes.nbytes + scale.nbytes + lo.nbytes)

@@ -78,6 +78,36 @@ def fetch(weight):
     return weight.value if isinstance(weight, OnHost) else weight
 
 
+def _by_expert(weights, experts, used: list[int], some: bool):
+    """(first, tokens, router weights) as the experts call takes them: expert ``used[u]``'s
+    tokens ``tokens[first[u]:first[u + 1]]``, by expert and within one by token (the order
+    ``torch.where`` gives in the per-expert path); None when an expert takes more tokens
+    than the call can. A decode step's few tokens are grouped in Python lists (no tensor
+    operation on the ``[tokens, k]`` routing); more, by tensor operations."""
+    if experts.shape[0] <= MOE_MAX_ROWS:  # no expert can take more than the call can
+        keep = set(used)
+        rows: dict[int, list] = {e: [] for e in used}
+        for t, (row, wts) in enumerate(zip(experts.tolist(), weights.tolist())):
+            for e, wt in zip(row, wts):
+                if e in keep:
+                    rows[e].append((t, wt))
+        grouped = [pair for e in used for pair in rows[e]]
+        first = [0]
+        for e in used:
+            first.append(first[-1] + len(rows[e]))
+        return first, [t for t, _ in grouped], [wt for _, wt in grouped]
+    chosen = experts.reshape(-1)
+    if some:  # the others last in the order below, and cut off
+        chosen = torch.where(torch.isin(chosen, torch.tensor(used, dtype=chosen.dtype)),
+                             chosen, int(experts.max()) + 1)
+    counts = torch.bincount(chosen)
+    if int(counts[used].max()) > MOE_MAX_ROWS:
+        return None
+    first = [0] + torch.cumsum(counts[used], 0).tolist()
+    order = torch.argsort(chosen, stable=True)[:first[-1]]
+    return first, order // experts.shape[1], weights.reshape(-1)[order]
+
+
 def _routed(w: dict, flat, weights, experts, used: list[int], some: bool = False):
     """The sum over the experts ``used`` of each token's routed outputs, on the device
     ``flat`` is on; ``some``: ``used`` leaves out experts the tokens chose (their share is
@@ -85,40 +115,12 @@ def _routed(w: dict, flat, weights, experts, used: list[int], some: bool = False
     # on a CPU, every expert in one compiled call when none takes more rows than the call
     # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
     # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
-    if not flat.is_cuda and flat.shape[0] <= MOE_MAX_ROWS:
-        # a decode step's few tokens: grouped in Python, in the order the general case
-        # below gives (by expert, then by token), without its half-dozen tensor operations
-        keep = set(used)
-        rows: dict[int, list] = {e: [] for e in used}
-        for t, (row, wts) in enumerate(zip(experts.tolist(), weights.tolist())):
-            for e, wt in zip(row, wts):
-                if e in keep:
-                    rows[e].append((t, wt))
-        first, tokens, wts = [0], [], []
-        for e in used:
-            for t, wt in rows[e]:
-                tokens.append(t)
-                wts.append(wt)
-            first.append(len(tokens))
+    grouped = None if flat.is_cuda else _by_expert(weights, experts, used, some)
+    if grouped is not None:
         mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
-        out = moe_experts(flat, mats, first, tokens, wts)
+        out = moe_experts(flat, mats, *grouped)
         if out is not None:
             return out
-    elif not flat.is_cuda:
-        chosen = experts.reshape(-1)
-        if some:  # the others last in the order below, and cut off
-            chosen = torch.where(torch.isin(chosen, torch.tensor(used, dtype=chosen.dtype)),
-                                 chosen, int(experts.max()) + 1)
-        counts = torch.bincount(chosen)
-        if int(counts[used].max()) <= MOE_MAX_ROWS:
-            # by expert, and within one expert by token: the order torch.where gives below
-            first = [0] + torch.cumsum(counts[used], 0).tolist()
-            order = torch.argsort(chosen, stable=True)[:first[-1]]
-            mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
-            out = moe_experts(flat, mats, first, order // experts.shape[1],
-                              weights.reshape(-1)[order])
-            if out is not None:
-                return out
     out = torch.zeros_like(flat)
     for e in used:
         rows, slot = torch.where(experts == e)

@@ -146,8 +146,8 @@ static inline __attribute__((always_inline)) void q4_rows(
 
 /* Output rows o .. o + P of linear_q4 for one row of x, by byte products: x's 16-bit values
    split as 256 hi + lo (signed bytes: hi within +-127, lo -128 .. 127), and the codes,
-   unsigned bytes after one mask or shift, multiply each (common.h's q4_block_bytes). Each 32-bit lane
-   sums elements 8i .. 8i + 7, as the 16-bit planes do: the same integers, the same float
+   unsigned bytes after one mask or shift, multiply each (common.h's q4_block_bytes). Each
+   32-bit lane sums elements 8i .. 8i + 7, as the 16-bit planes do: the same integers, the same float
    steps, so one row gives what it gives in any batch. Fewer operations a group than
    widening the codes, which matters when one row of x shares them. */
 static inline __attribute__((always_inline)) void q4_row1(

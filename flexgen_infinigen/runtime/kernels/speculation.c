@@ -44,8 +44,7 @@ static inline __attribute__((always_inline)) __m256i sum_rows8(const __m256i *ac
 static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, int64_t P,
                                                         const int8_t (*qi)[256], int64_t g0,
                                                         const int NG, __m256i *dots) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    (void)ones;  /* unused with VNNI */
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256i acc[4][8];
     for (int r = 0; r < 8; r++) {
         const uint8_t *row = codes + r * P;
@@ -74,7 +73,7 @@ static inline __attribute__((always_inline)) void dots8(const uint8_t *codes, in
 #ifdef Q4_VNNI
             acc[g][r] = sum[g];
 #else
-            acc[g][r] = _mm256_madd_epi16(sum[g], ones);
+            acc[g][r] = _mm256_madd_epi16(sum[g], _mm256_set1_epi16(1));
 #endif
     }
     for (int g = 0; g < NG; g++)
