@@ -28,6 +28,7 @@ KERNELS = ("attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
            "speculate_pages", "score_packed", "select_mass", "spec_write")
 LAYER_KERNELS = ("linear", "rms_norm", "rotary", "moe_experts")  # in cpu_layers
 FUSED = "decode_layer"  # a layer's step as one compiled call (fused_decode.LayerPlan._call)
+FUSED_MOE = "moe_layer"  # a MoE stage's step as one compiled call (fused_moe.MoePlan)
 
 
 def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> None:
@@ -66,6 +67,20 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
                 calls[FUSED] += 1
         fused_decode.LayerPlan._call = timed_call
     except (ImportError, AttributeError):  # an older checkout: no fused call
+        pass
+    try:  # a MoE stage's decode step as one call (norm, router, experts, residual)
+        from flexgen_infinigen.runtime import fused_moe
+        real_stage = fused_moe.MoePlan.__call__
+
+        def timed_stage(self, h):
+            start = time.perf_counter()
+            out = real_stage(self, h)
+            if active[0]:
+                times[FUSED_MOE] += time.perf_counter() - start
+                calls[FUSED_MOE] += 1
+            return out
+        fused_moe.MoePlan.__call__ = timed_stage
+    except (ImportError, AttributeError):  # an older checkout: no such call
         pass
     # rms_norm and rotary are called as cpu_layers.<name>; linear is imported by name
     real = {name: getattr(cpu_layers, name) for name in LAYER_KERNELS
@@ -183,7 +198,7 @@ def _value(text: str):
 
 
 def markdown(result: dict) -> str:
-    names = [k for k in (FUSED, *LAYER_KERNELS, *KERNELS)
+    names = [k for k in (FUSED, FUSED_MOE, *LAYER_KERNELS, *KERNELS)
              if any(k in r["kernels_s"] for r in result["rows"])]
     lines = [f"# Decode step profile: {result['model']}, batch {result['batch']} x "
              f"{result['context']} tokens" + (", 4-bit weights" if result["compress_weight"]

@@ -51,6 +51,9 @@ POLICIES = {"full": ("full", None),
             # the runtime's default: on a CPU each layer's own query, 4% of the context
             # with a floor of 256 rows (kv/options.py)
             "infinigen": ("infinigen", {}),
+            # the same with speculation keys of half the skewed columns (4-bit): half the
+            # scoring work a row (--partial-weight-ratio 0.5)
+            "infinigen-half": ("infinigen", {"partial_weight_ratio": 0.5}),
             "infinigen-pages@0.1": ("infinigen", {"speculation_keys": "pages16",
                                                   "max_kv_fraction": 0.1}),
             # each layer chooses rows with its own query (a CPU reads them in place): the

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import portable_kernels
 from test_half_scales import _weights
 
-from flexgen_infinigen.runtime import cpu_kernels, cpu_layers
+from flexgen_infinigen.runtime import cpu_kernels, cpu_layers, fused_moe
 
 H, FF = 512, 256  # hidden and expert widths: whole K-quant blocks, unequal (a swapped shape fails)
 
@@ -174,13 +174,20 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
     path = tmp_path / "q4_0.gguf"
     moe_files.write_moe_gguf(model, "qwen3moe-64", path, "Q4_0")
     store = convert_gguf(path, tmp_path / "store", progress=False)
-    taken = []
+    taken, whole = [], []
 
     def counted(*args):
         out = cpu_layers.moe_experts(*args)
         taken.append((out is not None, args[0].shape[0]))
         return out
     monkeypatch.setattr(moe, "moe_experts", counted)
+    stage_call = fused_moe.MoePlan.__call__
+
+    def counted_stage(plan, h):  # a decode step's whole MoE stage in one call
+        out = stage_call(plan, h)
+        whole.append((out is not None, h.numel() // h.shape[-1]))
+        return out
+    monkeypatch.setattr(fused_moe.MoePlan, "__call__", counted_stage)
     prompts = moe_files.PROMPTS[:per_batch * batches]
     steps = moe_files.STEPS
     policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=per_batch,
@@ -195,6 +202,7 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
     if batches > 1:
         apart = run(False)
         taken.clear()
+        whole.clear()
     out = run(True)
     if batches > 1:  # the block's call changes no token, and no logit beyond rounding
         assert apart.token_ids == out.token_ids
@@ -205,10 +213,11 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
         assert out.token_ids[row] == tokens
         assert (out.logits[row] - logits).abs().max().item() < 2e-3 * logits.abs().max().item()
     moe_layers = model.config.num_hidden_layers - 1
-    assert all(ok for ok, _ in taken)
-    # one call per MoE layer and decode step, with every sequence's token; the others are
-    # prompt passes (a GPU batch's prompts, padded to the longest: more rows)
-    decode = [rows for _, rows in taken if rows <= len(prompts)]
-    assert decode == [len(prompts)] * (moe_layers * (steps - 1))
+    assert all(ok for ok, _ in taken + whole)
+    # one call per MoE layer and decode step, with every sequence's token (the whole stage:
+    # runtime/fused_moe.py); the experts calls are prompt passes (a GPU batch's prompts,
+    # padded to the longest: more rows)
+    assert [rows for _, rows in whole] == [len(prompts)] * (moe_layers * (steps - 1))
+    assert not [rows for _, rows in taken if rows <= len(prompts)]
     assert all(rows >= per_batch * max(map(len, prompts)) for _, rows in taken
                if rows > len(prompts))

@@ -57,8 +57,9 @@ def expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 def route(cfg: ModelConfig, x: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [n, k] in ``x``'s dtype, experts [n, k]) for the tokens ``x`` [n, h]: the
-    softmax over every expert (in float32), its top k (ties go to the lower index, as
-    ``torch.topk`` breaks them), renormalised to sum to 1 when ``norm_topk_prob``."""
+    softmax over every expert (in float32), its top k (equal values as ``torch.topk``
+    breaks the tie, as transformers' routers do: in no index order), renormalised to sum to
+    1 when ``norm_topk_prob``."""
     probs = torch.softmax(linear(x, router).float(), dim=-1)
     top, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
     if cfg.norm_topk_prob:

@@ -118,6 +118,9 @@ def library() -> ctypes.CDLL | None:
         lib.linear_q8_h16.restype = ctypes.c_int
         lib.moe_q4_h16.argtypes = [ptr, i64, i64] + [ptr] * 7 + [i64] * 4
         lib.moe_q4_h16.restype = ctypes.c_int
+        lib.moe_layer_q4_h16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 3 \
+            + [ptr] * 4 + [i64] * 4
+        lib.moe_layer_q4_h16.restype = ctypes.c_int
         lib.h16_widen_rows.argtypes = [ptr] * 2 + [i64]
         lib.h16_widen_rows.restype = None
         lib.attend_rows.argtypes = [ptr] * 5 + [i64] * 7

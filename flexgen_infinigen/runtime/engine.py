@@ -100,6 +100,7 @@ class Engine(StageCompute):
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
         # a Llama-family decode step on a CPU as one compiled call a stage (None: never)
         self.fused = FusedDecode.for_model(cfg, dtype, tiers.is_cuda)
+        self._moe_plans: dict = {}  # MoE stage -> its one-call decode step, or None
         # per stage: (what the weights read in place give, built once; the names read anew)
         self._stage_reads: dict[int, tuple[dict, list[tuple[str, str]]]] = {}
         self._host_experts: dict[int, dict] = {}  # stage -> OnHost handles (cpu_expert_compute)

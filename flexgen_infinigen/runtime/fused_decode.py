@@ -20,8 +20,8 @@ is loaded, never per step:
   the rotated q, k, v; the policy speculates and attends as it does on the per-operation path;
   the second call runs the o-projection, the residual and the MLP.
 - **Not at all** (``plan`` is None: the per-operation path): another family or a variant the
-  kernel does not compute (a MoE layer's MLP stage, whose decode-step experts have their
-  own call, ``cpu_layers.moe_experts``), a GPU, a dtype
+  kernel does not compute (a MoE layer's MLP stage, which has its own call:
+  :mod:`.fused_moe`), a GPU, a dtype
   other than float32, weights off the CPU or in a form the kernels do not read (e.g. 4-bit
   codes in groups the 4-bit kernel does not take), more than ``MAX_BATCH`` rows, no
   compiler, or ``FLEXGEN_INFINIGEN_FUSED=0``.

@@ -8,6 +8,7 @@ import torch
 
 from .attention import attend_prompt, score_rows
 from .compression import PackedWeight
+from .fused_moe import moe_plan
 from .tiered import OnHost, TieredTensor
 from .tiers import HOST
 
@@ -23,7 +24,7 @@ class StageCompute:
         if decode and stage.kind == "mlp" and stage.moe:
             if k == self._block[0]:
                 on_host = self.policy.cpu_expert_compute and self.routing_counts is None
-                self._experts_for_block(self._experts_on_host(j, w) if on_host else w)
+                self._experts_for_block(j, self._experts_on_host(j, w) if on_host else w)
             return None
         h, new = state.hidden, None
         if isinstance(h, TieredTensor):
@@ -100,19 +101,33 @@ class StageCompute:
             out = attend_prompt(q, k, v, state.valid, cfg.sliding_window, rows=rows)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
 
-    def _experts_for_block(self, w: dict) -> None:
+    def _experts_for_block(self, j: int, w: dict) -> None:
         """A MoE MLP stage of a decode step for every GPU batch of the block at once: the
         math is token by token, so their tokens go through it together, and each expert a
         token chose is read once for the block, not once for each GPU batch that chose it
         (FlexGen's reuse of a stage's weights across its GPU batches, for experts; on a CPU
-        one experts call a block)."""
+        one experts call a block, or the whole stage in one call: :mod:`.fused_moe`)."""
         hidden = []
         for k in self._block:
             h = self.states[k].hidden
             hidden.append(h.read() if isinstance(h, TieredTensor) else h)
-        out = self._mlp(w, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        plan = self._moe_plan(j, w) if self.routing_counts is None else None
+        out = plan(h) if plan is not None else None
+        if out is None:
+            out = self._mlp(w, h)
         for k, h in zip(self._block, out.split([h.shape[0] for h in hidden])):
             self.states[k].hidden = self._keep_hidden(k, h)
+
+    def _moe_plan(self, j: int, w: dict):
+        """Stage ``j``'s one-call MoE step (:mod:`.fused_moe`), planned at its first decode
+        step (None: the per-operation path). Only for weights read in place every step:
+        the router and the norm resident, the experts their stored codes."""
+        if j not in self._moe_plans:
+            dense = [n for s, n in self.stages[j].weights.items() if not s.startswith("experts.")]
+            fixed = not self.tiers.is_cuda and all(self.weights[n].resident for n in dense)
+            self._moe_plans[j] = moe_plan(self.cfg, w) if fixed else None
+        return self._moe_plans[j]
 
     def _experts_on_host(self, j: int, w: dict) -> dict:
         """Stage ``j``'s weights with its routed experts held whole in CPU memory handed over

@@ -1,0 +1,93 @@
+"""A decode step's mixture-of-experts MLP stage on a CPU as one compiled call
+(``kernels/moe_layer.c``, over ``kernels/moe_experts.c``).
+
+The per-operation path (``models/llama.py``'s ``mlp`` over ``models/moe.py``) makes a norm
+call, the router's call, a softmax, a top-k and a renormalisation in torch, groups the
+tokens by expert in Python lists, gathers the chosen experts' pointers and calls the experts
+kernel, then adds the residual: a fixed cost a layer that a step at batch 1, whose experts
+are read in well under a millisecond, notices. A :class:`MoePlan` holds tables of every
+routed expert's pointers, made once per stage, and the call does the rest: norm, router,
+softmax, top-k, grouping, experts, residual.
+
+A stage gets a plan when every routed expert is 4-bit codes with float16 factors read where
+they are (a GGUF's Q4_0, Q4_1, Q4_K ... in CPU memory: the experts kernel's form), the router
+and the norm are float32 in CPU memory, and the model has no shared expert (Qwen3-MoE,
+Mixtral and OLMoE; Qwen2-MoE keeps the per-operation path). The call's softmax and
+renormalising sum are its own loops: the router's weights may differ from torch's in the
+last bit, which changes an expert's choice only where two logits tie to that bit
+(``tests/test_fused_moe.py`` measures both). ``FLEXGEN_INFINIGEN_FUSED=0`` turns it off with
+the other fused calls.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..config import ModelConfig
+from ..models import moe
+from .compression import PackedWeight
+from .cpu_kernels import library
+from .fused_decode import enabled
+
+MAX_TOKENS = 16  # tokens one call takes (MOE_MAX_ROWS in kernels/moe_experts.c)
+MAX_TOP_K = 64  # experts a token may take (MOE_MAX_TOP_K in kernels/moe_layer.c)
+
+
+class MoePlan:
+    """One MoE stage's call: the tables of its experts' codes, scales and minima (expert e's
+    gate, up and down at 3e, 3e + 1, 3e + 2) and the router's and norm's tensors, all read
+    in place; :meth:`__call__` runs a decode step's tokens through it."""
+
+    def __init__(self, cfg: ModelConfig, lib, router: torch.Tensor, norm: torch.Tensor,
+                 experts: list[PackedWeight]):
+        self.cfg, self.lib, self.router, self.norm = cfg, lib, router, norm
+        self.experts = experts  # the tables point into them: kept alive with the plan
+        views = [x.expert_view for x in experts]
+        self.group, self.f, self.h = views[0][:3]
+        n = len(views)
+        self.tables = tuple((ctypes.c_void_p * n)(*(v[i] for v in views)) for i in (3, 4, 5))
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
+        """``h + MoE(RMSNorm(h))`` for ``h [b, s, hidden]`` (float32, b * s tokens, at most
+        :data:`MAX_TOKENS`), or None where the call does not take it."""
+        tokens = h.numel() // self.h
+        if (h.is_cuda or h.dtype != torch.float32 or h.shape[-1] != self.h
+                or not 0 < tokens <= MAX_TOKENS or not h.is_contiguous()):
+            return None
+        cfg = self.cfg
+        out = torch.empty_like(h)
+        done = self.lib.moe_layer_q4_h16(
+            h.data_ptr(), tokens, self.norm.data_ptr(), cfg.norm_eps, self.router.data_ptr(),
+            cfg.num_experts, cfg.experts_per_token, int(bool(cfg.norm_topk_prob)),
+            *self.tables, out.data_ptr(), self.h, self.f, self.group, torch.get_num_threads())
+        return out if done else None
+
+
+def moe_plan(cfg: ModelConfig, w: dict) -> MoePlan | None:
+    """Stage weights ``w``'s plan, or None where the call does not apply (see the module)."""
+    if (not enabled() or not cfg.num_experts or cfg.shared_expert_size
+            or not 0 < cfg.experts_per_token <= min(cfg.num_experts, MAX_TOP_K)):
+        return None
+    router, norm = w.get(moe.ROUTER), w.get("mlp_norm.weight")
+    hidden = cfg.hidden_size
+    for t, shape in ((router, (cfg.num_experts, hidden)), (norm, (hidden,))):
+        if (not isinstance(t, torch.Tensor) or t.is_cuda or t.dtype != torch.float32
+                or tuple(t.shape) != shape or not t.is_contiguous()):
+            return None
+    experts, views = [], []
+    for e in range(cfg.num_experts):
+        for m in moe.EXPERT_MATRICES:
+            weight = w.get(f"experts.{e}.{m}.weight")
+            view = weight.expert_view if isinstance(weight, PackedWeight) else None
+            if view is None:
+                return None
+            experts.append(weight)
+            views.append(view)
+    group, f, h = views[0][:3]
+    if (h != hidden or group not in (32, 64) or h % 64 or f % 64
+            or {v[:3] for v in views[0::3] + views[1::3]} != {(group, f, h)}
+            or {v[:3] for v in views[2::3]} != {(group, h, f)}):
+        return None
+    lib = library()
+    return None if lib is None else MoePlan(cfg, lib, router, norm, experts)
