@@ -3,7 +3,7 @@
 replaces (``models/llama.py``'s ``mlp``: torch's softmax and top-k, the experts call) on
 the same weights, with the top-k renormalised and not, on router ties, for one token and
 the most the call takes; what it refuses; and in the engine, a GGUF's decode with the call
-against the same decode with the fused calls off."""
+against the same decode on the per-operation MoE path."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +44,9 @@ def _stage(top_k: int, renorm: bool, seed: int, router_scale: float = 1.0, kind=
 @pytest.mark.parametrize("tokens,top_k,renorm", [(1, 4, True), (1, 4, False), (3, 2, True),
                                                  (16, 8, False), (16, 12, True)])
 def test_matches_the_per_operation_path(kind, tokens, top_k, renorm):
-    """Each token's experts are the per-operation path's; the outputs agree to float32
-    rounding (the router's weights may differ from torch's softmax in the last bit)."""
+    """The outputs agree with the per-operation path's to float32 rounding (the router's
+    weights may differ from torch's softmax in the last bit; an expert chosen differently
+    would move them by far more)."""
     cfg, w = _stage(top_k, renorm, seed=tokens + top_k, kind=kind)
     plan = fused_moe.moe_plan(cfg, w)
     assert plan is not None
@@ -71,8 +72,8 @@ def test_a_tie_at_the_last_expert_is_left_to_torch():
 
 
 def test_refuses_what_it_does_not_compute():
-    """No plan for float experts, a shared expert, or the fused calls turned off; no call
-    for more tokens than it takes (the per-operation path runs them)."""
+    """No plan for a float expert, a shared expert, a float16 router, or the fused calls
+    turned off; no call for more tokens than it takes (the per-operation path runs them)."""
     cfg, w = _stage(2, True, seed=0)
     assert fused_moe.moe_plan(cfg, w) is not None
     floats = dict(w, **{"experts.3.up_proj.weight": torch.randn(FF, H)})
