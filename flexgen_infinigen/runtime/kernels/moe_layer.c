@@ -29,17 +29,16 @@ int moe_layer_q4_h16(const float *h, int64_t T, const float *norm_w, float eps,
                      const uint8_t *const *codes, const uint16_t *const *scales,
                      const uint16_t *const *minima, float *out, int64_t H, int64_t F,
                      int64_t group, int64_t nthreads) {
-    if (T < 1 || T > MOE_MAX_ROWS || K < 1 || K > E)
+    if (T < 1 || T > MOE_MAX_ROWS || K < 1 || K > E || K > MOE_MAX_TOP_K)
         return 0;
     static __thread void *buf;  /* x, the logits (then probabilities) and the experts' sum */
     static __thread size_t have;
     float *x = (float *)thread_scratch(&buf, &have, sizeof(float) * T * (2 * H + E));
     if (!x)
         return 0;
-    float *logits = x + T * H, *y = logits + T * E, wt[MOE_MAX_ROWS * MOE_MAX_TOP_K];
-    int64_t chosen[MOE_MAX_ROWS * MOE_MAX_TOP_K];
-    if (K > MOE_MAX_TOP_K)
-        return 0;
+    const int64_t R = T * K;  /* routed rows: at most MOE_MAX_ROWS * MOE_MAX_TOP_K */
+    float *logits = x + T * H, *y = logits + T * E, wt[R];
+    int64_t chosen[R];
     rms_norm_rows(h, norm_w, x, T, H, eps, nthreads);
     linear_rows(x, router, NULL, logits, T, E, H, nthreads);
     for (int64_t t = 0; t < T; t++) {
@@ -53,7 +52,7 @@ int moe_layer_q4_h16(const float *h, int64_t T, const float *norm_w, float eps,
         for (int64_t e = 0; e < E; e++)
             p[e] /= sum;
         float top = 0.0f;
-        for (int64_t i = 0; i < K; i++) {  /* the largest not yet taken (the lower expert of equals) */
+        for (int64_t i = 0; i < K; i++) {  /* the largest left (of equals, the lower expert) */
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
@@ -79,10 +78,10 @@ int moe_layer_q4_h16(const float *h, int64_t T, const float *norm_w, float eps,
             wt[t * K + i] /= top;
     }
     /* the experts used, ascending; each one's tokens ascending, with their weights */
-    int64_t first[MOE_MAX_ROWS * MOE_MAX_TOP_K + 1], tok[MOE_MAX_ROWS * MOE_MAX_TOP_K], U = 0;
-    float w_by[MOE_MAX_ROWS * MOE_MAX_TOP_K];
-    const uint8_t *c_u[3 * MOE_MAX_ROWS * MOE_MAX_TOP_K];
-    const uint16_t *s_u[3 * MOE_MAX_ROWS * MOE_MAX_TOP_K], *m_u[3 * MOE_MAX_ROWS * MOE_MAX_TOP_K];
+    int64_t first[R + 1], tok[R], U = 0;
+    float w_by[R];
+    const uint8_t *c_u[3 * R];
+    const uint16_t *s_u[3 * R], *m_u[3 * R];
     first[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         int64_t n = first[U];
