@@ -112,6 +112,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 MOE_MAX_ROWS = 16  # tokens an expert may take in the experts call (kernels/moe_experts.c)
 
 
+def expert_tables(mats: list, hidden: int):
+    """(group, expert width, (codes, scales, minima)) for the experts kernels: three ctypes
+    pointer tables over ``mats`` (gate, up and down of each expert, in turn), or None unless
+    every matrix is 4-bit codes with float16 factors (``PackedWeight.expert_view``), gate and
+    up ``[f, hidden]``, down ``[hidden, f]``, one group of 32 or 64 throughout, and both
+    widths whole blocks of 64 (what ``kernels/moe_experts.c`` takes)."""
+    views = [m.expert_view if isinstance(m, PackedWeight) else None for m in mats]
+    if not views or len(views) % 3 or None in views:
+        return None
+    group, f, h = views[0][:3]
+    if (h != hidden or group not in (32, 64) or h % 64 or f % 64
+            or {v[:3] for v in views[0::3] + views[1::3]} != {(group, f, h)}
+            or {v[:3] for v in views[2::3]} != {(group, h, f)}):
+        return None
+    n = len(views)
+    return group, f, tuple((ctypes.c_void_p * n)(*(v[i] for v in views)) for i in (3, 4, 5))
+
+
 def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens, weights
                 ) -> torch.Tensor | None:
     """A decode step's routed experts in one compiled call (``kernels/moe_experts.c``):
@@ -129,20 +147,12 @@ def moe_experts(x: torch.Tensor, mats: list, first: list[int], tokens, weights
         return None
     if any(not 0 < b - a <= MOE_MAX_ROWS for a, b in zip(first, first[1:])):
         return None
-    views = [m.expert_view if isinstance(m, PackedWeight) else None for m in mats]
-    if None in views:
-        return None
-    group, f, h = views[0][:3]
-    # gate and up [f, h], down [h, f], one group throughout
-    if x.shape[1] != h or {v[:3] for v in views[0::3] + views[1::3]} != {(group, f, h)} \
-            or {v[:3] for v in views[2::3]} != {(group, h, f)}:
-        return None
+    tables = expert_tables(mats, x.shape[1])
     lib = library()
-    if lib is None:
+    if tables is None or lib is None:
         return None
-    codes = (ctypes.c_void_p * n)(*(v[3] for v in views))
-    scales = (ctypes.c_void_p * n)(*(v[4] for v in views))
-    minima = (ctypes.c_void_p * n)(*(v[5] for v in views))
+    group, f, (codes, scales, minima) = tables
+    h = x.shape[1]
     starts = torch.tensor(first, dtype=torch.int64)
     tok = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
     w = torch.as_tensor(weights, dtype=torch.float32).contiguous()

@@ -20,14 +20,13 @@ the other fused calls.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from ..config import ModelConfig
 from ..models import moe
 from .compression import PackedWeight
 from .cpu_kernels import library
+from .cpu_layers import expert_tables
 from .fused_decode import enabled
 
 MAX_TOKENS = 16  # tokens one call takes (MOE_MAX_ROWS in kernels/moe_experts.c)
@@ -40,13 +39,11 @@ class MoePlan:
     in place; :meth:`__call__` runs a decode step's tokens through it."""
 
     def __init__(self, cfg: ModelConfig, lib, router: torch.Tensor, norm: torch.Tensor,
-                 experts: list[PackedWeight]):
+                 experts: list[PackedWeight], tables: tuple):
         self.cfg, self.lib, self.router, self.norm = cfg, lib, router, norm
         self.experts = experts  # the tables point into them: kept alive with the plan
-        views = [x.expert_view for x in experts]
-        self.group, self.f, self.h = views[0][:3]
-        n = len(views)
-        self.tables = tuple((ctypes.c_void_p * n)(*(v[i] for v in views)) for i in (3, 4, 5))
+        self.group, self.f, self.tables = tables
+        self.h = cfg.hidden_size
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         """``h + MoE(RMSNorm(h))`` for ``h [b, s, hidden]`` (float32, b * s tokens, at most
@@ -75,19 +72,10 @@ def moe_plan(cfg: ModelConfig, w: dict) -> MoePlan | None:
         if (not isinstance(t, torch.Tensor) or t.is_cuda or t.dtype != torch.float32
                 or tuple(t.shape) != shape or not t.is_contiguous()):
             return None
-    experts, views = [], []
-    for e in range(cfg.num_experts):
-        for m in moe.EXPERT_MATRICES:
-            weight = w.get(f"experts.{e}.{m}.weight")
-            view = weight.expert_view if isinstance(weight, PackedWeight) else None
-            if view is None:
-                return None
-            experts.append(weight)
-            views.append(view)
-    group, f, h = views[0][:3]
-    if (h != hidden or group not in (32, 64) or h % 64 or f % 64
-            or {v[:3] for v in views[0::3] + views[1::3]} != {(group, f, h)}
-            or {v[:3] for v in views[2::3]} != {(group, h, f)}):
-        return None
+    experts = [w.get(f"experts.{e}.{m}.weight") for e in range(cfg.num_experts)
+               for m in moe.EXPERT_MATRICES]
+    tables = expert_tables(experts, hidden)
     lib = library()
-    return None if lib is None else MoePlan(cfg, lib, router, norm, experts)
+    if tables is None or lib is None:
+        return None
+    return MoePlan(cfg, lib, router, norm, experts, tables)
