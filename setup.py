@@ -14,7 +14,9 @@ setup(
                       "gguf", "huggingface_hub"],
     extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5",
                              # tests/test_serve.py: the server, and the official client
-                             "fastapi", "uvicorn", "httpx", "openai"],
+                             "fastapi", "uvicorn", "httpx", "openai",
+                             # tests of the benchmarks' reports, which draw their plots
+                             "matplotlib"],
                     # python -m flexgen_infinigen.serve
                     "serve": ["fastapi", "uvicorn"],
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)

@@ -9,13 +9,17 @@ are prefilled, the rest are fed one at a time with the KV policy active (teacher
 and every next token is scored. The windows run together as one batch (same length, no
 padding). Relative KV size counts every layer (the two that read the whole cache at 1.0);
 the JSON also has the selecting layers' share alone (the paper's count) and the share moved.
-A "corpus" calibration is a wikitext slice far from the windows. Writes JSON, markdown and
-a PNG under benchmarks/results/.
+A "corpus" calibration is a wikitext slice far from the windows.
+
+A sweep appends a run to the ``runs`` list of ``benchmarks/results/accuracy_sweep.json``
+(``--out`` another stem; ``--fresh`` a new list; ``--resume`` continues the last run when its
+settings match); the .md table and the .png plot sum up every run, one row group a window length
+(``--report-only`` rewrites them alone).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import sys
 import tempfile
 import time
@@ -26,12 +30,15 @@ from tqdm.auto import tqdm
 from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
 from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
-from flexgen_infinigen.kv.options import DEFAULT_KV_FRACTION, DEFAULT_MIN_KV
+from flexgen_infinigen.kv.options import DEFAULT_MIN_KV
 from flexgen_infinigen.kv.spec_keys import bytes_per_key
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import artifacts  # noqa: E402
+
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
-OUT = ROOT / "benchmarks" / "results" / "accuracy_sweep"
+OUT = artifacts.RESULTS / "accuracy_sweep"
 
 
 def ig(**kw):
@@ -117,6 +124,9 @@ def score(store, windows, prefill, kv, kw, compress) -> dict:
            "kv_fetch_fraction": report.get("kv_fetch_fraction", 1.0),
            "tokens": int(nll.numel()), "seconds": time.perf_counter() - start,
            "kv_report": {k: v for k, v in report.items() if "per_layer" not in k}}
+    if compress:  # a 4-bit cache's rows in fp16-equivalent bytes
+        row["relative_kv_size"] *= FOUR_BIT
+        row["kv_fetch_fraction"] *= FOUR_BIT
     if kv == "infinigen":  # the speculation keys' device bytes per token and KV head, in fp16
         o = kw["options"]
         r = max(1, round(o.ratio * cfg.head_dim))
@@ -135,27 +145,25 @@ def main(argv=None) -> int:
                    help="per selecting layer (InfiniGen, oracle); the variants run at the last")
     p.add_argument("--h2o-budgets", nargs="+", type=float, default=[0.1, 0.15, 0.2, 0.25])
     p.add_argument("--resume", action="store_true",
-                   help="keep the methods already in the output JSON (same settings)")
+                   help="continue the last run in the output JSON (same settings): keep its "
+                        "methods, run the rest")
+    p.add_argument("--fresh", action="store_true", help="start the runs list anew")
     p.add_argument("--report-only", action="store_true",
-                   help="only write the markdown and plot from the output JSON")
+                   help="only write the markdown and plot from the output JSON's runs")
     p.add_argument("--only", nargs="*", default=None, help="methods whose name starts so")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=str(OUT), help="the artifact stem (STEM.json, .md, .png)")
     a = p.parse_args(argv)
+    stem = Path(a.out).with_suffix("")
     if a.quick:
         a.seq_len, a.prefill_len, a.windows, a.budgets = 384, 128, 1, [0.1, 0.18]
         a.only = a.only or ["full", "oracle", "infinigen @"]
-    if not (a.quick or a.report_only):
+    if a.report_only:
+        write_outputs(stem)
+        return 0
+    if not a.quick:
         print("the full sweep takes about an hour on 2 CPU cores; --quick takes about 2 "
               "minutes", file=sys.stderr)
-    if a.report_only:  # the run's own settings (windows, lengths, budgets), not the flags'
-        saved = json.loads(Path(a.out).with_suffix(".json").read_text())
-        results = saved["methods"]
-        for k in ("seq_len", "prefill_len", "windows", "budgets"):
-            setattr(a, k, saved["settings"].get(k, getattr(a, k)))
-        write_markdown(Path(a.out).with_suffix(".md"), results, a)
-        plot(Path(a.out).with_suffix(".png"), results)
-        return 0
     text_path = Path(a.text)
     if not text_path.is_file():
         print(f"error: {text_path} is absent; pass --text (wikitext-2 test split)",
@@ -176,144 +184,142 @@ def main(argv=None) -> int:
     if a.only:
         table = {k: v for k, v in table.items() if any(k.startswith(o) for o in a.only)}
     settings = {k: v for k, v in vars(a).items()
-                if k not in ("out", "resume", "only", "report_only")}
+                if k not in ("out", "resume", "only", "report_only", "fresh")}
+    settings["text"] = text_path.name
     settings["window_starts"] = [i * stride for i in range(a.windows)]
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results = {}
-    if a.resume and out.with_suffix(".json").is_file():
-        old = json.loads(out.with_suffix(".json").read_text())
-        if old["settings"] == settings:
-            results = old["methods"]
+    doc = {"runs": []} if a.fresh else artifacts.load(stem)
+    results, index = {}, len(doc["runs"])  # the run this sweep writes: a new one
+    if a.resume and doc["runs"] and doc["runs"][-1].get("settings") == settings:
+        index -= 1  # or the last, continued
+        results = {r["method"]: r for r in doc["runs"][-1]["rows"]}
+    command = ["benchmarks/accuracy_sweep.py", *(sys.argv[1:] if argv is None else argv)]
+    meta = artifacts.run_meta(command)
     for name, (kv, kw, compress) in tqdm(table.items(), desc="sweep", unit="method"):
         if name in results:
             continue
-        results[name] = score(store, windows, a.prefill_len, kv, kw, compress)
+        results[name] = {"method": name, **score(store, windows, a.prefill_len, kv, kw,
+                                                 compress)}
         r = results[name]
         tqdm.write(f"{name:50s} ppl {r['perplexity']:8.3f}  kv {r['relative_kv_size']:.3f} "
                    f"(spec {r['relative_kv_size_speculative'] or 0:.3f}, moved "
                    f"{r['kv_fetch_fraction']:.3f})  {r['seconds']:.0f}s")
-        save(out, settings, results)  # after every method: an interrupted sweep resumes
-    write_markdown(out.with_suffix(".md"), results, a)
-    plot(out.with_suffix(".png"), results)
+        save(stem, doc, index, meta, settings, results)  # after every method: resumable
+    write_outputs(stem)
     return 0
 
 
-def save(out: Path, settings: dict, results: dict) -> None:
-    if "full" in results:
-        for r in results.values():
-            r["vs_full"] = r["perplexity"] / results["full"]["perplexity"] - 1
-    tmp = out.with_suffix(".json.partial")
-    tmp.write_text(json.dumps({"model": "smollm2-135m", "settings": settings,
-                               "methods": results}, indent=1))
-    tmp.replace(out.with_suffix(".json"))
+def save(stem: Path, doc: dict, index: int, meta: dict, settings: dict, results: dict) -> None:
+    """The sweep so far as run ``index`` of ``doc`` (appended the first time), written."""
+    full = results.get("full")
+    for r in results.values():
+        r["vs_full_pct"] = (100 * (r["perplexity"] / full["perplexity"] - 1)
+                            if full and r is not full else None)
+    run = {"meta": meta, "settings": settings, "rows": list(results.values())}
+    doc["runs"][index:index + 1] = [run]
+    doc.setdefault("model", "smollm2-135m")
+    artifacts.save(stem, doc)
 
 
 # 4-bit codes plus an fp16 scale and minimum per 64 values, against an fp16 cache (the
 # convention of the papers; the runtime dtype on a CPU is float32, where it would be 0.156)
 FOUR_BIT = (0.5 + 2 * 2 / 64) / 2
+COLUMNS = [("relative KV size", "relative_kv_size", "{:.3f}"),
+           ("perplexity", "perplexity", "{:.3f}"), ("vs full (%)", "vs_full_pct", "{:+.2f}")]
+ORDER = ("full", "infinigen default", "infinigen @", "infinigen", "oracle @", "4-bit cache",
+         "h2o @")
 
 
-def normalize(results: dict) -> dict:
-    """Sizes of the 4-bit rows in fp16 bytes, and the goals the issue sets, from the rows."""
-    for name, r in results.items():
-        if "4-bit" in name:
-            base = r["kv_report"].get("relative_kv_size", 1.0)
-            r["relative_kv_size"] = base * FOUR_BIT
-            r["kv_fetch_fraction"] = r["kv_report"].get("kv_fetch_fraction", 1.0) * FOUR_BIT
-    return results
+def _rank(name: str) -> tuple:
+    """Rows in reading order: the ORDER groups, the larger budget first in each."""
+    group = next((i for i, o in enumerate(ORDER) if name.startswith(o)), len(ORDER))
+    budget = name.rpartition(" @")[2] if " @" in name else ""
+    try:
+        return group, -float(budget), name
+    except ValueError:
+        return group, 0.0, name
 
 
-def goals(results: dict) -> list[str]:
-    """Plain-language checks of the accuracy goals against the rows present."""
-    out = []
-    full = results.get("full")
-    if full is None:
-        return out
+def _window(run: dict) -> str:
+    """A run's windows as a table key: ``1,024 (256 prefilled)``."""
+    st = run["settings"]
+    return f"{st['seq_len']:,} ({st['prefill_len']:,} prefilled)"
 
-    def vs(r):
-        return 100 * (r["perplexity"] / full["perplexity"] - 1)
-    d = results.get("infinigen default")
-    if d:
-        out.append(f"- default InfiniGen ({DEFAULT_KV_FRACTION:.0%}, at least {DEFAULT_MIN_KV} "
-                   f"rows): {vs(d):+.2f}% "
-                   f"at relative KV size {d['relative_kv_size']:.3f} (goal: within 2% at "
-                   "<= 0.25)")
-    low = [r for n, r in results.items() if n.startswith("infinigen @")
-           and r["relative_kv_size"] <= 0.15]
-    if low:
-        r = max(low, key=lambda r: r["relative_kv_size"])
-        out.append(f"- InfiniGen at relative KV size {r['relative_kv_size']:.3f}: {vs(r):+.2f}% "
-                   "(goal: within 5% at <= 0.15)")
-    h2o = sorted((r["relative_kv_size"], r["perplexity"]) for n, r in results.items()
-                 if n.startswith("h2o @"))
-    for n, r in results.items():
-        if not n.startswith("infinigen @") or len(h2o) < 2:
-            continue
-        x = r["relative_kv_size"]
-        pairs = [(a, b) for a, b in zip(h2o, h2o[1:]) if a[0] <= x <= b[0]]
-        if pairs:
-            (x0, y0), (x1, y1) = pairs[0]
-            y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-            out.append(f"- at relative KV size {x:.3f}: InfiniGen {r['perplexity']:.3f}, H2O "
-                       f"(interpolated) {y:.3f}")
-    q = results.get("4-bit cache")
-    for n, r in results.items():
-        if q and n.startswith("infinigen+4-bit"):
-            out.append(f"- {n}: {r['perplexity']:.3f} at {r['relative_kv_size']:.3f} "
-                       f"({r['relative_kv_size'] / q['relative_kv_size']:.2f}x the 4-bit cache's "
-                       f"bytes), 4-bit cache alone {q['perplexity']:.3f}")
+
+def _by_window(doc: dict) -> dict[str, list[dict]]:
+    """Every run's rows, each with its run's window, grouped by window (shortest first)."""
+    runs = sorted(doc["runs"], key=lambda r: (r["settings"]["seq_len"],
+                                              r["settings"]["prefill_len"]))
+    out: dict[str, list[dict]] = {}
+    for run in runs:
+        out.setdefault(_window(run), []).append(
+            {**run, "rows": [{**row, "window": _window(run)} for row in run["rows"]]})
     return out
 
 
-def write_markdown(path: Path, results: dict, a) -> None:
-    lines = [f"# SmolLM2-135M, wikitext-2: {a.windows} windows of {a.seq_len} tokens, prefill "
-             f"{a.prefill_len}, {a.seq_len - a.prefill_len} tokens scored per window", "",
-             "| method | relative KV size (all layers) | selecting layers only | moved | "
-             "perplexity | vs full |", "|---|---:|---:|---:|---:|---:|"]
-    normalize(results)
-    for name, r in results.items():
-        spec = r["relative_kv_size_speculative"]
-        lines.append(f"| {name} | {r['relative_kv_size']:.3f} | "
-                     f"{'' if spec is None else f'{spec:.3f}'} | {r['kv_fetch_fraction']:.3f} | "
-                     f"{r['perplexity']:.3f} | {100 * r.get('vs_full', 0):+.2f}% |")
-    lines += ["", "Relative KV size: rows attention read over rows cached, every layer counted "
-              "(the two that read the whole cache at 1.0); the 4-bit rows in fp16-equivalent "
-              "bytes. "
-              "'moved': what crossed to the compute device (the oracle reads everything to "
-              "score it).", "", "## Goals", ""] + goals(results)
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def markdown(doc: dict) -> str:
+    if not doc["runs"]:
+        return "# Perplexity against relative KV size\n\nNo runs yet.\n"
+    st = doc["runs"][-1]["settings"]
+    lines = [f"# SmolLM2-135M, WikiText-2: perplexity against relative KV size, "
+             f"{st['windows']} windows a length", "", artifacts.meta_line(doc["runs"]), "",
+             "| window (tokens) | method | " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+             "|" + "---|" * (2 + len(COLUMNS))]
+    for window, runs in _by_window(doc).items():
+        groups = artifacts.grouped(runs, ["method"])
+        for (name,), rows in sorted(groups.items(), key=lambda kv: _rank(kv[0][0])):
+            cells = [window, name] + [artifacts.spread((r.get(f) for r in rows), fmt)
+                                      for _, f, fmt in COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Each cell: median (min-max, N runs). Relative KV size: rows attention read "
+              "over rows cached, every layer counted (the two that read the whole cache at "
+              "1.0); the 4-bit rows in fp16-equivalent bytes. vs full: against the full "
+              "cache's perplexity over the same windows in the same run."]
+    return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, results: dict) -> None:
-    normalize(results)
+def plot(path: Path, doc: dict) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    curves: dict[str, list] = {}
-    for name, r in results.items():
-        if " @" in name and "=" not in name:
-            curves.setdefault(name.split(" @")[0], []).append(
-                (r["relative_kv_size"], r["perplexity"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, pts in curves.items():
-        ax.plot(*zip(*sorted(pts)), "-o", label=label)
-    for name, marker in (("4-bit cache", "^"),):
-        if name in results:
-            ax.plot([results[name]["relative_kv_size"]], [results[name]["perplexity"]], marker,
-                    label=name)
-    if "full" in results:
-        ax.axhline(results["full"]["perplexity"], color="gray", ls="--", label="full")
-    ax.set(xlabel="relative KV size (rows read / rows cached, all layers)", ylabel="perplexity",
-           title="SmolLM2-135M, wikitext-2, decode path")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    windows = _by_window(doc)
+    if not windows:
+        return
+    fig, axes = plt.subplots(1, len(windows), figsize=(5.5 * len(windows), 4.5), squeeze=False)
+    for ax, (window, runs) in zip(axes[0], windows.items()):
+        med = {name: (statistics.median(r["relative_kv_size"] for r in rows),
+                      statistics.median(r["perplexity"] for r in rows))
+               for (name,), rows in artifacts.grouped(runs, ["method"]).items()}
+        curves: dict[str, list] = {}
+        for name, pt in med.items():
+            if " @" in name and "=" not in name:
+                curves.setdefault(name.split(" @")[0], []).append(pt)
+        for label, pts in curves.items():
+            ax.plot(*zip(*sorted(pts)), "-o", label=label)
+        for name, marker in (("4-bit cache", "^"), ("infinigen default", "*")):
+            if name in med:
+                ax.plot(*med[name], marker, markersize=9, label=name)
+        if "full" in med:
+            ax.axhline(med["full"][1], color="gray", ls="--", label="full")
+        ax.set(xlabel="relative KV size (rows read / rows cached)",
+               ylabel="perplexity (median over runs)", title=f"window {window}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M, WikiText-2, decode path ({len(doc['runs'])} runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(stem: Path) -> None:
+    """``STEM.md`` and ``STEM.png`` from every run in ``STEM.json``."""
+    doc = artifacts.load(stem)
+    text = markdown(doc)
+    stem.with_suffix(".md").write_text(text)
+    plot(stem.with_suffix(".png"), doc)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ largest shard and the whole checkpoint.
     python benchmarks/convert_memory.py                 # ~2 GB, about a minute
     python benchmarks/convert_memory.py --gb 0.2        # a quick look
 
-Writes benchmarks/results/convert_memory.{json,md,png} (the plot needs matplotlib).
+Appends the run to benchmarks/results/convert_memory.json's ``runs`` (``--fresh`` starts
+them anew) and rewrites convert_memory.md (median, min-max over the runs) and .png from all
+of them (the plot needs matplotlib); ``--report-only`` only rewrites those two.
 """
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ import json
 import math
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import artifacts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -106,14 +112,92 @@ def write_checkpoint(folder: Path, gb: float, shard_mb: int) -> dict:
             "checkpoint_bytes": sum(s for _, s in shards)}
 
 
+MIB = 2**20
+KEYS = ["checkpoint"]
+COLUMNS = [("checkpoint MiB", "checkpoint_mib", "{:.0f}"),
+           ("largest shard MiB", "largest_shard_mib", "{:.0f}"),
+           ("largest tensor MiB", "largest_tensor_mib", "{:.0f}"),
+           ("converter's peak RSS growth MiB", "peak_growth_mib", "{:.0f}"),
+           ("growth / largest tensor", "growth_over_largest_tensor", "{:.2f}"),
+           ("seconds", "convert_seconds", "{:.1f}")]
+
+
+def table(runs: list[dict]) -> str:
+    """``artifacts.table`` with a format per column (MiB as integers, ratios to 2 places)."""
+    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
+             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, KEYS).items():
+        cells = [str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def row(gb: float, shard_mb: int, info: dict, child: dict, store_bytes: int) -> dict:
+    """One measured configuration: the checkpoint's sizes and the converter's peak growth."""
+    growth = child["peak_rss"] - child["baseline_rss"]
+    shards = f"{info['shards']} shard{'s' if info['shards'] > 1 else ''}"
+    return {"checkpoint": f"{gb:g} GB bf16, {shards} of <= {shard_mb} MB",
+            "gb": gb, "shard_mb": shard_mb, "layers": info["layers"],
+            "tensors": info["tensors"], "shards": info["shards"],
+            "checkpoint_mib": info["checkpoint_bytes"] / MIB,
+            "largest_shard_mib": info["largest_shard_bytes"] / MIB,
+            "largest_tensor_mib": info["largest_tensor_bytes"] / MIB,
+            "store_mib": store_bytes / MIB, "convert_seconds": child["seconds"],
+            "baseline_rss_mib": child["baseline_rss"] / MIB,
+            "peak_rss_mib": child["peak_rss"] / MIB, "peak_growth_mib": growth / MIB,
+            "growth_over_largest_tensor": growth / info["largest_tensor_bytes"]}
+
+
+def report(doc: dict, out: Path) -> str:
+    """The markdown table and the plot of every run in ``doc``; returns the markdown."""
+    runs = doc["runs"]
+    md = ["# Converting a sharded bf16 checkpoint: peak memory", "",
+          artifacts.meta_line(runs), "",
+          "Each cell: median (min-max, N runs). Peak RSS growth is the converting process's "
+          "resident peak above its size after its imports.", "", table(runs)]
+    out.with_suffix(".md").write_text("\n".join(md))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return "\n".join(md)
+    groups = artifacts.grouped(runs, KEYS)
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 3), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], groups.items()):
+        names = [h.replace(" MiB", "") for h, f, _ in COLUMNS if f.endswith("_mib")]
+        fields = [f for _, f, _ in COLUMNS if f.endswith("_mib")]
+        med = [statistics.median(r[f] for r in rows) for f in fields]
+        low = [m - min(r[f] for r in rows) for m, f in zip(med, fields)]
+        high = [max(r[f] for r in rows) - m for m, f in zip(med, fields)]
+        ax.barh(names, med, xerr=[low, high])
+        ax.set_xlabel(f"MiB (median of {len(rows)} run{'s' if len(rows) > 1 else ''})")
+        ax.set_title(key[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+    return "\n".join(md)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=2.0, help="checkpoint size (default 2)")
     p.add_argument("--shard-mb", type=int, default=1000, help="shard size (default 1000)")
     p.add_argument("--workdir", default=None, help="where to write (default: a temp folder)")
-    p.add_argument("--out", default=str(RESULTS / "convert_memory"))
+    p.add_argument("--out", default=str(RESULTS / "convert_memory"),
+                   help="STEM: this run is appended to STEM.json's runs; STEM.md and STEM.png "
+                        "are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: rewrite STEM.md and STEM.png from STEM.json")
     a = p.parse_args(argv)
+    out = Path(a.out)
+    if a.report_only:
+        print(report(artifacts.load(out), out))
+        return 0
     work = Path(a.workdir or tempfile.mkdtemp(prefix="convert-memory-"))
     ckpt, store = work / "checkpoint", work / "store"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -128,41 +212,13 @@ def main(argv=None) -> int:
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    growth = child["peak_rss"] - child["baseline_rss"]
-    result = {"machine": platform.node(), "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d"), **info, "store_bytes": store_bytes,
-              "convert_seconds": child["seconds"], "baseline_rss_bytes": child["baseline_rss"],
-              "peak_rss_bytes": child["peak_rss"], "peak_growth_bytes": growth,
-              "growth_over_largest_tensor": growth / info["largest_tensor_bytes"]}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    mb = 2**20
-    rows = [("checkpoint (all shards)", info["checkpoint_bytes"]),
-            ("largest shard", info["largest_shard_bytes"]),
-            ("largest tensor", info["largest_tensor_bytes"]),
-            ("converter's peak RSS growth", growth)]
-    md = ["# Converting a sharded bf16 checkpoint: peak memory", "",
-          f"`python benchmarks/convert_memory.py --gb {a.gb}` ({result['date']}): "
-          f"{info['tensors']} tensors in {info['shards']} shards, converted in "
-          f"{child['seconds']:.1f} s; the store keeps bf16 ({store_bytes / mb:.0f} MiB).", "",
-          "| | MiB |", "|---|---|"] + [f"| {n} | {b / mb:.0f} |" for n, b in rows]
-    md += ["", f"Peak growth is {result['growth_over_largest_tensor']:.2f}x the largest tensor "
-           "(the process's resident peak above its size after imports)."]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.barh([n for n, _ in rows], [b / mb for _, b in rows])
-        ax.set_xlabel("MiB")
-        ax.set_title("bf16 checkpoint conversion: peak memory")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-    print("\n".join(md))
+    meta = artifacts.run_meta(["benchmarks/convert_memory.py", *(argv or sys.argv[1:])],
+                              python=platform.python_version())
+    doc = artifacts.append_run(out, {"meta": meta,
+                                     "rows": [row(a.gb, a.shard_mb, info, child, store_bytes)]},
+                               fresh=a.fresh, benchmark="peak memory of converting a sharded "
+                               "bf16 checkpoint (a synthetic Llama-shaped one)")
+    print(report(doc, out))
     return 0
 
 

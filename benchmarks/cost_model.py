@@ -12,14 +12,16 @@ that fits the budget, then run the optimizer with the same budget and measure it
     python benchmarks/cost_model.py --quick            # smoke run: 3 policies, a small grid
     python benchmarks/cost_model.py --hw hw.json       # a saved profile instead of measuring
 
-Writes benchmarks/results/cost_model_<device>.{json,md,png}.
+Appends the run to benchmarks/results/cost_model_<device>.json's ``runs`` (``--fresh`` starts
+them anew) and rewrites cost_model_<device>.md (median, min-max over the runs) and .png from all
+of them; ``--report-only`` only rewrites those two.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import gc
-import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from tqdm.auto import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import artifacts  # noqa: E402
 from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
@@ -201,32 +204,54 @@ def paper_setting() -> dict:
     return out
 
 
-def write_outputs(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"# Cost model against the runtime ({result['machine']['device_name']})", "",
-             f"Profile: {result['profile']['source']}", "",
-             f"Lengths: prompt {result['settings']['prompt_len']}, "
-             f"gen {result['settings']['gen_len']}, batch {result['settings']['batch']}", "",
-             "| policy | measured decode ms/step | predicted | error | measured prefill s | "
-             "predicted | error |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in result["validation"]:
-        m, p = r["measured"], r["predicted"]
-        lines.append(f"| {r['name']} | {m['decode_step_s'] * 1e3:.1f} | "
-                     f"{p['decode_step_s'] * 1e3:.1f} | {r['decode_error'] * 100:+.0f}% | "
-                     f"{m['prefill_s']:.2f} | {p['prefill_s']:.2f} | "
-                     f"{r['prefill_error'] * 100:+.0f}% |")
-    g = result.get("grid")
-    if g:
-        lines += ["", f"## Optimizer's pick under a {g['budget_gb']} GB budget", "",
-                  "| policy | measured tok/s | predicted tok/s |", "|---|---:|---:|"]
-        for r in g["rows"]:
-            lines.append(f"| {r['name']} | {r['measured_throughput']:.1f} | "
-                         f"{r['predicted_throughput']:.1f} |")
-        lines += ["", f"Pick / best of grid ({g['grid_best']}): {g['pick_vs_grid_best']:.3f}"]
-    ps = result["paper_setting"]
-    lines += ["", "## InfiniGen's setting on the A6000 profile (predicted)", "",
+def flat(row: dict) -> dict:
+    """A validation row with the table's numbers at its top level (the nested dicts stay)."""
+    m, p = row["measured"], row["predicted"]
+    return {**row, "policy": row["name"], "measured_decode_ms": m["decode_step_s"] * 1e3,
+            "predicted_decode_ms": p["decode_step_s"] * 1e3,
+            "decode_error_pct": row["decode_error"] * 100,
+            "measured_prefill_s": m["prefill_s"], "predicted_prefill_s": p["prefill_s"],
+            "prefill_error_pct": row["prefill_error"] * 100}
+
+
+COLUMNS = [("measured decode ms/step", "measured_decode_ms", "{:.1f}"),
+           ("predicted", "predicted_decode_ms", "{:.1f}"),
+           ("error", "decode_error_pct", "{:+.0f}%"),
+           ("measured prefill s", "measured_prefill_s", "{:.2f}"),
+           ("predicted", "predicted_prefill_s", "{:.2f}"),
+           ("error", "prefill_error_pct", "{:+.0f}%")]
+GRID_COLUMNS = [("measured tok/s", "measured_throughput", "{:.1f}"),
+                ("predicted tok/s", "predicted_throughput", "{:.1f}")]
+
+
+def table(runs: list[dict], keys: list[str], columns: list[tuple[str, str, str]]) -> str:
+    """``artifacts.table`` with a format per column."""
+    lines = ["| " + " | ".join([*keys, *(h for h, _, _ in columns)]) + " |",
+             "|" + "---|" * (len(keys) + len(columns))]
+    for key, rows in artifacts.grouped(runs, keys).items():
+        cells = [str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = ["# Cost model against the runtime", "", artifacts.meta_line(runs), "",
+             "Predicted against measured, each run with its own profile of the machine. "
+             "Each cell: median (min-max, N runs).", "",
+             table(runs, ["policy"], COLUMNS)]
+    grids = [{"rows": r["grid"]["rows"], "meta": r["meta"]} for r in runs if r.get("grid")]
+    if grids:
+        budgets = ", ".join(dict.fromkeys(f"{r['grid']['budget_gb']:g}" for r in runs
+                                          if r.get("grid")))
+        picks = artifacts.spread((r["grid"]["pick_vs_grid_best"] for r in runs
+                                  if r.get("grid")), "{:.3f}")
+        lines += ["", f"## Optimizer's pick under a {budgets} GB budget", "",
+                  table(grids, ["name"], GRID_COLUMNS),
+                  f"Pick / best of the grid, measured: {picks}."]
+    ps = runs[-1]["paper_setting"]
+    lines += ["", "## InfiniGen's setting on the A6000 profile (predicted, the latest run)", "",
               "OPT-13B, prompt 1920, 128 tokens. Throughput in tokens/s.", "",
               "| policy | full | infinigen (fraction 0.2) | ratio |", "|---|---:|---:|---:|"]
     for key, label in (("paper_policy", "the paper's: 100 0 0 100 100 0, batch 20"),
@@ -238,7 +263,12 @@ def write_outputs(result: dict, out: Path) -> None:
             f"infinigen: {i['percent']})"
         lines.append(f"| {label}{picks} | {f['throughput']:.2f} | {i['throughput']:.2f} | "
                      f"{ps['speedup_' + key]:.2f}x |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(doc: dict, out: Path) -> None:
+    """The markdown and the plot of every run in ``doc``."""
+    out.with_suffix(".md").write_text(markdown(doc))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -246,20 +276,28 @@ def write_outputs(result: dict, out: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    meas = [r["measured"]["decode_step_s"] * 1e3 for r in result["validation"]]
-    pred = [r["predicted"]["decode_step_s"] * 1e3 for r in result["validation"]]
-    ax.scatter(meas, pred)
+    groups = artifacts.grouped(doc["runs"], ["policy"])
+    meas, pred = [], []
+    for rows in groups.values():
+        m = [r["measured_decode_ms"] for r in rows]
+        q = [r["predicted_decode_ms"] for r in rows]
+        meas.append(statistics.median(m))
+        pred.append(statistics.median(q))
+        ax.errorbar(meas[-1], pred[-1], fmt="o", color="tab:blue", capsize=2,
+                    xerr=[[meas[-1] - min(m)], [max(m) - meas[-1]]],
+                    yerr=[[pred[-1] - min(q)], [max(q) - pred[-1]]])
     top = max(meas + pred) * 1.1
     ax.plot([0, top], [0, top], "k-", lw=0.8)
     ax.fill_between([0, top], [0, top * 0.8], [0, top * 1.2], color="0.9", label="±20%")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured decode step (ms)")
+    ax.set_xlabel("measured decode step (ms; median, min-max over runs)")
     ax.set_ylabel("predicted decode step (ms)")
-    ax.set_title("cost model vs runtime")
+    ax.set_title(f"cost model vs runtime, {len(doc['runs'])} run(s)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -272,28 +310,41 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gb", type=float, default=0.7,
                    help="memory budget for the optimizer part (device + host on a CPU)")
     p.add_argument("--no-grid", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="STEM (default results/cost_model_<device>): this run is appended to "
+                        "STEM.json's runs; STEM.md and STEM.png are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: rewrite STEM.md and STEM.png from STEM.json")
     a = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(a.out) if a.out else HERE / "results" / f"cost_model_{dev.type}"
+    out = out.with_suffix("") if out.suffix == ".json" else out
+    if a.report_only:
+        write_outputs(artifacts.load(out), out)
+        print(out.with_suffix(".md").read_text())
+        return 0
     hw = load_profile(a.hw) if a.hw else profile_in_child(a.quick)
     retry = Retry(repeats=1 if a.quick else 2)
     names = QUICK if a.quick else list(VALIDATION)
     start = time.time()
-    result = {"machine": machine_info(), "profile": hw.to_dict(),
+    rows = [flat(r) for r in validation(hw, names, a.prompt_len, a.gen_len, a.batch, retry)]
+    result = {"meta": artifacts.run_meta(["benchmarks/cost_model.py", *(argv or sys.argv[1:])],
+                                         machine_info=machine_info()),
+              "rows": rows, "profile": hw.to_dict(),
               "settings": {"prompt_len": a.prompt_len, "gen_len": a.gen_len, "batch": a.batch,
-                           "quick": a.quick},
-              "validation": validation(hw, names, a.prompt_len, a.gen_len, a.batch, retry)}
+                           "quick": a.quick}}
     if not a.no_grid:
         batches = (1, 4) if a.quick else (1, 4, 8, 16)
         result["grid"] = grid(hw, a.budget_gb, a.prompt_len, a.gen_len, batches, retry)
     result["paper_setting"] = paper_setting()
     result["wall_s"] = time.time() - start
-    errors = [abs(r["decode_error"]) for r in result["validation"]]
+    errors = [abs(r["decode_error"]) for r in rows]
     result["summary"] = {"max_abs_decode_error": max(errors),
                          "within_20_percent": sum(e <= 0.2 for e in errors),
                          "policies": len(errors)}
-    out = Path(a.out) if a.out else HERE / "results" / f"cost_model_{dev.type}.json"
-    write_outputs(result, out)
+    doc = artifacts.append_run(out, result, fresh=a.fresh, benchmark=__doc__.split("\n")[0])
+    write_outputs(doc, out)
     print(out.with_suffix(".md").read_text())
     return 0
 

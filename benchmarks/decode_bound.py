@@ -12,13 +12,14 @@ bandwidth (bytes read plus bytes written per second by one large ``copy_``):
 * every weight is read once (the tied embedding once, by the output head);
 * InfiniGen also reads its speculation keys (all cached tokens, in the selecting layers).
 
-Prompts are natural text (wikitext-2 windows, one per sequence). Writes JSON, markdown and
-a PNG under benchmarks/results/.
+Prompts are natural text (wikitext-2 windows, one per sequence). Each run is appended to the
+``runs`` list of ``--out``'s JSON (``--fresh`` starts it anew); the markdown table (medians
+over every run) and the PNG are rebuilt from all runs: ``python benchmarks/decode_bound.py
+--report-only`` rebuilds them without measuring.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,8 +33,13 @@ from flexgen_infinigen import OffloadedLM, Policy
 from flexgen_infinigen.kv.spec_keys import bytes_per_key
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from artifacts import append_run, load, meta_line, run_meta, table  # noqa: E402
+
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
-OUT = ROOT / "benchmarks" / "results" / "decode_bound_cpu"
+from artifacts import INVESTIGATIONS  # noqa: E402
+
+OUT = INVESTIGATIONS / "decode_bound_cpu"
 POLICIES = {"full": None, "infinigen": None, "h2o": {"hh_ratio": 0.09, "recent_ratio": 0.09}}
 
 
@@ -100,8 +106,21 @@ def main(argv=None) -> int:
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=str(OUT), help="the artifact's path without suffix")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the JSON's runs list anew instead of appending this run")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the markdown and the PNG from the JSON's runs; measure nothing")
     a = p.parse_args(argv)
+    out = Path(a.out).with_suffix("") if a.out.endswith(".json") else Path(a.out)
+    if a.report_only:
+        write_outputs(load(out), out)
+        return 0
+    if not a.fresh:
+        try:  # a JSON written before runs were appended stops here, not after the runs
+            load(out)
+        except ValueError as e:
+            p.error(f"{e} (or pass --fresh)")
     if a.quick:
         a.shapes, a.gen_len = ["2x512"], 4
     if not Path(a.text).is_file():
@@ -127,51 +146,88 @@ def main(argv=None) -> int:
                    f"{row['memory_bound_s'] * 1e3:7.1f} ms (x{row['step_over_bound']:.2f}), "
                    f"{row['decode_tokens_per_s']:.2f} tok/s")
     for row in rows:
-        full = next(r for r in rows if r["kv_policy"] == "full" and r["batch"] == row["batch"]
-                    and r["context"] == row["context"])
-        row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth},
-              "settings": vars(a), "runs": rows}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Decode step against its memory bound (CPU, copy bandwidth "
-             f"{bandwidth / 1e9:.1f} GB/s touched)", "",
-             "| batch x context | policy | step ms | bound ms | step / bound | tokens/s | "
-             "vs full | relative KV size | speculation share |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        spec = r.get("speculation_share_of_decode")
-        lines.append(f"| {r['batch']}x{r['context']} | {r['kv_policy']} | "
-                     f"{r['decode_step_s'] * 1e3:.1f} | {r['memory_bound_s'] * 1e3:.1f} | "
-                     f"{r['step_over_bound']:.2f} | {r['decode_tokens_per_s']:.2f} | "
-                     f"{r['speedup_vs_full']:.2f}x | {r['relative_kv_size']:.3f} | "
-                     f"{'' if spec is None else f'{100 * spec:.1f}%'} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    plot(out.with_suffix(".png"), rows)
+        full = next((r for r in rows if r["kv_policy"] == "full" and r["batch"] == row["batch"]
+                     and r["context"] == row["context"]), None)
+        if full is not None:
+            row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+    settings = {k: v for k, v in vars(a).items() if k not in ("out", "fresh", "report_only")}
+    run = {"meta": run_meta(copy_bandwidth_gb_s=bandwidth / 1e9, threads=torch.get_num_threads(),
+                            torch=torch.__version__, platform=platform.platform()),
+           "settings": settings, "rows": rows}
+    doc = append_run(out, run, fresh=a.fresh, benchmark="decode_bound.py: SmolLM2-135M decode "
+                     "step against the bytes it must touch over the copy bandwidth, KV cache in "
+                     "CPU memory")
+    write_outputs(doc, out)
+    print(out.with_suffix(".md").read_text())
     return 0
 
 
+KEYS = ["batch x context", "policy"]
+COLUMNS = [("step ms", "step_ms"), ("bound ms", "bound_ms"), ("step / bound", "step_over_bound"),
+           ("tokens/s", "decode_tokens_per_s"), ("vs full", "speedup_vs_full"),
+           ("relative KV size", "relative_kv_size"), ("speculation share %", "spec_pct")]
+
+
+def view(rows: list[dict]) -> list[dict]:
+    """A run's rows with the table's key fields and milliseconds."""
+    out = []
+    for r in rows:
+        spec = r.get("speculation_share_of_decode")
+        out.append({**r, "batch x context": f"{r['batch']} x {r['context']:,}",
+                    "policy": r["kv_policy"], "step_ms": 1e3 * r["decode_step_s"],
+                    "bound_ms": 1e3 * r["memory_bound_s"],
+                    "spec_pct": None if spec is None else 100 * spec})
+    return out
+
+
+def write_outputs(doc: dict, out: Path) -> None:
+    """``OUT.md`` (medians over every run) and ``OUT.png`` from the JSON's runs."""
+    runs = [{**run, "rows": view(run["rows"])} for run in doc["runs"]]
+    lines = ["# Decode step against its memory bound (CPU, KV cache in CPU memory)", "",
+             meta_line(doc["runs"]) + ".", "",
+             "Each number: median (min-max, N runs). bound: the bytes a step must touch (each "
+             "byte moved read and written once and read by attention; every weight once; "
+             "InfiniGen's speculation keys) over the copy bandwidth measured in the run.", "",
+             table(runs, KEYS, [(h, f) for h, f in COLUMNS  # no column that is empty
+                                if any(r.get(f) is not None for run in runs
+                                       for r in run["rows"])]).rstrip("\n"), "", "Runs:", ""]
+    for i, run in enumerate(doc["runs"], 1):
+        m = run["meta"]
+        lines.append(f"{i}. {m.get('date')}, commit {m.get('commit')}, {m.get('cpu')}, "
+                     f"{m.get('cores')} cores, copy bandwidth "
+                     f"{m.get('copy_bandwidth_gb_s', 0):.1f} GB/s touched: `{m.get('command')}`"
+                     + (f" ({m['note']})" if m.get("note") else ""))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(out.with_suffix(".png"), [r for run in runs for r in run["rows"]])
+
+
 def plot(path: Path, rows: list[dict]) -> None:
+    """Median step and bound of each line, the step's bar from its min to its max."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    labels = [f"{r['batch']}x{r['context']}\n{r['kv_policy']}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.1), 4))
-    ax.bar([i - 0.2 for i in x], [r["decode_step_s"] * 1e3 for r in rows], 0.4, label="step")
-    ax.bar([i + 0.2 for i in x], [r["memory_bound_s"] * 1e3 for r in rows], 0.4,
-           label="memory bound")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["batch x context"], r["policy"]), []).append(r)
+    labels = [f"{shape}\n{policy}" for shape, policy in groups]
+    steps = [[r["step_ms"] for r in g] for g in groups.values()]
+    med = [statistics.median(v) for v in steps]
+    err = [[m - min(v) for m, v in zip(med, steps)], [max(v) - m for m, v in zip(med, steps)]]
+    bound = [statistics.median(r["bound_ms"] for r in g) for g in groups.values()]
+    x = range(len(groups))
+    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 1.1), 4))
+    ax.bar([i - 0.2 for i in x], med, 0.4, yerr=err, capsize=3, label="step")
+    ax.bar([i + 0.2 for i in x], bound, 0.4, label="memory bound")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set(ylabel="ms per decode step", title="SmolLM2-135M decode, KV cache in CPU memory")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

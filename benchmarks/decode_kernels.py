@@ -18,8 +18,9 @@ the arithmetic a linear layer's flops would need at that rate.
 
 The kernels are whatever ``flexgen_infinigen`` imports: point ``PYTHONPATH`` at another
 checkout to time its kernels with the same inputs, and compare the two tags' files. Writes
-``benchmarks/results/decode_kernels_<tag>.json`` (the committed one is
-``decode_kernels.json``).
+``decode_kernels_<tag>.json`` under ``--out-dir`` (default the temporary folder's
+``flexgen_infinigen_investigations``: a kernel timing is an investigation, not a result
+kept under ``benchmarks/results/``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-OUT = ROOT / "benchmarks" / "results"
+OUT = Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations"
 SETS = 6  # input sets cycled through: 6 x 100 MB of K and V is far past any cache here
 
 
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=0.2, help="rows InfiniGen reads")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tag", default="after")
+    p.add_argument("--out-dir", default=str(OUT), help="where the JSON goes")
     a = p.parse_args(argv)
 
     import flexgen_infinigen
@@ -153,8 +156,9 @@ def main(argv=None) -> int:
                f"{flops[name] / peak * 1e3:.1f} ms)" if name in flops else ""
         print(f"{name:20s} {1e3 * s:8.2f} ms  {b / 1e6:8.1f} MB  {b / s / 1e9:5.1f} GB/s  "
               f"({s / (b / bandwidth):.1f}x its read bound{work})")
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"decode_kernels_{a.tag}.json"
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"decode_kernels_{a.tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"written {path}")
     return 0

@@ -9,7 +9,9 @@ The prompt is prefilled once (kept on disk, see ``flexgen_infinigen.prefill_cach
 policy decodes ``--steps`` tokens from it; every kernel call is timed (wall time, on the
 calling thread, which waits for it) and the step's remainder is reported as "other". The
 KV cache lives in CPU memory (``--percent 100 0 0 100 100 0``). Writes
-``benchmarks/results/decode_profile_<tag>.{json,md}``.
+``decode_profile_<tag>.{json,md}`` under ``--out-dir`` (default the temporary folder's
+``flexgen_infinigen_investigations``: a profile is an investigation, not a result kept
+under ``benchmarks/results/``).
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ import collections
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-OUT = ROOT / "benchmarks" / "results"
+OUT = Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations"
 KERNELS = ("attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
            "speculate_pages", "score_packed", "select_mass", "spec_write")
 LAYER_KERNELS = ("linear", "rms_norm", "rotary", "moe_experts")  # in cpu_layers
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
                    help="folder with pg19_firstbook.txt / wikitext2_test.txt (default: "
                         "../shared/data; without either, a built-in paragraph)")
     p.add_argument("--tag", default="smollm2_b8_8k")
+    p.add_argument("--out-dir", default=str(OUT), help="where the JSON and table go")
     a = p.parse_args(argv)
 
     from long_context import read_bandwidth
@@ -182,8 +186,9 @@ def main(argv=None) -> int:
               "batch": a.batch, "compress_weight": a.compress_weight, "prompt_source": source,
               "sep_layer": sep_layer,  # as the runtime resolved it
               "read_bandwidth_bytes_s": read_bandwidth(256 << 20), "rows": rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    stem = OUT / f"decode_profile_{a.tag}"
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"decode_profile_{a.tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))
     print(f"written {stem}.json, .md")

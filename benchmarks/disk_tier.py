@@ -14,8 +14,10 @@ Also the KV cache on disk at a 4k context (SmolLM2-135M, batch 4; weights in mem
 
     python benchmarks/disk_tier.py [--offload-dir DIR] [--quick]
 
-Writes results/disk_tier_cpu.{json,md,png}. Needs ~27 GB free in the offload folder and
-runs for a long time; run it alone (other processes distort the timings).
+Appends the run to results/disk_tier_cpu.json's ``runs`` (``--fresh`` starts them anew) and
+rewrites disk_tier_cpu.md (median, min-max over the runs) and .png from all of them;
+``--from-json`` only rewrites those two. Needs ~27 GB free in the offload folder and runs for
+a long time; run it alone (other processes distort the timings).
 """
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import artifacts  # noqa: E402
+
 OUT = HERE / "results" / "disk_tier_cpu"
 GB = 1e9
 
@@ -120,6 +126,9 @@ def settings(offload_dir: str, quick: bool) -> list[dict]:
     if not quick:
         rows += [dict(base, name="weights on disk, buffered, no overlap", percent=on_disk,
                       direct_io=False, overlap=False),
+                 dict(base, name="weights on disk, batch 8 x 4, direct I/O, overlap",
+                      percent=on_disk, direct_io=True, overlap=True, batch=8, batches=4,
+                      gen_len=2),
                  dict(base, name="weights on disk, batch 8 x 4, buffered, overlap",
                       percent=on_disk, direct_io=False, overlap=True, batch=8, batches=4,
                       gen_len=2)]
@@ -145,14 +154,18 @@ def compute_bound(rows: list[dict], batch: int, batches: int) -> float | None:
     return got[4] + per_layer * (40 - 4)
 
 
-def summarize(result: dict) -> None:
-    """Per disk setting: bytes a decode step reads from disk, the bound they give at the
-    profiled direct-read rate (the goal's yardstick) and at the raw disk's, the compute bound,
-    and the step against the larger bound."""
-    rows, profiled = result["runs"], result["engine_read_by_size"]
+def summarize(run: dict) -> None:
+    """Per disk setting of one run: bytes a decode step reads from disk, the bound they give
+    at the profiled direct-read rate (the goal's yardstick) and at the raw disk's, the compute
+    bound, and the step against the larger bound."""
+    rows, profiled = run["rows"], run["engine_read_by_size"]
     direct_bw = max(profiled["disk_read"].values())
-    raw_bw = max(result["raw_disk"].values())
+    raw_bw = max(run["raw_disk"].values())
     for r in rows:
+        r["setting"] = r["name"]
+        r["tokens_per_s"] = r["tokens_per_step"] / r["decode_step_s"]
+        r["peak_rss_gb"] = r["peak_rss"] / GB
+        r["planned_gb"] = r["planned_host"] / GB
         if r["layers"]:
             continue
         steps = len(r["step_times"]) - 1
@@ -166,66 +179,89 @@ def summarize(result: dict) -> None:
         comp = compute_bound(rows, r["batch"], r["batches"]) if r["model"] == "opt-13b" else None
         r["compute_bound_s"] = comp
         r["step_over_bound"] = r["decode_step_s"] / max(r["disk_bound_s"], comp or 0.0)
-        r["tokens_per_s"] = r["tokens_per_step"] / r["decode_step_s"]
 
 
-def markdown(result: dict) -> str:
-    raw, prof = result["raw_disk"], result["engine_read_by_size"]
-    lines = [f"# Disk tier on {result['machine']}", "",
-             f"Raw disk (2 GB file, 16 MB sequential reads): direct {raw['direct'] / GB:.2f} GB/s,"
-             f" buffered {raw['buffered'] / GB:.2f} GB/s. Engine read path by read size (GB/s):",
-             "", "| read size | " + " | ".join(f"{int(s) >> 20} MB" for s in
-                                               prof["disk_read"]) + " |",
-             "|---|" + "---|" * len(prof["disk_read"])]
-    for name in ("disk_read", "disk_buffered_read"):
-        rates = " | ".join(f"{v / GB:.2f}" for v in prof[name].values())
-        lines.append(f"| {name} | {rates} |")
-    lines += ["", "Disk bound: the bytes a decode step reads from disk over the profiled "
-              "direct-read rate (its best read size); raw: over the raw disk's best. Compute "
-              "bound: OPT-13B with its weights in memory, from 4 and 8 layers. Peak RSS is the "
-              "process's whole life (weight placement included); planned: the memory plan's "
-              "device + host.", "",
-              "| setting | decode step s | bound s (disk, raw disk, compute) | step / bound | "
-              "read GB/s | tokens/s | peak RSS GB (planned) |", "|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        bound = (f"{r['disk_bound_s']:.2f}, {r['raw_disk_bound_s']:.2f}, "
-                 + (f"{r['compute_bound_s']:.2f}" if r.get("compute_bound_s") else "-")
-                 if "disk_bound_s" in r else "-")
-        lines.append(f"| {r['name']} | {r['decode_step_s']:.2f} | {bound} | "
-                     f"{r.get('step_over_bound', float('nan')):.2f} | "
-                     f"{r.get('achieved_read_gb_per_s', float('nan')):.2f} | "
-                     f"{r['tokens_per_step'] / r['decode_step_s']:.3f} | "
-                     f"{r['peak_rss'] / GB:.1f} ({r['planned_host'] / GB:.1f}) |")
+KEYS = ["setting"]
+COLUMNS = [("decode step s", "decode_step_s", "{:.3g}"),
+           ("disk bound s", "disk_bound_s", "{:.3g}"),
+           ("compute bound s", "compute_bound_s", "{:.3g}"),
+           ("step / bound", "step_over_bound", "{:.2f}"),
+           ("read GB/s", "achieved_read_gb_per_s", "{:.2f}"),
+           ("tokens/s", "tokens_per_s", "{:.3g}"),
+           ("peak RSS GB", "peak_rss_gb", "{:.1f}"),
+           ("planned GB", "planned_gb", "{:.1f}")]
+
+
+def table(runs: list[dict]) -> str:
+    """``artifacts.table`` with a format per column."""
+    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
+             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, KEYS).items():
+        cells = [str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+
+    def rate(get):
+        return artifacts.spread((get(r) / GB for r in runs), "{:.2f}")
+    lines = ["# Disk tier", "", artifacts.meta_line(runs), "",
+             "Raw disk (2 GB file, 16 MB sequential reads), GB/s: direct "
+             f"{rate(lambda r: r['raw_disk']['direct'])}, buffered "
+             f"{rate(lambda r: r['raw_disk']['buffered'])}. The engine's own read path at its "
+             "best read size, GB/s: direct "
+             f"{rate(lambda r: max(r['engine_read_by_size']['disk_read'].values()))}, buffered "
+             f"{rate(lambda r: max(r['engine_read_by_size']['disk_buffered_read'].values()))}.",
+             "", "Each cell: median (min-max, N runs). Disk bound: the bytes a decode step reads "
+             "from disk over the engine's best direct-read rate. Compute bound: OPT-13B with its "
+             "weights in memory, from 4 and 8 layers. Peak RSS is the process's whole life; "
+             "planned: the memory plan's device + host.", "", table(runs)]
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["runs"] if "disk_bound_s" in r]
+    groups = [(k[0], rows) for k, rows in artifacts.grouped(
+        doc["runs"], KEYS, where=lambda x: "disk_bound_s" in x).items()]
     fig, ax = plt.subplots(figsize=(9, 4))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["decode_step_s"] for r in rows], 0.4, label="decode step")
-    ax.bar([i + 0.2 for i in x], [max(r["disk_bound_s"], r["compute_bound_s"] or 0)
-                                  for r in rows], 0.4, label="max(disk, compute) bound")
+    x = range(len(groups))
+
+    def bar(offset, get, label):
+        vals = [[get(r) for r in rows] for _, rows in groups]
+        med = [statistics.median(v) for v in vals]
+        err = [[m - min(v) for m, v in zip(med, vals)], [max(v) - m for m, v in zip(med, vals)]]
+        ax.bar([i + offset for i in x], med, 0.4, yerr=err, label=label)
+    bar(-0.2, lambda r: r["decode_step_s"], "decode step (median, min-max over runs)")
+    bar(0.2, lambda r: max(r["disk_bound_s"], r["compute_bound_s"] or 0),
+        "max(disk, compute) bound")
     ax.set_yscale("log")
-    ax.set_xticks(list(x), [r["name"].replace(", ", "\n") for r in rows], fontsize=7)
+    ax.set_xticks(list(x), [n.replace(", ", "\n") for n, _ in groups], fontsize=7)
     ax.set_ylabel("seconds")
-    ax.set_title("weights (OPT-13B bf16) or KV cache (4k) on disk, CPU")
+    ax.set_title(f"weights (OPT-13B bf16) or KV cache (4k) on disk, CPU; "
+                 f"{len(doc['runs'])} run(s)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--offload-dir", default=str(HERE.parent / "offload_bench"))
     p.add_argument("--quick", action="store_true", help="fewer settings (no batch 8 x 4)")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=str(OUT),
+                   help="STEM: this run is appended to STEM.json's runs; STEM.md and STEM.png "
+                        "are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
     p.add_argument("--from-json", action="store_true",
-                   help="recompute the summary, markdown and plot from --out's JSON")
+                   help="measure nothing: recompute the summary, markdown and plot from --out's "
+                        "JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -233,8 +269,11 @@ def main(argv=None) -> int:
         return 0
     out = Path(a.out)
     if a.from_json:
-        result = json.loads(out.with_suffix(".json").read_text())
-        write(result, out)
+        doc = artifacts.load(out)
+        for run_ in doc["runs"]:
+            summarize(run_)
+        artifacts.save(out, doc)
+        write(doc, out)
         return 0
     import torch
     from tqdm.auto import tqdm
@@ -245,21 +284,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=a.offload_dir) as tmp:
         raw = raw_disk(tmp)
     engine = disk_bandwidths(torch.device("cpu"), a.offload_dir, 1 << 30)
-    runs = [run(s) for s in tqdm(settings(a.offload_dir, a.quick), desc="settings")]
-    result = {"machine": f"{os.cpu_count()} CPU cores, {os.uname().nodename}",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "raw_disk": raw,
-              "engine_read_by_size": engine["rates"], "disk_write_bw": engine["disk_write_bw"],
-              "runs": runs}
-    write(result, out)
+    rows = [run(s) for s in tqdm(settings(a.offload_dir, a.quick), desc="settings")]
+    meta = artifacts.run_meta(["benchmarks/disk_tier.py", *(argv or sys.argv[1:])],
+                              host=os.uname().nodename,
+                              raw_disk_gb_s={k: v / GB for k, v in raw.items()})
+    new = {"meta": meta, "rows": rows, "raw_disk": raw,
+           "engine_read_by_size": engine["rates"], "disk_write_bw": engine["disk_write_bw"]}
+    summarize(new)
+    doc = artifacts.append_run(out, new, fresh=a.fresh, benchmark=__doc__.split("\n")[0])
+    write(doc, out)
     return 0
 
 
-def write(result: dict, out: Path) -> None:
-    summarize(result)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
-    print(markdown(result))
+def write(doc: dict, out: Path) -> None:
+    text = markdown(doc)
+    out.with_suffix(".md").write_text(text)
+    plot(doc, out.with_suffix(".png"))
+    print(text)
 
 
 if __name__ == "__main__":

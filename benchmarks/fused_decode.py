@@ -13,8 +13,12 @@ and KV rows a step must read over this machine's read bandwidth) and the share o
 spent inside the fused calls.
 
 ``--pause PIDFILE`` stops that process group (another job sharing the CPU) during each timed
-generation and resumes it right after, even on an error. Writes
-``benchmarks/results/fused_decode.{json,md,png}``.
+generation and resumes it right after, even on an error.
+
+Each case appends a run to its artifact's ``runs`` list and rewrites the summary of every
+run: the long case ``benchmarks/results/infinigen_vs_full.{json,md,png}`` (``--out``), the
+short case ``benchmarks/results/default_model_vs_llamacpp.{json,md,png}`` (``--short-out``).
+``--fresh`` starts a list anew; ``--report-only`` rewrites the .md and .png alone.
 """
 from __future__ import annotations
 
@@ -33,7 +37,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-OUT = ROOT / "benchmarks" / "results" / "fused_decode"
+import artifacts  # noqa: E402
+
+LONG_OUT = artifacts.RESULTS / "infinigen_vs_full"
+SHORT_OUT = artifacts.RESULTS / "default_model_vs_llamacpp"
 GGUF = Path.home() / ".cache" / "flexgen_infinigen" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -207,67 +214,154 @@ def long_case(a, pause, spent) -> dict:
             "read_bandwidth_bytes_s": bandwidth, "rows": rows}
 
 
-def markdown(result: dict) -> str:
-    lines = ["# Fused CPU decode step", ""]
-    short = result.get("short")
-    if short:
-        lines += [f"Default model, batch 1, a {short['prompt_tokens']}-token prompt "
-                  f"({short['prompt_source']}); same tokens fused and per-operation: "
-                  f"{short['same_tokens']}.", "",
-                  "| variant | decode tokens/s (range) | prefill tokens/s | in fused calls |",
-                  "|---|---|---|---|"]
-        for r in short["rows"]:
+def short_rows(short: dict) -> list[dict]:
+    """The short case's rows for the runs list: one a program, llama-bench's decode and
+    prefill on one row, each rate against llama.cpp's decode of the same run."""
+    rows, llama = [], {"program": "llama.cpp", "prompt": short["prompt_tokens"]}
+    for r in short["rows"]:
+        if r["variant"].startswith("llama.cpp"):
             if "error" in r:
-                lines.append(f"| {r['variant']} | error: {r['error'][:80]} | | |")
-            elif r["variant"].startswith("llama.cpp"):
-                rate = f"{r['tokens_s']:.1f} ({r['range'][0]:.1f}-{r['range'][1]:.1f})"
-                cells = [rate, ""] if "decode" in r["variant"] else ["", rate]
-                lines.append(f"| {r['variant']} | " + " | ".join(cells) + " | |")
+                llama.setdefault("error", r["error"][-300:])
+                continue
+            if "decode" in r["variant"]:
+                llama["decode_tokens_s"] = r["tokens_s"]
+                if "empty cache" in r["variant"]:
+                    llama["program"] = "llama.cpp (decode from an empty cache)"
             else:
-                lines.append(f"| {r['variant']} | {r['decode_tokens_s']:.1f} "
-                             f"({r['decode_range'][0]:.1f}-{r['decode_range'][1]:.1f}) | "
-                             f"{r['prefill_tokens_s']:.0f} | {r['in_fused_calls']:.0%} |")
-        lines.append("")
-    long = result.get("long")
-    if long:
-        lines += [f"SmolLM2, batch {long['batch']} x {long['context']} tokens, KV cache in CPU "
-                  "memory; bound: bytes a step must read over "
-                  f"{long['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s.", "",
-                  "| KV policy | variant | step ms | tokens/s (range) | bound ms | step / bound "
-                  "| in fused calls | KV read |", "|---|---|---|---|---|---|---|---|"]
-        for r in long["rows"]:
-            lines.append(f"| {r['kv_policy']} | {r['variant']} | {1e3 * r['step_s']:.1f} | "
-                         f"{r['decode_tokens_s']:.1f} ({r['decode_range'][0]:.1f}-"
-                         f"{r['decode_range'][1]:.1f}) | {1e3 * r['bound_s']:.1f} | "
-                         f"{r['step_over_bound']:.2f}x | {r['in_fused_calls']:.0%} | "
-                         f"{r['kv_fetch_fraction']:.2f} |")
+                llama["prefill_tokens_s"] = r["tokens_s"]
+            continue
+        rows.append({"program": f"flexgen_infinigen, {r['variant']}",
+                     "prompt": short["prompt_tokens"], "decode_tokens_s": r["decode_tokens_s"],
+                     "decode_range": r["decode_range"],
+                     "prefill_tokens_s": r["prefill_tokens_s"],
+                     "in_fused_calls": r["in_fused_calls"]})
+    if len(llama) > 2:
+        rows.append(llama)
+    base = llama.get("decode_tokens_s")
+    for r in rows:
+        if base and r is not llama and "decode_tokens_s" in r:
+            r["x_llama_cpp"] = r["decode_tokens_s"] / base
+    return rows
+
+
+def long_rows(long: dict) -> list[dict]:
+    """The long case's rows for the runs list: one a KV policy and path, each step against
+    the full cache's step on the same path in the same run."""
+    rows = []
+    for r in long["rows"]:
+        rows.append({"model": "SmolLM2-135M", "batch": long["batch"],
+                     "context": long["context"], "kv_policy": r["kv_policy"],
+                     "variant": r["variant"], "step_ms": 1e3 * r["step_s"],
+                     "tokens_s": long["batch"] / r["step_s"],
+                     "kv_read": r["kv_fetch_fraction"], "bound_ms": 1e3 * r["bound_s"],
+                     "step_over_bound": r["step_over_bound"],
+                     "in_fused_calls": r["in_fused_calls"]})
+    full = {r["variant"]: r["step_ms"] for r in rows if r["kv_policy"] == "full"}
+    for r in rows:
+        if r["variant"] in full and r["kv_policy"] != "full":
+            r["x_full"] = full[r["variant"]] / r["step_ms"]
+    return rows
+
+
+def _table(runs: list[dict], keys: list[str], columns: list[tuple[str, str, str]],
+           where=None) -> str:
+    """``artifacts.table`` with a format a column: ``(header, field, fmt)``."""
+    lines = ["| " + " | ".join([*keys, *(h for h, _, _ in columns)]) + " |",
+             "|" + "---|" * (len(keys) + len(columns))]
+    for key, rows in artifacts.grouped(runs, keys, where).items():
+        cells = ["" if k is None else str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
+def _latest_case(runs: list[dict]) -> tuple[int, int] | None:
+    """(batch, context) of the newest run's rows: the table sums up the runs of that case."""
+    for run in reversed(runs):
+        for r in run["rows"]:
+            return r["batch"], r["context"]
+    return None
+
+
+def long_markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    case = _latest_case(runs)
+    if case is None:
+        return "# InfiniGen against the full cache\n\nNo runs yet.\n"
+    context = case[1]
+
+    def fused(r):
+        return r["variant"] == "fused" and (r["batch"], r["context"]) == case
+    cases = [run for run in runs if any(fused(r) for r in run["rows"])]
+    return (f"# InfiniGen against the full cache: SmolLM2-135M, batch {case[0]} x {context:,} "
+            "tokens, fused CPU decode step\n\n" + artifacts.meta_line(cases) + "\n\n"
+            + _table(runs, ["kv_policy"], [
+                ("step ms", "step_ms", "{:.1f}"),
+                ("tokens/s (batch total)", "tokens_s", "{:.1f}"),
+                ("x full cache", "x_full", "{:.2f}"), ("KV read", "kv_read", "{:.2f}")],
+                where=fused)
+            + "\nEach cell: median (min-max, N runs) over the runs; x full cache: the full "
+            "cache's step over this step, in the same run.\n")
+
+
+def short_markdown(doc: dict) -> str:
+    runs = doc["runs"]
+
+    def shown(r):
+        return "per-operation" not in r["program"]
+    prompt = next((r["prompt"] for run in reversed(runs) for r in run["rows"]), "?")
+    return (f"# The default model against llama.cpp: batch 1, a {prompt}-token prompt\n\n"
+            + artifacts.meta_line(runs) + "\n\n"
+            + _table(runs, ["program"], [
+                ("decode tokens/s", "decode_tokens_s", "{:.1f}"),
+                ("prefill tokens/s", "prefill_tokens_s", "{:.0f}"),
+                ("decode / llama.cpp's", "x_llama_cpp", "{:.2f}")], where=shown)
+            + "\nEach cell: median (min-max, N runs) over the runs; decode / llama.cpp's: in "
+            "the same run.\n")
+
+
+def _plot(runs: list[dict], key: str, field: str, where, title: str, ylabel: str,
+          path: Path) -> None:
+    """One bar a ``key`` value: the median of ``field`` over the runs, each run a dot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("short", "long") if result.get(k)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, key in zip(axes[0], panels):
-        rows = [r for r in result[key]["rows"] if "error" not in r
-                and (key == "long" or "prefill" not in r["variant"])]
-        labels = [(r.get("kv_policy", "") + " " + r["variant"]).strip() for r in rows]
-        rates = [r.get("decode_tokens_s", r.get("tokens_s")) for r in rows]
-        ax.bar(range(len(rows)), rates, color="tab:blue")
-        if key == "long":
-            bounds = [r["batch"] / r["bound_s"] if "batch" in r else
-                      result["long"]["batch"] / r["bound_s"] for r in rows]
-            ax.plot(range(len(rows)), bounds, "k_", markersize=30, label="must-read bound")
-            ax.legend()
-        ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title("default model, batch 1, ~900 tokens" if key == "short" else
-                     f"SmolLM2 batch {result['long']['batch']} x {result['long']['context']}")
+    groups = artifacts.grouped(runs, [key], where)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(groups) + 2), 3.8))
+    for i, rows in enumerate(groups.values()):
+        values = [r[field] for r in rows if r.get(field) is not None]
+        if not values:
+            continue
+        ax.bar(i, statistics.median(values), color="tab:blue", alpha=0.6)
+        ax.plot([i] * len(values), values, "ko", markersize=4)
+    ax.set_xticks(range(len(groups)), [k[0] for k in groups], rotation=15, ha="right")
+    ax.set(ylabel=ylabel, title=f"{title} ({len(runs)} run{'s' if len(runs) != 1 else ''})")
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_long(stem: Path) -> None:
+    """``STEM.md`` and ``STEM.png`` from every run in ``STEM.json``."""
+    doc = artifacts.load(stem)
+    stem.with_suffix(".md").write_text(long_markdown(doc))
+    case = _latest_case(doc["runs"])
+    if case:
+        _plot(doc["runs"], "kv_policy", "step_ms",
+              lambda r: r["variant"] == "fused" and (r["batch"], r["context"]) == case,
+              f"SmolLM2 batch {case[0]} x {case[1]}, fused step", "ms a decode step",
+              stem.with_suffix(".png"))
+
+
+def write_short(stem: Path) -> None:
+    doc = artifacts.load(stem)
+    stem.with_suffix(".md").write_text(short_markdown(doc))
+    if doc["runs"]:
+        _plot(doc["runs"], "program", "decode_tokens_s",
+              lambda r: "per-operation" not in r["program"],
+              "default model, batch 1", "decode tokens/s", stem.with_suffix(".png"))
 
 
 def main(argv=None) -> int:
@@ -298,8 +392,28 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--pause", default=None, help="PIDFILE of a process group to stop while "
                    "timing")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=None,
+                   help="the long case's artifact stem: STEM.json gains a run, STEM.md and "
+                        "STEM.png sum up every run (default: benchmarks/results/"
+                        "infinigen_vs_full)")
+    p.add_argument("--short-out", default=None,
+                   help="the short case's stem (default: benchmarks/results/"
+                        "default_model_vs_llamacpp, or OUT_batch1 when --out is given)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the runs list anew instead of appending")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the .md and .png from the runs in the JSON")
     a = p.parse_args(argv)
+    long_out = Path(a.out).with_suffix("") if a.out else LONG_OUT
+    short_out = (Path(a.short_out).with_suffix("") if a.short_out else
+                 Path(f"{long_out}_batch1") if a.out else SHORT_OUT)
+    if a.report_only:
+        for case in a.cases:
+            stem = long_out if case == "long" else short_out
+            if stem.with_suffix(".json").is_file():
+                (write_long if case == "long" else write_short)(stem)
+                print(f"wrote {stem}.md, .png")
+        return 0
     for kv in a.long_policies:  # a misspelt label stops here, not after the model loads
         if kv not in ("full", "infinigen"):
             from long_context_accuracy import parse_policy
@@ -322,17 +436,25 @@ def main(argv=None) -> int:
 
     spent = [0.0]
     _timed_calls(spent)
-    result = {"machine": machine_info(), "command": " ".join(["python",
-                                                             "benchmarks/fused_decode.py",
-                                                             *(argv or sys.argv[1:])])}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    command = ["benchmarks/fused_decode.py", *(sys.argv[1:] if argv is None else argv)]
     for case in a.cases:
-        result[case] = (short_case if case == "short" else long_case)(a, a.pause, spent)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
-    print(f"written {out}.json, .md, .png")
+        result = (short_case if case == "short" else long_case)(a, a.pause, spent)
+        extra = {"machine": machine_info()}
+        if case == "long":
+            extra["bandwidth_gb_s"] = result["read_bandwidth_bytes_s"] / 1e9
+            stem, rows, write = long_out, long_rows(result), write_long
+            about = {"benchmark": "fused_decode.py --cases long: SmolLM2 at batch x context, "
+                                  "each KV policy's decode step, fused and per-operation"}
+        else:
+            stem, rows, write = short_out, short_rows(result), write_short
+            about = {"benchmark": "fused_decode.py --cases short: the default model at batch "
+                                  "1, fused and per-operation, beside llama-bench"}
+            extra["same_tokens"] = result["same_tokens"]
+        run = {"meta": artifacts.run_meta(command, **extra), "rows": rows,
+               "prompt_source": result["prompt_source"]}
+        artifacts.append_run(stem, run, fresh=a.fresh, **about)
+        write(stem)
+        print(f"appended a run to {stem}.json; wrote {stem}.md, .png")
     return 0
 
 

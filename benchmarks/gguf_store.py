@@ -22,14 +22,17 @@ perplexity against the float32 store of the same weights.
     python benchmarks/gguf_store.py                   # all of it (minutes; 5 GB of /tmp)
     python benchmarks/gguf_store.py --skip-8b         # no 8B file
 
-Writes benchmarks/results/gguf_store.{json,md,png} (the plot needs matplotlib).
+Appends the run to benchmarks/results/gguf_store.json's ``runs`` (``--fresh`` starts them
+anew; the run is saved after each part, so a run cut short keeps what it measured) and
+rewrites gguf_store.md (median, min-max over every repeat of every run) and .png from all of
+them; ``--render`` only rewrites those two.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +44,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+import artifacts  # noqa: E402
+
 WIKI = Path("/work/shared/data/wikitext2_test.txt")
 QWEN = Path.home() / ".cache" / "flexgen_infinigen" / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
 GOALS = {"smollm2-135m Q4_1": 1.15, "qwen2.5-coder-0.5b": 1.6, "8B Q4_K_M-shaped": 1.2}
@@ -251,101 +258,132 @@ def perplexity(path: Path, compress: bool, windows: int, seq: int, prefill: int)
 
 # --- report -------------------------------------------------------------------------------
 
-def markdown(r: dict) -> str:
-    lines = ["# Quantized GGUF files kept as their codes", "",
-             f"`{r['command']}` ({r['date']}, {r['machine']})", "",
-             "## Store size on disk", "",
-             "| model | tensor types | GGUF MiB | store MiB | store / file | goal |",
-             "|---|---|---|---|---|---|"]
-    for row in r["sizes"]:
-        types = ", ".join(f"{n} {k}" for k, n in sorted(row["tensor_types"].items()))
-        lines.append(f"| {row['model']} | {types} | {row['gguf_bytes'] / 2**20:.0f} | "
-                     f"{row['store_bytes'] / 2**20:.0f} | {row['ratio']:.3f}x | "
-                     f"<= {row['goal']}x |")
-    for row in r["sizes"]:
-        if "peak_growth_bytes" in row:
-            lines += ["", f"{row['model']}: converted in {row['seconds']:.0f} s; the "
-                      f"converter's peak resident memory above its imports "
-                      f"{row['peak_growth_bytes'] / 2**20:.0f} MiB, against "
-                      f"{row['largest_tensor_float32_bytes'] / 2**20:.0f} MiB for its largest "
-                      "tensor in float32 (no tensor is expanded to floats)."]
+MODELS = {"smollm2-135m Q4_1": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B",
+          "8B Q4_K_M-shaped": "Llama-3-8B shapes, random codes"}
+FORMS = {"codes (Q4_1)": "Q4_1 codes, float16 factors",
+         WIDE: "Q4_1 codes, float32 factors",
+         "float32 store": "float32 expansion of the codes",
+         "float32 + --compress-weight": "float32 + --compress-weight (4-bit/64)",
+         "float16 factors": "Q4_1 codes, float16 factors",
+         "float32 factors": "Q4_1 codes, float32 factors"}
+KEYS = ["model", "weights"]
+COLUMNS = [("GGUF MiB", "gguf_mib", "{:.0f}"), ("store MiB", "store_mib", "{:.0f}"),
+           ("store / file", "store_over_file", "{:.3f}"),
+           ("MiB in memory", "memory_mib", "{:.1f}"),
+           ("decode tok/s", "decode_tok_s", "{:.1f}"),
+           ("x float32 store", "x_float32", "{:.2f}"),
+           ("perplexity", "perplexity", "{:.4f}"),
+           ("coded products ms", "coded_products_ms", "{:.1f}")]
+
+
+def rows_of(r: dict) -> list[dict]:
+    """The table's rows of one run: a row per store size, per decode and per pass over the
+    coded products (repeats are rows), and one per form for its memory, decode ratio (of
+    medians) and perplexity."""
+    rows, others = [], []  # the default model's rows first, the other files' sizes last
+    for s in r.get("sizes", []):
+        smol_file = s["model"].startswith("smollm2")
+        quant = sorted((t for t in s["tensor_types"] if not t.startswith(("F32", "F16"))),
+                       key=lambda t: -s["tensor_types"][t])
+        weights = FORMS["codes (Q4_1)"] if smol_file else f"GGUF codes ({', '.join(quant)})"
+        (rows if smol_file else others).append({
+            "model": MODELS.get(s["model"], s["model"]), "weights": weights,
+            "gguf_mib": s["gguf_bytes"] / 2**20, "store_mib": s["store_bytes"] / 2**20,
+            "store_over_file": s["ratio"], "tensor_types": s["tensor_types"],
+            "convert_peak_growth_mib": s["peak_growth_bytes"] / 2**20
+            if "peak_growth_bytes" in s else None})
+    smol = MODELS["smollm2-135m Q4_1"]
     d = r.get("decode")
     if d:
         base = d["median_tokens_per_s"]["float32 store"]
-        lines += ["", "## Decode speed, the default model", "",
-                  f"Batch 1, a {d['prompt_tokens']}-token WikiText-2 prompt, {d['gen_len']} "
-                  f"tokens, {d['threads']} threads; all loaded at once and run in turn, "
-                  f"{d['repeats']} times (median, and the range). Weights MiB: their bytes "
-                  "in memory as placed.", "",
-                  "| weights | weights MiB | decode tokens/s | range | vs float32 store | "
-                  "prefill s (median) |", "|---|---|---|---|---|---|"]
         for name, rs in d["runs"].items():
-            rates = [x["decode_tokens_per_s"] for x in rs]
-            med = d["median_tokens_per_s"][name]
-            prefill = float(np.median([x["prefill_s"] for x in rs]))
-            mib = d.get("weight_bytes", {}).get(name)
-            mib = f"{mib / 2**20:.1f}" if mib else "-"
-            lines.append(f"| {name} | {mib} | {med:.1f} | {min(rates):.1f}-{max(rates):.1f} | "
-                         f"{med / base:.2f}x | {prefill:.2f} |")
+            w = FORMS.get(name, name)
+            rows += [{"model": smol, "weights": w, "decode_tok_s": x["decode_tokens_per_s"],
+                      "prefill_s": x["prefill_s"]} for x in rs]
+            mem = d.get("weight_bytes", {}).get(name)
+            rows.append({"model": smol, "weights": w,
+                         "memory_mib": mem / 2**20 if mem else None,
+                         "x_float32": d["median_tokens_per_s"][name] / base})
     k = r.get("kernels")
     if k:
-        wide = min(k["seconds"]["float32 factors"])
-        lines += ["", "## A step's coded products alone, the default model", "",
-                  f"`cpu_layers.linear` on each of its {k['matrices']} coded matrices once, one "
-                  f"row of x, {k['threads']} threads; the two forms alternated {k['repeats']} "
-                  "times (the minimum is the least disturbed by other work).", "",
-                  "| factors | MiB read | ms (min) | ms (median) | vs float32 factors (min) |",
-                  "|---|---|---|---|---|"]
         for form, times in k["seconds"].items():
-            lines.append(f"| {form} | {k['bytes'][form] / 2**20:.1f} | {1e3 * min(times):.2f} | "
-                         f"{1e3 * float(np.median(times)):.2f} | "
-                         f"{wide / min(times):.2f}x |")
-    p = r.get("perplexity")
-    if p and "float32 store" in p:
-        ref = p["float32 store"]["perplexity"]
-        lines += ["", "## WikiText-2 perplexity, the default model", "",
-                  f"`{p['float32 store']['command']}`, {p['float32 store']['tokens_scored']} "
-                  "tokens scored.", "", "| weights | perplexity | vs float32 store |",
-                  "|---|---|---|"]
-        for name, row in p.items():
-            lines.append(f"| {name} | {row['perplexity']:.4f} | "
-                         f"{100 * (row['perplexity'] / ref - 1):+.3f}% |")
+            rows += [{"model": smol, "weights": FORMS.get(form, form),
+                      "coded_products_ms": 1e3 * t} for t in times]
+    for name, x in (r.get("perplexity") or {}).items():
+        rows.append({"model": smol, "weights": FORMS.get(name, name),
+                     "perplexity": x["perplexity"], "tokens_scored": x["tokens_scored"]})
+    return rows + others
+
+
+def table(runs: list[dict]) -> str:
+    """``artifacts.table`` with a format per column."""
+    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
+             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, KEYS).items():
+        cells = [str(x) for x in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(r: dict, path: Path) -> None:
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = ["# Quantized GGUF files kept as their codes", "", artifacts.meta_line(runs), "",
+             "Each cell: median (min-max, N), N counting every repeat of every run: decodes "
+             "(batch 1, a ~900-token WikiText-2 prompt, all forms loaded at once and run in "
+             "turn), passes of `cpu_layers.linear` over every coded matrix once (one row of x, "
+             "the two factor forms alternated). x float32 store: the run's median decode rate "
+             "over the float32 expansion's. Perplexity: WikiText-2, 512 tokens scored; the "
+             "float32-factor codes hold the float16 ones' values and are not scored again.",
+             "", table(runs)]
+    conv = [(run["meta"].get("date"), row) for run in runs for row in run["rows"]
+            if row.get("convert_peak_growth_mib")]
+    if conv:
+        lines += ["## Converting", "", "| date | model | tensor types | converter's peak RSS "
+                  "growth MiB |", "|---|---|---|---|"]
+        for date, row in conv:
+            types = ", ".join(f"{n} {t}" for t, n in sorted(row["tensor_types"].items()))
+            lines.append(f"| {date} | {row['model']} | {types} | "
+                         f"{row['convert_peak_growth_mib']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    panels = 1 + bool(r.get("decode")) + bool(r.get("perplexity"))
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6))
-    axes = np.atleast_1d(axes)
-    names = [row["model"] for row in r["sizes"]]
-    axes[0].bar(names, [row["ratio"] for row in r["sizes"]], color="tab:blue")
-    axes[0].scatter(names, [row["goal"] for row in r["sizes"]], marker="_", s=600,
-                    color="tab:red", label="goal")
-    axes[0].set_ylabel("store / GGUF size")
-    axes[0].legend()
-    axes[0].tick_params(axis="x", labelrotation=15)
-    i = 1
-    if r.get("decode"):
-        med = r["decode"]["median_tokens_per_s"]
-        axes[i].bar(list(med), list(med.values()), color="tab:green")
-        axes[i].set_ylabel("decode tokens/s (median)")
-        axes[i].tick_params(axis="x", labelrotation=15)
-        i += 1
-    if r.get("perplexity") and "float32 store" in r["perplexity"]:
-        ppl = {k: v["perplexity"] for k, v in r["perplexity"].items()}
-        axes[i].bar(list(ppl), list(ppl.values()), color="tab:orange")
-        low = min(ppl.values())
-        axes[i].set_ylim(low * 0.99, max(ppl.values()) * 1.005)
-        axes[i].set_ylabel("WikiText-2 perplexity")
-        axes[i].tick_params(axis="x", labelrotation=15)
+    groups = artifacts.grouped(doc["runs"], KEYS)
+
+    def values(field):
+        out = {}
+        for (model, weights), rows in groups.items():
+            xs = [r[field] for r in rows if r.get(field) is not None]
+            if xs:
+                out[f"{model}\n{weights}" if field == "store_over_file" else weights] = xs
+        return out
+
+    panels = [("store_over_file", "store / GGUF size"),
+              ("decode_tok_s", "decode tokens/s, SmolLM2-135M"),
+              ("perplexity", "WikiText-2 perplexity, SmolLM2-135M")]
+    panels = [(f, label, values(f)) for f, label in panels if values(f)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), squeeze=False)
+    for ax, (field, label, vals) in zip(axes[0], panels):
+        meds = [statistics.median(v) for v in vals.values()]
+        err = [[m - min(v) for m, v in zip(meds, vals.values())],
+               [max(v) - m for m, v in zip(meds, vals.values())]]
+        ax.bar(range(len(vals)), meds, yerr=err, capsize=3, color="tab:blue")
+        ax.set_xticks(range(len(vals)), list(vals), rotation=20, ha="right", fontsize=7)
+        ax.set_title(label, fontsize=10)
+        ax.set_ylabel("median, min-max")
+        if field == "perplexity":
+            ax.set_ylim(min(meds) * 0.97, max(meds) * 1.01)
+    fig.suptitle(f"GGUF files kept as their codes, {len(doc['runs'])} run(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -358,14 +396,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ppl-windows", type=int, default=4)
     p.add_argument("--kernel-repeats", type=int, default=30)
-    p.add_argument("--out", type=Path, default=RESULTS / "gguf_store.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "gguf_store",
+                   help="STEM: this run is appended to STEM.json's runs; STEM.md and STEM.png "
+                        "are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
     p.add_argument("--render", action="store_true",
-                   help="only rewrite the .md and .png from the JSON at --out")
+                   help="measure nothing: rewrite STEM.md and STEM.png from STEM.json")
     a = p.parse_args()
+    a.out = a.out.with_suffix("") if a.out.suffix == ".json" else a.out
     if a.render:
-        r = json.loads(a.out.read_text())
-        a.out.with_suffix(".md").write_text(markdown(r))
-        plot(r, a.out.with_suffix(".png"))
+        write_outputs(artifacts.load(a.out), a.out)
         return
     sys.path.insert(0, str(ROOT))
     from flexgen_infinigen.config import default_cache_dir
@@ -373,9 +413,9 @@ def main() -> None:
 
     codes = default_model_store(progress=False)
     work = Path(tempfile.mkdtemp(prefix="gguf_store-", dir=a.tmp))
-    r = {"command": "python benchmarks/gguf_store.py " + " ".join(sys.argv[1:]),
-         "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    r = {"meta": artifacts.run_meta(["benchmarks/gguf_store.py", *sys.argv[1:]]), "rows": [],
          "sizes": [size_row("smollm2-135m Q4_1", default_gguf(default_cache_dir()), codes)]}
+    earlier = [] if a.fresh else artifacts.load(a.out)["runs"]
     if a.qwen.is_file():
         r["sizes"].append(size_row("qwen2.5-coder-0.5b", a.qwen, work / "qwen",
                                    convert_in_child(a.qwen, work / "qwen")))
@@ -393,29 +433,35 @@ def main() -> None:
     floats = float_store(codes, work / "smollm2-float32")
     stores = {"codes (Q4_1)": (codes, False), WIDE: (codes, False),
               "float32 store": (floats, False), "float32 + --compress-weight": (floats, True)}
-    save(r, a.out)  # after each part: a long run cut short keeps what it measured
+    save(earlier, r, a.out)  # after each part: a long run cut short keeps what it measured
     if a.kernel_repeats:
         r["kernels"] = kernel_step(codes, a.kernel_repeats)
-        save(r, a.out)
+        save(earlier, r, a.out)
     if a.repeats:
         r["decode"] = decode_speed(stores, a.prompt_tokens, a.gen_len, a.repeats)
-        save(r, a.out)
+        save(earlier, r, a.out)
     if a.ppl_windows:
         r["perplexity"] = {}
         for name, (path, cw) in stores.items():
             if name == WIDE:  # the same values as the float16 factors: the same outputs
                 continue
             r["perplexity"][name] = perplexity(path, cw, a.ppl_windows, 512, 256)
-            save(r, a.out)
+            save(earlier, r, a.out)
     subprocess.run(["rm", "-rf", str(work)], check=True)
-    print(markdown(r))
+    print(a.out.with_suffix(".md").read_text())
 
 
-def save(r: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(r, indent=1))
-    out.with_suffix(".md").write_text(markdown(r))
-    plot(r, out.with_suffix(".png"))
+def write_outputs(doc: dict, out: Path) -> None:
+    out.with_suffix(".md").write_text(markdown(doc))
+    plot(doc, out.with_suffix(".png"))
+
+
+def save(earlier: list[dict], r: dict, out: Path) -> None:
+    """STEM.json with ``r`` (as measured so far) after the ``earlier`` runs."""
+    r["rows"] = rows_of(r)
+    doc = {"benchmark": __doc__.split("\n")[0], "runs": [*earlier, r]}
+    artifacts.save(out, doc)
+    write_outputs(doc, out)
 
 
 if __name__ == "__main__":

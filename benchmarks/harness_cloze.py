@@ -9,8 +9,9 @@ that already appeared at least 300 tokens earlier in the window and not in its l
 tokens, so that the far context helps; the choices are that word and three other words of
 the window of similar length (seeded). The task is written as a JSON Lines file plus a task
 YAML in a temporary folder (no network) and run by ``lm_eval.simple_evaluate`` with the
-``flexgen_infinigen`` model, once per policy. Writes
-``benchmarks/results/harness_cloze.{json,md}``.
+``flexgen_infinigen`` model, once per policy. Each run is appended to the ``runs`` list of
+``benchmarks/results/harness_cloze.json`` (``--tag`` another name, ``--fresh`` a new list);
+``harness_cloze.md`` and ``.png`` sum up every run (``--report-only`` rewrites them alone).
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import artifacts  # noqa: E402
+
+OUT = artifacts.RESULTS
 DATA = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
 # label -> model_args beyond the model (fractions: the share of each KV head's context read)
 POLICIES = {
@@ -70,6 +74,41 @@ def questions(text: str, count: int, chars: int, seed: int) -> list[dict]:
     return out
 
 
+COLUMNS = [("accuracy", "acc"), ("stderr", "acc_stderr"), ("minutes", "minutes")]
+
+
+def write(stem: Path) -> None:
+    """``STEM.md`` (medians over every run) and ``STEM.png`` from ``STEM.json``."""
+    doc = artifacts.load(stem)
+    runs = doc["runs"]
+    st = runs[-1]["settings"] if runs else {}
+    title = (f"# WikiText-2 cloze through lm-evaluation-harness ({st.get('model')}, "
+             f"{st.get('questions')} questions, ~{st.get('context_chars')} characters of "
+             "context, 4 choices)")
+    stem.with_suffix(".md").write_text(
+        f"{title}\n\n{artifacts.meta_line(runs)}\n\n"
+        + artifacts.table(runs, ["policy"], COLUMNS, fmt="{:.3g}")
+        + "\nEach cell: median (min-max, N runs); stderr: the harness's standard error of "
+          "the accuracy.\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups = artifacts.grouped(runs, ["policy"])
+    names = [k[0] for k in groups]
+    acc = [sorted(r["acc"] for r in rows)[len(rows) // 2] for rows in groups.values()]
+    err = [groups[(n,)][0].get("acc_stderr") or 0 for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, acc, yerr=err, capsize=4)
+    ax.set(ylabel="accuracy", ylim=(0, 1), title=f"WikiText-2 cloze ({len(runs)} runs)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,8 +118,14 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=6000, help="characters of context")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default="harness_cloze")
+    p.add_argument("--tag", default="harness_cloze", help="the artifact stem under results/")
+    p.add_argument("--fresh", action="store_true", help="start the runs list anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the .md and .png from the runs in the JSON")
     a = p.parse_args(argv)
+    if a.report_only:
+        write(OUT / a.tag)
+        return 0
     if not Path(a.data).is_file():
         raise SystemExit(f"{a.data} is missing: give --data (a UTF-8 text)")
     import lm_eval
@@ -111,18 +156,17 @@ def main(argv=None) -> int:
                          "acc_stderr": res.get("acc_stderr,none"),
                          "seconds": time.perf_counter() - start})
             print(f"{label}: acc {res['acc,none']:.3f}", flush=True)
-    result = {"questions": a.questions, "context_chars": a.context, "seed": a.seed,
-              "model": a.model or "smollm2-135m", "data": Path(a.data).name, "rows": rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{a.tag}.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# WikiText-2 cloze through lm-evaluation-harness ({result['model']}, "
-             f"{a.questions} questions, ~{a.context} characters of context, 4 choices)", "",
-             "| policy | accuracy | stderr | minutes |", "|---|---|---|---|"]
+    settings = {"questions": a.questions, "context_chars": a.context, "seed": a.seed,
+                "model": a.model or "smollm2-135m", "data": Path(a.data).name}
+    command = ["benchmarks/harness_cloze.py", *(sys.argv[1:] if argv is None else argv)]
     for r in rows:
-        err = f"{r['acc_stderr']:.3f}" if isinstance(r["acc_stderr"], float) else ""
-        lines.append(f"| {r['policy']} | {r['acc']:.3f} | {err} | {r['seconds'] / 60:.1f} |")
-    (OUT / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
-    print(f"written {OUT / a.tag}.json, .md")
+        r["minutes"] = r["seconds"] / 60
+    artifacts.append_run(OUT / a.tag, {"meta": artifacts.run_meta(command),
+                                       "settings": settings, "rows": rows}, fresh=a.fresh,
+                         benchmark="harness_cloze.py: WikiText-2 cloze questions through "
+                                   "lm-evaluation-harness, one score per KV policy")
+    write(OUT / a.tag)
+    print(f"appended a run to {OUT / a.tag}.json; wrote .md, .png")
     return 0
 
 

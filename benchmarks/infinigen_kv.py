@@ -5,13 +5,15 @@
 
 The KV cache sits in host memory (``--percent 100 0 0 100 100 0``, the paper's setting), so
 every decode step moves it (full) or the selected rows (InfiniGen) to the compute device.
-Writes JSON (and a PNG plot when matplotlib is installed) under benchmarks/results/.
+Each run is appended to the ``runs`` list of ``benchmarks/results/infinigen_cpu.json`` (or
+``infinigen_cuda.json``; ``--out`` another stem, ``--fresh`` a new list); the .md table and the
+.png plot sum up every run (``--report-only`` rewrites them alone).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,9 @@ from tqdm.auto import tqdm
 from flexgen_infinigen import Generation, OffloadedLM, Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import artifacts  # noqa: E402
+
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
 
 
@@ -97,37 +102,67 @@ def run(args) -> dict:
             full = next(r for r in results["runs"] if r["kv_policy"] == "full"
                         and r["model"] == row["model"] and r["context"] == row["context"])
             row["speedup_vs_full"] = row["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-            row["kv_bytes_ratio_vs_full"] = (row["kv_bytes_to_device_per_token"]
-                                             / full["kv_bytes_to_device_per_token"])
+            moved = full["kv_bytes_to_device_per_token"]  # 0 where rows are read in place
+            row["kv_bytes_ratio_vs_full"] = (row["kv_bytes_to_device_per_token"] / moved
+                                             if moved else None)
     return results
 
 
-def plot(results: dict, path: Path) -> None:
+COLUMNS = [("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
+           ("KV MB per token", "kv_mb_per_token", "{:.1f}"),
+           ("fetched", "kv_fetch_fraction", "{:.2f}"),
+           ("speculation share", "speculation_share_of_decode", "{:.2f}"),
+           ("vs full", "speedup_vs_full", "{:.2f}")]
+
+
+def markdown(doc: dict) -> str:
+    """One line a (model, context, policy) over every run: median (min-max, N runs)."""
+    runs = doc["runs"]
+    lines = ["# Full KV cache against InfiniGen at growing contexts", "",
+             artifacts.meta_line(runs), "",
+             "| model | context | policy | " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+             "|" + "---|" * (3 + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, ["model", "context", "kv_policy"]).items():
+        cells = [str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    models = sorted({r["model"] for r in results["runs"]})
+    groups = artifacts.grouped(doc["runs"], ["model", "kv_policy", "context"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for model in models:
-        for kv, style in (("full", "-o"), ("infinigen", "--s")):
-            rows = [r for r in results["runs"] if r["model"] == model and r["kv_policy"] == kv]
-            ctx = [r["context"] for r in rows]
-            axes[0].plot(ctx, [r["kv_bytes_to_device_per_token"] / 1e6 for r in rows], style,
-                         label=f"{model} {kv}")
-            axes[1].plot(ctx, [r["decode_tokens_per_s"] for r in rows], style,
-                         label=f"{model} {kv}")
+    for model, kv in dict.fromkeys((m, k) for m, k, _ in groups):
+        style = "-o" if kv == "full" else "--s"
+        cells = sorted((c, rows) for (m, k, c), rows in groups.items() if (m, k) == (model, kv))
+        ctx = [c for c, _ in cells]
+        for ax, field in zip(axes, ("kv_mb_per_token", "decode_tokens_per_s")):
+            axes_values = [statistics.median(r[field] for r in rows) for _, rows in cells]
+            ax.plot(ctx, axes_values, style, label=f"{model} {kv}")
     axes[0].set(xlabel="context (tokens)", ylabel="KV MB to device per generated token",
                 title="KV traffic")
-    axes[1].set(xlabel="context (tokens)", ylabel="decode tokens/s", title="decode speed")
+    axes[1].set(xlabel="context (tokens)", ylabel="decode tokens/s (median over runs)",
+                title="decode speed")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"full vs InfiniGen on {results['machine']['device']}")
+    runs = len(doc["runs"])
+    fig.suptitle(f"full vs InfiniGen ({runs} run{'s' if runs != 1 else ''})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(stem: Path) -> None:
+    doc = artifacts.load(stem)
+    stem.with_suffix(".md").write_text(markdown(doc))
+    plot(doc, stem.with_suffix(".png"))
 
 
 def main(argv=None) -> int:
@@ -141,21 +176,35 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--paper-setting", action="store_true",
                    help="OPT-13B shapes, batch 20, prompt 1920, 128 new tokens (needs a GPU)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the artifact stem (default: benchmarks/results/"
+                   "infinigen_cpu, or infinigen_cuda with a GPU)")
+    p.add_argument("--fresh", action="store_true", help="start the runs list anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the .md and .png from the runs in the JSON")
     p.add_argument("--text", default=str(TEXT),
                    help="prompt text, e.g. WikiText-2's raw test split (default: ../shared/data/"
                         "wikitext2_test.txt; without it, synthesized prompts)")
     args = p.parse_args(argv)
     if args.paper_setting:
         args.models, args.contexts, args.gen_len, args.batch = ["opt-13b"], [1920], 128, 20
-    default = "infinigen_cuda.json" if torch.cuda.is_available() else "infinigen_cpu.json"
-    out = Path(args.out or ROOT / "benchmarks" / "results" / default)
+    default = "infinigen_cuda" if torch.cuda.is_available() else "infinigen_cpu"
+    stem = Path(args.out).with_suffix("") if args.out else artifacts.RESULTS / default
+    if args.report_only:
+        write(stem)
+        return 0
     args.contexts = sorted(set(args.contexts))
     results = run(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out}")
+    for r in results["runs"]:
+        r["kv_mb_per_token"] = r["kv_bytes_to_device_per_token"] / 1e6
+    command = ["benchmarks/infinigen_kv.py", *(sys.argv[1:] if argv is None else argv)]
+    entry = {"meta": artifacts.run_meta(command, machine=results["machine"]),
+             "settings": results["settings"], "skipped": results["skipped"],
+             "rows": results["runs"]}
+    artifacts.append_run(stem, entry, fresh=args.fresh,
+                         benchmark="infinigen_kv.py: full KV cache against InfiniGen at "
+                                   "growing contexts, the cache in host memory")
+    write(stem)
+    print(f"appended a run to {stem}.json; wrote {stem}.md, .png")
     for r in results["runs"]:
         extra = (f"  speculation {100 * r['speculation_share_of_decode']:.1f}% of decode, "
                  f"fetched {r['kv_fetch_fraction']:.2f}, x{r['speedup_vs_full']:.2f} vs full"

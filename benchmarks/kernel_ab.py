@@ -28,7 +28,9 @@ loaded library, so what is timed is what a decode step calls. Kernels:
 Each round runs A then B or B then A, in turn. The benchmark also checks whether the two
 builds give the same outputs, bit for bit, and records the largest change (over the largest
 output) where they do not: an optimization that moves values says by how much. Writes
-``benchmarks/results/kernel_ab.json`` and ``.png`` (``--out``).
+``kernel_ab.json`` and ``.png`` in the temporary folder's ``flexgen_infinigen_investigations``
+(``--out``): an A/B run is an investigation, not a result kept under ``benchmarks/results/``;
+what one showed about a kernel goes to ``docs/design/cpu_kernels.md``.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 KERNELS = "flexgen_infinigen/runtime/kernels"
-OUT = ROOT / "benchmarks" / "results" / "kernel_ab"
+OUT = Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations" / "kernel_ab"
 
 
 def kernels_at(rev: str, dest: Path) -> Path:
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
                         "width, rows)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--passes", type=int, default=5, help="passes a timing")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=str(OUT), help="output path, without the suffix")
     a = p.parse_args(argv)
     if a.kernel == "moe" and not (a.gguf and Path(a.gguf).is_file()):
         p.error("--kernel moe needs --gguf PATH, a MoE model's GGUF file")

@@ -17,7 +17,10 @@ reported beside it. With ``--llama-bench PATH`` llama.cpp is measured in the sam
 llama-bench, one stream, each context as its depth: ``llama_cpp.py``); ``--llama-cpp MODEL``
 prints the figures measured separately in an earlier session (issue 27), labelled as such.
 
-Writes ``benchmarks/results/long_context_<tag>.{json,md,png}``.
+Each run appends to the ``runs`` list of ``benchmarks/results/long_context.json`` (or
+``long_context_<tag>.json`` with ``--tag``, or ``--out STEM``; ``--fresh`` starts the list
+anew), and the markdown table (medians over all runs) and the plot are rebuilt from every run
+(``long_context_report.py``).
 """
 from __future__ import annotations
 
@@ -63,6 +66,16 @@ POLICIES = {
     "infinigen-own-w4": ("infinigen", {"speculation_query": "own"}, False, True),
     "infinigen-own@0.1-w4": ("infinigen", {"speculation_query": "own",
                                            "max_kv_fraction": 0.1}, False, True),
+    # the paper's speculation query (the previous layer's attention input, rehearsed), which
+    # the labels without "-own"/"-input" ran before the default became each layer's own
+    # query on a CPU ("auto")
+    "infinigen-input@0.1": ("infinigen", {"speculation_query": "input",
+                                          "max_kv_fraction": 0.1}, False, False),
+    "infinigen-input@0.1-w4": ("infinigen", {"speculation_query": "input",
+                                             "max_kv_fraction": 0.1}, False, True),
+    "infinigen-input-half@0.1-w4": ("infinigen", {"speculation_query": "input",
+                                                  "partial_weight_ratio": 0.5,
+                                                  "max_kv_fraction": 0.1}, False, True),
 }
 DEFAULT_POLICIES = ["full", "infinigen", "infinigen@0.1", "h2o", "full-4bit"]
 # llama.cpp (llama-bench, 2 threads, 4/5-bit weights, f16 KV), measured separately on this
@@ -249,12 +262,18 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None,
                    help="folder with pg19_firstbook.txt / wikitext2_test.txt, the prompts' text "
                         "(default: ../shared/data; without either, a built-in paragraph)")
-    p.add_argument("--tag", default="smollm2")
+    p.add_argument("--tag", default=None,
+                   help="write results/long_context_TAG.* instead of results/long_context.*")
+    p.add_argument("--out", default=None, metavar="STEM",
+                   help="the artifact's path without suffix (default: results/long_context, "
+                        "or results/long_context_TAG)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start the JSON's runs list anew instead of appending this run")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--quick", action="store_true", help="4K, batch 1, full and infinigen")
     p.add_argument("--update", action="store_true",
-                   help="keep the rows of the existing results for this tag; rows measured "
-                        "now replace those of the same model, policy, context and batch")
+                   help="kept for older command lines: every run is appended to the JSON's "
+                        "runs list, and the table gives the median over them")
     p.add_argument("--prefill-dir", default=None,
                    help="keep prefills there and reuse them (default: a temporary folder, "
                         "deleted at the end); each context and batch is prefilled once, by its "
@@ -282,8 +301,18 @@ def main(argv=None) -> int:
             a.llama_bench, a.llama_gguf = check(a.llama_bench, gguf)
         except LlamaBenchError as e:
             p.error(str(e))
+    from artifacts import append_run, run_meta
+    from artifacts import load as load_runs
     from long_context_report import write_outputs
     from machine import machine_info
+
+    stem = Path(a.out).with_suffix("") if a.out and a.out.endswith(".json") else (
+        Path(a.out) if a.out else OUT / ("long_context" + (f"_{a.tag}" if a.tag else "")))
+    if not a.fresh:
+        try:  # a JSON written before runs were appended stops here, not after the runs
+            load_runs(stem)
+        except ValueError as e:
+            p.error(f"{e} (or pass --fresh)")
     from tqdm.auto import tqdm
 
     bandwidth = read_bandwidth()
@@ -323,33 +352,17 @@ def main(argv=None) -> int:
             row["bandwidth"] = read_bandwidth()
             rows.append(row)
             print(_line(row), flush=True)
-    result = {"machine": machine_info(), "read_bandwidth_bytes_s": bandwidth,
-              "llama_cpp_separately_measured": LLAMA_CPP.get(a.llama_cpp),
-              "rows": rows}
-    if a.update:
-        result = _merged(OUT / f"long_context_{a.tag}.json", result)
-    write_outputs(result, OUT / f"long_context_{a.tag}")
+    if a.llama_cpp:
+        print(f"llama.cpp, measured separately in an earlier session: "
+              f"{LLAMA_CPP[a.llama_cpp]}", flush=True)
+    run = {"meta": run_meta(machine=machine_info(), bandwidth_gb_s=bandwidth / 1e9),
+           "rows": rows}
+    if a.llama_cpp:
+        run["llama_cpp_separately_measured"] = LLAMA_CPP[a.llama_cpp]
+    doc = append_run(stem, run, fresh=a.fresh, benchmark="long_context.py: prefill and "
+                     "decode of each KV policy, KV cache in CPU memory")
+    write_outputs(doc, stem)
     return 0
-
-
-def _merged(path: Path, result: dict) -> dict:
-    """The earlier results at ``path`` with this run's rows in place of theirs (each row keeps
-    the bandwidth its own run measured; the header shows the latest)."""
-    if not path.is_file():
-        return result
-    old = json.loads(path.read_text())
-    new = {_row_key(r): r for r in result["rows"]}
-    rows = [new.pop(_row_key(r), r) for r in old["rows"]]
-    return {**old, **{k: v for k, v in result.items() if k != "rows" and v is not None},
-            "rows": rows + list(new.values())}
-
-
-def _row_key(r: dict) -> tuple:
-    """What a row measured: the model (a weights file by its name, wherever it lies), the
-    policy, the context and the batch."""
-    model = str(r.get("model"))
-    return (Path(model).name if model.endswith(".gguf") else model, r.get("policy"),
-            r.get("context"), r.get("batch"))
 
 
 def _line(r: dict) -> str:

@@ -1,9 +1,10 @@
 #!/bin/sh
-# The long-context retrieval run behind long_context_accuracy_qwen_n24.{jsonl,json,md,png}:
+# The long-context retrieval run behind the qwen_n24 run of long_context_accuracy.{json,md,png}
+# (each prompt's result in long_context_accuracy_qwen_n24.jsonl):
 # Qwen2.5-Coder-0.5B, 24 prompts at 8K and 16K (4 tasks x 3 depths x 2 seeds), 12 at 32K
 # (one seed). Hours on a small CPU, so it runs in phases whose partial results are already
 # useful: every policy at 8K (with transformers as the reference: at 16K its generate peaks
-# near 14 GB, see long_context_qwen.md), then 16K, then InfiniGen with --speculation-query
+# near 14 GB), then 16K, then InfiniGen with --speculation-query
 # renorm and own at 8K and 16K, then 32K (what decides the default first), then H2O (its own
 # prefill: the slowest policy, on one seed; 8K and 16K, then 32K).
 #
@@ -18,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package
 # at the lowest priority on a busy machine, spinning OpenMP threads waste the little time given
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 MODEL=${MODEL:-$HOME/.cache/flexgen_infinigen/gguf/qwen2.5-coder-0.5b-instruct.gguf}
-DATA_DIR=${DATA_DIR:-/work/shared/data}
+DATA_DIR=${DATA_DIR:?set DATA_DIR to a folder with pg19_firstbook.txt and/or wikitext2_test.txt}
 PREFILL_DIR=${PREFILL_DIR:-$HOME/.cache/flexgen_infinigen/prefills-accuracy}
 # InfiniGen's default, and InfiniGen and the exact oracle at ~12% and ~6% relative KV (layers
 # 0-1 read whole at L2: 2/24 + 22/24 * 0.04 = 0.120; from layer 1: 1/24 + 23/24 * 0.02 = 0.061)

@@ -8,6 +8,10 @@ Every score carries a 95% interval: a percentile bootstrap over the prompts (2,0
 the prompts with replacement, a fixed seed; a prompt's score is the share of its answers found,
 so it is not a yes/no outcome that a Wilson interval fits). A policy's difference to the full
 cache is bootstrapped over the prompts both ran (paired: the same resample for both).
+
+Each tag's report also becomes one run (replaced when the tag is reported again) of the set
+``benchmarks/results/long_context_accuracy.{json,md,png}``: every model's scores side by side,
+one row a model and policy, one column a context length.
 """
 from __future__ import annotations
 
@@ -17,7 +21,13 @@ import random
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import artifacts  # noqa: E402
+
+RESULTS = artifacts.RESULTS
+SET = "long_context_accuracy"
+NAMES = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b-instruct-awq": "Qwen2.5-Coder-0.5B",
+         "qwen2.5-coder-0.5b-instruct": "Qwen2.5-Coder-0.5B"}
 RESAMPLES = 2000
 
 # a 4-bit cache's bytes over an fp16 cache's: half a byte per value plus a 2-byte scale and
@@ -164,7 +174,121 @@ def write_outputs(rows: list[dict], stem: Path, settings: dict) -> str:
     text = markdown(summary, settings)
     stem.with_suffix(".md").write_text(text)
     plot(summary, stem.with_suffix(".png"))
+    update_set(stem.parent / SET, summary, settings)
     return text
+
+
+def set_rows(summary: dict, settings: dict) -> list[dict]:
+    """One flat row a (length, policy) of a tag's summary, for the combined set."""
+    rows = []
+    for length, cells in summary.items():
+        for label, c in cells.items():
+            if label == "full_vs_transformers":
+                continue
+            d = c.get("minus_full") or {}
+            lo, hi = c["interval95"]
+            rows.append({"model": NAMES.get(settings["model"], settings["model"]),
+                         "tag": settings.get("tag"), "length": int(length), "policy": label,
+                         "score": c["score"], "n": c["n"], "score_lo": lo, "score_hi": hi,
+                         "minus_full": d.get("mean"),
+                         "minus_full_lo": (d.get("interval95") or [None])[0],
+                         "minus_full_hi": (d.get("interval95") or [None, None])[1],
+                         "relative_kv_size": c["relative_kv_size"],
+                         "by_task": c["by_task"]})
+    return rows
+
+
+def update_set(stem: Path, summary: dict, settings: dict, meta: dict | None = None) -> None:
+    """Put a tag's summary into the combined set as that tag's run, and rewrite its .md and
+    .png. The run keeps its meta while its rows are unchanged."""
+    doc = artifacts.load(stem)
+    rows = set_rows(summary, settings)
+    runs = doc["runs"]
+    old = next((i for i, r in enumerate(runs) if r["settings"].get("tag") == settings.get("tag")),
+               None)
+    if meta is None:
+        meta = (runs[old]["meta"] if old is not None and runs[old]["rows"] == rows
+                else artifacts.run_meta())
+    run = {"meta": meta, "settings": settings, "rows": rows}
+    if old is None:
+        runs.append(run)
+    else:
+        runs[old] = run
+    doc["benchmark"] = ("long_context_accuracy.py: needle retrieval at long context under "
+                        "each KV policy, one run a model (tag)")
+    artifacts.save(stem, doc)
+    write_set(stem)
+
+
+def _k(length: int) -> str:
+    return f"{round(length / 1024)}K"
+
+
+def set_markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lengths = sorted({r["length"] for run in runs for r in run["rows"]},
+                     key=lambda n: round(n / 1024))
+    ks = list(dict.fromkeys(_k(n) for n in lengths))
+    groups = artifacts.grouped(runs, ["model", "policy"])
+    lines = ["# Long-context retrieval under a KV budget", "", artifacts.meta_line(runs), "",
+             "| model | policy | rel. KV | " + " | ".join(f"{k} score" for k in ks) + " |",
+             "|" + "---|" * (3 + len(ks))]
+    for (model, policy), rows in groups.items():
+        first = min(r["length"] for r in rows)
+        cells = [model, policy, artifacts.spread(
+            (r["relative_kv_size"] for r in rows if r["length"] == first), "{:.3f}")]
+        cells += [artifacts.spread((r["score"] for r in rows if _k(r["length"]) == k), "{:.1f}")
+                  for k in ks]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Score: share of the expected answers found (0-100), the mean over a "
+              "length's prompts; each cell: median (min-max, N runs). The runs, with each "
+              "score's 95% interval and its paired difference to the full cache:"]
+    for run in runs:
+        st = run["settings"]
+        summary: dict = {}
+        for r in run["rows"]:
+            c = {"score": r["score"], "n": r["n"], "interval95": [r["score_lo"], r["score_hi"]],
+                 "relative_kv_size": r["relative_kv_size"], "by_task": r["by_task"]}
+            if r.get("minus_full") is not None:
+                c["minus_full"] = {"mean": r["minus_full"],
+                                   "interval95": [r["minus_full_lo"], r["minus_full_hi"]]}
+            summary.setdefault(r["length"], {})[r["policy"]] = c
+        lines += ["", markdown(summary, st).replace("\n## ", "\n### ").replace(
+            "# Long-context retrieval: ", "## ").rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def write_set(stem: Path) -> None:
+    """The combined set's .md (every run) and .png (score against relative KV, one panel a
+    model and length)."""
+    doc = artifacts.load(stem)
+    stem.with_suffix(".md").write_text(set_markdown(doc))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = artifacts.grouped(doc["runs"], ["model", "length"])
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, ((model, length), rows) in zip(axes[0], panels.items()):
+        curves: dict[str, list] = {}
+        for r in rows:
+            if r["policy"] in ("full", "transformers"):
+                if r["policy"] == "full":
+                    ax.axhline(r["score"], ls="--", color="k", label=f"full ({r['score']:.0f})")
+                continue
+            curves.setdefault(_kind(r["policy"]), []).append(
+                (r["relative_kv_size"], r["score"]))
+        for kind, pts in sorted(curves.items()):
+            ax.plot(*zip(*sorted(pts)), "-o", label=kind)
+        ax.set(xscale="log", xlabel="relative KV size", ylabel="score (0-100)",
+               title=f"{model}, {length} tokens", ylim=(-5, 105))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=90)
+    plt.close(fig)
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -207,6 +331,9 @@ def main(argv=None) -> int:
     rows = load_rows(path)
     old = stem.with_suffix(".json")
     base = json.loads(old.read_text()).get("settings", {}) if old.is_file() else {}
+    if not base:  # the tag's run in the combined set
+        runs = artifacts.load(RESULTS / SET)["runs"]
+        base = next((dict(r["settings"]) for r in runs if r["settings"].get("tag") == a.tag), {})
     base.update({k: v for k, v in (("model", a.model_name), ("filler", a.filler)) if v})
     print(write_outputs(rows, stem, settings_of(rows, a.tag, base)))
     return 0

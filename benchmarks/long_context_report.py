@@ -1,120 +1,147 @@
-"""The long-context benchmark's outputs: JSON, a markdown table and a plot."""
+"""The long-context benchmark's outputs, rebuilt from every run in its JSON: a markdown table
+of medians over the runs (``artifacts.table``) and a plot.
+
+    python benchmarks/long_context_report.py                       # results/long_context
+    python benchmarks/long_context_report.py benchmarks/results/long_context_qwen
+
+Each run (``long_context.py``, appended to ``runs``) holds its rows, one per model, context,
+batch and policy; a row measured in several runs is one line of the table, each number
+``median (min-max, N runs)``.
+"""
 from __future__ import annotations
 
-import json
+import argparse
+import statistics
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from artifacts import RESULTS, load, meta_line, table  # noqa: E402
 
-def _spread(result: dict) -> str:
-    """When rows come from runs that measured different bandwidths (``--update``)."""
-    seen = sorted({r["bandwidth"] for r in result["rows"] if "bandwidth" in r})
-    if len(seen) < 2:
-        return ""
-    return (f" in the latest run; the rows come from runs that measured "
-            f"{seen[0] / 1e9:.1f}-{seen[-1] / 1e9:.1f} GB/s, and each row's bound uses its own")
-
-
-def _plan(r: dict) -> str:
-    """The memory plan's prediction plus the process's baseline (Python, torch, libraries:
-    measured before loading), and how far the peak RSS is from it."""
-    if "planned_bytes" not in r:
-        return ""
-    want = r["planned_bytes"] + r.get("baseline_rss_bytes", 0)
-    return f"{want / 1e9:.2f} ({100 * (r['peak_rss_bytes'] / want - 1):+.0f}%)"
+# the order of the table's lines within a model and shape; other labels follow as they come
+ORDER = ["full", "full-w4", "full-4bit", "infinigen", "infinigen-w4", "infinigen@0.1",
+         "infinigen@0.1-w4", "infinigen-own-w4", "infinigen-own@0.1-w4", "infinigen-input@0.1",
+         "infinigen-input@0.1-w4", "infinigen-input-half@0.1-w4", "h2o", "transformers",
+         "llama.cpp"]
+# a model's file or registry name -> the name the table shows
+NAMES = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
+KEYS = ["model", "batch x context", "policy"]
+COLUMNS = [("prefill tok/s", "prefill_tokens_s"), ("decode tok/s", "decode_tokens_s"),
+           ("step / bound", "step_over_bound"), ("peak RSS GB", "peak_rss_gb")]
 
 
-def markdown(result: dict) -> str:
-    bw = result["read_bandwidth_bytes_s"] / 1e9
-    m = result["machine"]
-    lines = [f"# Long context, KV cache in CPU memory ({m['cpu']}, {m['torch_threads']} threads)",
-             "", f"Read bandwidth (1 GiB `sum`, all threads): {bw:.1f} GB/s{_spread(result)}. "
-             "A step's bound is the bytes it must read (weights once, the KV rows and "
-             "speculation keys the policy reads) over that bandwidth. \"plan + base\": the "
-             "memory plan's bytes plus the process's baseline RSS before loading, and the "
-             "peak's distance from it. Each context and batch "
-             "is prefilled once, by its first policy; the others decode from that prefill "
-             "(\"shared\"; H2O, which scores the prompt's attention, prefills itself).", "",
-             "| model | policy | context | batch | prefill tok/s | decode tok/s | step ms | "
-             "bound ms | step/bound | must-read GB (w + kv) | spec share | KV read | "
-             "peak RSS GB | plan + base GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        name = r.get("model_name", Path(r["model"]).stem)
-        if "error" in r:
-            lines.append(f"| {name} | {r['policy']} | {r['context']} | {r['batch']} | "
-                         f"error: {r['error']} |||||||||||")
-            continue
-        bound = r.get("bound_s")
-        read = r.get("must_read_bytes")
-        prefill = "shared" if r.get("prefill_shared") else (
-            f"{r['prefill_tokens_s']:.0f}" if "prefill_tokens_s" in r else "")
-        cells = [name, r["policy"], r["context"], r["batch"], prefill,
-                 f"{r['decode_tokens_s']:.2f}", f"{1e3 * r['decode_step_s']:.0f}",
-                 f"{1e3 * bound:.0f}" if bound else "",
-                 f"{r['step_over_bound']:.2f}x" if bound else "",
-                 f"{read['weights'] / 1e9:.2f} + {read['kv'] / 1e9:.2f}" if read else "",
-                 f"{100 * r['speculation_share']:.0f}%" if bound else "",
-                 f"{r['kv_fetch_fraction']:.2f}" if bound else "",
-                 f"{r['peak_rss_bytes'] / 1e9:.2f}" if "peak_rss_bytes" in r else "",
-                 _plan(r)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    ours = [r for r in result["rows"] if r.get("measured_in_run") and "error" not in r]
-    for command in dict.fromkeys(r["command"] for r in ours):  # one note per llama-bench run
-        r = next(r for r in ours if r["command"] == command)
-        lines += ["", "llama.cpp rows at " + ", ".join(
-                      str(x["context"]) for x in ours if x["command"] == command)
-                  + f": measured in the same run by its llama-bench ({r['threads']} threads, one "
-                  f"stream, weights {r['weights']}, KV cache {r['kv_cache']}; prefill: "
-                  f"{r.get('prefill_tokens', 0)} prompt tokens timed after the context's "
-                  f"tokens; `{command}`)."]
-    ref = result.get("llama_cpp_separately_measured")
-    if ref:
-        when = ("in an earlier session, when this machine read memory faster: compare the rows "
-                "above instead" if ours else "separately, not in this run")
-        lines += ["", "llama.cpp on this machine (llama-bench, 2 threads, 4/5-bit weights, f16 KV; "
-                  f"measured {when}): decode tokens/s by depth "
-                  + ", ".join(f"{d}: {v}" for d, v in ref["decode"].items())
-                  + "; prefill tokens/s by depth "
-                  + ", ".join(f"{d}: {v}" for d, v in ref["prefill"].items()) + "."]
+def model_label(row: dict) -> str:
+    """``SmolLM2-135M`` for ``smollm2-135m`` or ``path/to/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    name = str(row.get("model_name") or Path(str(row["model"])).name)
+    low = name.lower()
+    for prefix, label in NAMES.items():
+        if low.startswith(prefix):
+            return label
+    return name.removesuffix(".gguf")
+
+
+def view(row: dict) -> dict:
+    """A measured row with the table's key fields and the peak RSS in GB."""
+    rss = row.get("peak_rss_bytes")
+    return {**row, "model": model_label(row),
+            "batch x context": f"{row['batch']} x {row['context']:,}",
+            "peak_rss_gb": None if rss is None else rss / 1e9}
+
+
+def ordered_rows(runs: list[dict]) -> list[dict]:
+    """Every run's measured rows (errors left out), as ``view``s, sorted for the table."""
+    rows = [view(r) for run in runs for r in run["rows"] if "error" not in r]
+    models = [*NAMES.values(), *dict.fromkeys(r["model"] for r in rows)]
+    extra = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] not in ORDER))
+    rank = {p: i for i, p in enumerate(ORDER + extra)}
+    return sorted(rows, key=lambda r: (models.index(r["model"]), r["context"], -r["batch"],
+                                       rank[r["policy"]]))
+
+
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = ["# Long context, KV cache in CPU memory", "", meta_line(runs) + ".", "",
+             "Each number: median (min-max, N runs) over the runs that measured the line. "
+             "step / bound: the decode step over the bytes it must read (weights once, the KV "
+             "rows and speculation keys the policy reads) at the read bandwidth measured just "
+             "before the row. Prefill is empty where the row decoded from a prefill an earlier "
+             "row kept; llama.cpp's is its `pp` test (512 prompt tokens after the context).", "",
+             table([{"rows": ordered_rows(runs)}], KEYS, COLUMNS).rstrip("\n"), "", "Runs:", ""]
+    for i, run in enumerate(runs, 1):
+        m = run.get("meta", {})
+        bw = m.get("bandwidth_gb_s")
+        lines.append(f"{i}. {m.get('date')}, commit {m.get('commit')}, {m.get('cpu')}, "
+                     f"{m.get('cores')} cores"
+                     + (f", read bandwidth {bw:.1f} GB/s" if bw else "")
+                     + f": `{m.get('command')}`" + (f" ({m['note']})" if m.get("note") else ""))
+    errors = [r for run in runs[-1:] for r in run["rows"] if "error" in r]
+    if errors:
+        lines += ["", "Errors in the latest run:", ""]
+        lines += [f"- {r['policy']}, {r['batch']} x {r['context']}: {r['error']}" for r in errors]
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(doc: dict, path: Path) -> None:
+    """Decode tokens/s of each line (median, the bar from min to max), a panel per model and
+    context."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if "error" not in r]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.2), squeeze=False)
-    for ax, b in zip(axes[0], batches):
-        for policy in dict.fromkeys(r["policy"] for r in rows):
-            mine = sorted((r for r in rows if r["batch"] == b and r["policy"] == policy),
-                          key=lambda r: r["context"])
-            if not mine:
-                continue
-            ctx = [r["context"] for r in mine]
-            line, = ax.plot(ctx, [r["decode_tokens_s"] for r in mine], "o-", label=policy)
-            if all("bound_s" in r for r in mine):
-                ax.plot(ctx, [b / r["bound_s"] for r in mine], "--", color=line.get_color(),
-                        alpha=0.6, label=f"{policy} bound")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens/s (all sequences)")
-        ax.set_title(f"batch {b}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    rows = ordered_rows(doc["runs"])
+    batches: dict[tuple, set] = {}
+    for r in rows:
+        batches.setdefault((r["model"], r["context"]), set()).add(r["batch"])
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        panel = (r["model"], r["context"])
+        name = r["policy"] + (f", batch {r['batch']}" if len(batches[panel]) > 1 else "")
+        groups.setdefault(panel, {}).setdefault(name, []).append(r["decode_tokens_s"])
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.4), squeeze=False)
+    for ax, ((model, context), lines) in zip(axes[0], groups.items()):
+        names = list(lines)
+        med = [statistics.median(v) for v in lines.values()]
+        err = [[m - min(v) for m, v in zip(med, lines.values())],
+               [max(v) - m for m, v in zip(med, lines.values())]]
+        colors = ["tab:gray" if n in ("llama.cpp", "transformers") else "tab:blue"
+                  for n in names]
+        ax.barh(range(len(names)), med, xerr=err, color=colors, capsize=3)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("decode tokens/s (all sequences)")
+        ax.set_title(f"{model}, {context:,} tokens"
+                     + "".join(f", batch {b}" for b in batches[(model, context)]
+                               if len(batches[(model, context)]) == 1), fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_outputs(result: dict, stem: Path) -> None:
+def write_outputs(doc: dict, stem: Path) -> None:
+    """``STEM.md`` and ``STEM.png`` from every run of ``doc`` (the JSON is ``append_run``'s)."""
+    stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(markdown(result))
+    stem.with_suffix(".md").write_text(markdown(doc))
     try:
-        plot(result, stem.with_suffix(".png"))
+        plot(doc, stem.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
-    print(f"written {stem}.json, .md, .png")
+    print(f"written {stem}.json, .md, .png ({len(doc['runs'])} runs)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stem", nargs="?", default=str(RESULTS / "long_context"),
+                   help="the artifact without its suffix (default: results/long_context)")
+    a = p.parse_args(argv)
+    stem = Path(a.stem).with_suffix("") if a.stem.endswith(".json") else Path(a.stem)
+    write_outputs(load(stem), stem)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,12 @@ written under ``--gguf-dir`` (default a temporary folder, deleted at the end).
 
 Timing shares the machine: a long run whose process group id is in
 ``/work/notes/accuracy_run.pid`` (``--pause-pid-file``) is stopped for each row and resumed
-right after, also on an error. Writes ``benchmarks/results/moe_decode.{json,md,png}``.
+right after, also on an error.
+
+Writes ``benchmarks/results/moe_decode.{json,md,png}`` (``--out``): a run appends to the
+JSON's ``runs`` list (``artifacts.py``; ``--fresh`` starts it anew), kept row by row as it
+goes, and the markdown table and plot are made from every run of the file, each cell the
+median, min and max over the runs that measured it (``moe_decode_report.py``).
 """
 from __future__ import annotations
 
@@ -220,7 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=GEN,
                    help="tokens decoded a row (the step time: their median after the first 3)")
     p.add_argument("--update", action="store_true",
-                   help="merge these rows into the existing results (same row: replaced)")
+                   help="kept for earlier command lines: a run always appends to --out's runs")
+    p.add_argument("--fresh", action="store_true",
+                   help="start --out's list of runs anew (default: append this run to it)")
     p.add_argument("--out", default=str(OUT), help="results path, without the suffix")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -233,15 +240,14 @@ def main(argv=None) -> int:
         check(a.llama_bench, __file__)  # the binary, before any long work
     import shutil
 
+    import artifacts
     from long_context import read_bandwidth
-    from moe_decode_report import write_outputs
 
     from flexgen_infinigen.weights.embedded import default_cache_dir
 
+    earlier = {"runs": []} if a.fresh else artifacts.load(out)  # refuses an old-format file
+    meta = artifacts.run_meta(None if argv is None else ["benchmarks/moe_decode.py", *argv])
     prefills = a.prefill_dir or tempfile.mkdtemp(prefix="moe-prefills-", dir=default_cache_dir())
-    earlier = []
-    if a.update and out.with_suffix(".json").is_file():
-        earlier = json.loads(out.with_suffix(".json").read_text())["rows"]
     ggufs = a.gguf_dir or tempfile.mkdtemp(prefix="moe-gguf-")
     rows = []
     try:
@@ -269,34 +275,42 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "prefill_dir"}),
                       flush=True)
-                # what is done so far, kept
-                write_outputs(result(merged(earlier, rows), a.models), out)
+                save_run(earlier, meta, rows, a.models, out)  # what is done so far, kept
             if a.llama_bench:
                 rows += llama_rows(a, model, layers, contexts, ggufs)
-                write_outputs(result(merged(earlier, rows), a.models), out)
+                save_run(earlier, meta, rows, a.models, out)
     finally:
         if a.prefill_dir is None:
             shutil.rmtree(prefills, ignore_errors=True)
         if a.gguf_dir is None:
             shutil.rmtree(ggufs, ignore_errors=True)
-    write_outputs(result(merged(earlier, rows), a.models), out)
+    save_run(earlier, meta, rows, a.models, out)
     return 0
 
 
-def merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
-    """The earlier rows, each replaced by this run's row of the same configuration."""
-    def key(r):
-        return r["model"], r["policy"], r["context"], r["batch"]
-    new = {key(r) for r in rows}
-    return [r for r in earlier if key(r) not in new] + rows
-
-
-def result(rows: list[dict], models: list[str]) -> dict:
+def save_run(earlier: dict, meta: dict, rows: list[dict], models: list[str], out: Path) -> dict:
+    """``out``'s earlier runs and this one (its rows so far) written whole, then the md and
+    png from all of them; nothing is written before a first row."""
+    import artifacts
     from machine import machine_info
+    from moe_decode_report import bandwidths, write_outputs
 
+    if not rows:
+        return earlier
+    run = {"meta": {**meta, "machine": machine_info()}, "rows": rows}
+    bw = bandwidths([run])
+    if bw:
+        run["meta"]["bandwidth_gb_s"] = round(statistics.median(bw), 1)
+    doc = {**earlier, **about(rows, models), "runs": [*earlier["runs"], run]}
+    artifacts.save(out, doc)
+    write_outputs(doc, out)
+    return doc
+
+
+def about(rows: list[dict], models: list[str]) -> dict:
+    """What every run of the file measures (the JSON's own fields beside ``runs``)."""
     from flexgen_infinigen.config import get_config
-    return {"machine": machine_info(),
-            "models_full_layers": {m: get_config(m).num_layers
+    return {"models_full_layers": {m: get_config(m).num_layers
                                    for m in sorted({r["model"] for r in rows} | set(models))},
             "shapes": "each model's real layer shapes, fewer layers, vocabulary cut in the "
                       "same ratio; full_model_tokens_s = measured * layers / full layers",
@@ -304,10 +318,7 @@ def result(rows: list[dict], models: list[str]) -> dict:
                        "float32 scale and minimum per group of 32 (6 bits a parameter); rows "
                        "with a 'gguf' load llama.cpp's random Q4_0 file (a float16 scale per "
                        "32, 4.5 bits)",
-            "kv_cache": "float32, in CPU memory",
-            "generated_tokens": sorted({r.get("steps", GEN) for r in rows
-                                        if r.get("policy") != "llama.cpp"}),
-            "rows": rows}
+            "kv_cache": "float32, in CPU memory"}
 
 
 def gguf_for(model: str, layers: int, contexts: list[int], folder: str) -> str:

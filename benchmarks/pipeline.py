@@ -16,7 +16,10 @@ figures.
 
     python benchmarks/pipeline.py [--offload-dir DIR] [--budget-gb 3.5] [--gen-len 6]
 
-Writes results/pipeline_cpu.{json,md,png}; run it alone (other processes distort the timings).
+Appends the run (its measured and its on-paper rows) to results/pipeline_cpu.json's ``runs``
+(``--fresh`` starts them anew) and rewrites pipeline_cpu.md (median, min-max over the runs)
+and .png from all of them; ``--report-only`` only rewrites those two. Run it alone (other
+processes distort the timings).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +35,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import artifacts  # noqa: E402
+
 OUT = HERE / "results" / "pipeline_cpu"
 GB = 1e9
 # FlexGen's published figure on this profile's machine (../shared/docs/flexgen.md): OPT-175B,
@@ -148,54 +156,97 @@ def on_paper(gpus: int) -> dict:
     return best
 
 
-def markdown(res: dict) -> str:
-    lines = [f"# Pipeline parallelism on {res['machine']}", "",
-             f"Measured: {res['model']} (dummy, fp32), batch {res['batch']} x "
-             f"{res['gpu_batches']}, prompt {res['prompt_len']}, {res['gen_len']} new tokens, "
-             f"host budget {res['budget_gb']} GB of weights per process; weights beyond it on "
-             "disk, read with O_DIRECT.", "",
-             "| stages | weights in memory | decode tokens/s | decode step s | disk->host GB | "
-             "host->device GB | between ranks GB | waiting s per rank |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in res["measured"]:
-        b = r["bytes_per_link"]
-        lines.append(f"| {r['stages']} | {r['weights_in_memory_percent']}% | "
-                     f"{r['decode_tokens_per_s']:.3f} | {r['decode_step_s']:.2f} | "
-                     f"{b['disk->host'] / GB:.2f} | {b['host->device'] / GB:.2f} | "
-                     f"{r['between_ranks_bytes'] / GB:.4f} | "
-                     + ", ".join(f"{w:.1f}" for w in r["waiting_s"]) + " |")
-    lines += ["", "On paper: OPT-175B, prompt 512, 32 new tokens, T4 16 GB + 208 GB host "
-              "per GPU (built-in `t4-pcie3`), each stage planned by the optimizer.", "",
-              "| GPUs | layers per stage | placement | sequences in flight | "
-              "generation tokens/s | decode tokens/s | FlexGen published (generation, "
-              "decode) |", "|---|---|---|---|---|---|---|"]
-    for r in res["on_paper"]:
-        pub = FLEXGEN_PIPELINE.get(r["gpus"])
-        pub = f"{pub['generation']}, {pub['decode']}" if pub else "-"
-        lines.append(f"| {r['gpus']} | {r['layers_per_stage']} | "
-                     f"{' '.join(map(str, r['percent']))} | {r['sequences_in_flight']} | "
-                     f"{r['generation_tokens_per_s']:.2f} | {r['decode_tokens_per_s']:.2f} | "
-                     f"{pub} |")
-    lines += ["", res["published_note"]]
+PUBLISHED_NOTE = ("FlexGen published: its paper's Table 3 (fp16, T4s, prompt 512, 32 new "
+                  "tokens), as quoted by a third-party summary of the paper (the paper is not "
+                  "readable on this offline machine); no 8-GPU figure is published. The "
+                  "single-T4 row matches ../shared/docs/flexgen.md (0.69 tokens/s; 1.12 with "
+                  "4-bit compression).")
+KEYS = ["setting", "stages"]
+# (header, field, format); a None format is a text field, shown as the latest run's
+COLUMNS = [("placement", "placement", None),
+           ("sequences in flight", "sequences_in_flight", None),
+           ("generation tokens/s", "generation_tokens_per_s", "{:.3g}"),
+           ("decode tokens/s", "decode_tokens_per_s", "{:.3g}"),
+           ("decode step s", "decode_step_s", "{:.3g}"),
+           ("disk->host GB", "disk_to_host_gb", "{:.3g}"),
+           ("between ranks MB", "between_ranks_mb", "{:.3g}"),
+           ("FlexGen published (generation, decode)", "flexgen_published", None)]
+
+
+def measured_row(r: dict, a) -> dict:
+    """The table's fields of one measured setting (``measure``'s dict, kept whole)."""
+    return {**r, "setting": f"{a.model} (dummy, fp32), this CPU, {a.budget_gb:g} GB a process",
+            "placement": f"{r['weights_in_memory_percent']} 0 100 0 100 0",
+            "sequences_in_flight": a.batch * a.gpu_batches,
+            "generation_tokens_per_s": r["total_tokens_per_s"],
+            "disk_to_host_gb": r["bytes_per_link"]["disk->host"] / GB,
+            "between_ranks_mb": r["between_ranks_bytes"] / 1e6}
+
+
+def paper_row(r: dict) -> dict:
+    """The table's fields of one on-paper setting (``on_paper``'s dict, kept whole)."""
+    pub = FLEXGEN_PIPELINE.get(r["gpus"])
+    return {**r, "setting": "opt-175b on T4s (cost model, t4-pcie3)", "stages": r["gpus"],
+            "placement": " ".join(map(str, r["percent"])),
+            "decode_step_s": r["stage_decode_step_s"],
+            "flexgen_published": f"{pub['generation']}, {pub['decode']}" if pub else "-"}
+
+
+def table(runs: list[dict]) -> str:
+    """``artifacts.table`` with a format per column and text columns."""
+    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
+             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, KEYS).items():
+        cells = [str(k) for k in key]
+        for _, f, fmt in COLUMNS:
+            if fmt is None:
+                text = [r[f] for r in rows if r.get(f) is not None]
+                cells.append(str(text[-1]) if text else "")
+            else:
+                cells.append(artifacts.spread((r.get(f) for r in rows), fmt))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict) -> None:
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = ["# Pipeline parallelism", "", artifacts.meta_line(runs), "",
+             "Measured: each run's settings are in its JSON entry (by default batch 4 x 2, "
+             "prompt 32, 6 new tokens); weights beyond the host budget on disk, read with "
+             "O_DIRECT. On paper: OPT-175B, prompt 512, 32 new tokens, T4 16 GB + 208 GB host "
+             "per GPU (built-in `t4-pcie3`), each stage planned by the optimizer; placement and "
+             "sequences in flight are the latest run's. Each cell: median (min-max, N runs).",
+             "", table(runs), "", PUBLISHED_NOTE]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    groups = artifacts.grouped(doc["runs"], KEYS)
+
+    def med_err(rows, field):
+        v = [r[field] for r in rows]
+        m = statistics.median(v)
+        return m, (m - min(v), max(v) - m)
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    m = res["measured"]
-    ax1.bar([str(r["stages"]) for r in m], [r["decode_tokens_per_s"] for r in m])
-    ax1.set_xlabel("pipeline stages (processes)")
-    ax1.set_ylabel("decode tokens/s")
-    ax1.set_title(f"{res['model']} on this CPU, {res['budget_gb']} GB budget each")
-    p = res["on_paper"]
-    ax2.plot([r["gpus"] for r in p], [r["generation_tokens_per_s"] for r in p], "o-",
-             label="cost model (generation)")
-    ax2.plot([r["gpus"] for r in p], [r["decode_tokens_per_s"] for r in p], "s-",
-             label="cost model (decode)")
+    measured = [(k, rows) for k, rows in groups.items() if "weights_in_memory_percent"
+                in rows[0]]
+    for i, (_, rows) in enumerate(measured):
+        m, e = med_err(rows, "decode_tokens_per_s")
+        ax1.bar(i, m, yerr=[[e[0]], [e[1]]], capsize=4)
+    ax1.set_xticks(range(len(measured)), [f"{k[1]} stage(s)\n{k[0].split(' (')[0]}"
+                                          for k, _ in measured])
+    ax1.set_ylabel("decode tokens/s (median, min-max over runs)")
+    ax1.set_title("measured on this CPU")
+    paper = [(k, rows) for k, rows in groups.items() if "gpus" in rows[0]]
+    for field, mark, label in (("generation_tokens_per_s", "o-", "cost model (generation)"),
+                               ("decode_tokens_per_s", "s-", "cost model (decode)")):
+        ax2.plot([k[1] for k, _ in paper], [med_err(rows, field)[0] for _, rows in paper],
+                 mark, label=label)
     for kind, mark in (("generation", "o"), ("decode", "s")):
         ax2.plot(list(FLEXGEN_PIPELINE), [v[kind] for v in FLEXGEN_PIPELINE.values()], mark,
                  color="gray", mfc="none", label=f"FlexGen published ({kind})")
@@ -204,10 +255,18 @@ def plot(res: dict) -> None:
     ax2.set_title("OPT-175B, prompt 512, 32 new tokens")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main() -> None:
+def write(doc: dict, out: Path) -> None:
+    text = markdown(doc)
+    out.with_suffix(".md").write_text(text)
+    plot(doc, out.with_suffix(".png"))
+    print(text)
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="opt-1.3b")
     p.add_argument("--budget-gb", type=float, default=3.5)
@@ -217,36 +276,39 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=6)
     p.add_argument("--offload-dir", default=None)
     p.add_argument("--paper-only", action="store_true",
-                   help="only the cost model's part (the measured rows of the last run stay)")
-    a = p.parse_args()
+                   help="only the cost model's part (the measured rows of earlier runs stay)")
+    p.add_argument("--out", type=Path, default=OUT,
+                   help="STEM: this run is appended to STEM.json's runs; STEM.md and STEM.png "
+                        "are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: rewrite STEM.md and STEM.png from STEM.json")
+    a = p.parse_args(argv)
+    if a.report_only:
+        write(artifacts.load(a.out), a.out)
+        return
     a.offload_dir = a.offload_dir or tempfile.mkdtemp(prefix="pipeline_bench_")
-    sys.path.insert(0, str(HERE))
     from machine import machine_info
 
-    info = machine_info()
-    res = {"machine": f"{info['cpu_count']} CPU cores ({info['cpu']})", "machine_info": info,
-           "model": a.model, "budget_gb": a.budget_gb,
-           "batch": a.batch, "gpu_batches": a.gpu_batches, "prompt_len": a.prompt_len,
-           "gen_len": a.gen_len, "measured": [],
-           "flexgen_published": FLEXGEN_PIPELINE, "flexgen_published_one_t4": FLEXGEN_ONE_T4,
-           "published_note": "FlexGen published: its paper's Table 3 (fp16, T4s, prompt 512, "
-                             "32 new tokens), as quoted by a third-party summary of the paper "
-                             "(the paper is not readable on this offline machine); no 8-GPU "
-                             "figure is published. The single-T4 row matches "
-                             "../shared/docs/flexgen.md (0.69 tokens/s; 1.12 with 4-bit "
-                             "compression)."}
-    if a.paper_only and OUT.with_suffix(".json").exists():  # keep the last measured rows
-        res["measured"] = json.loads(OUT.with_suffix(".json").read_text())["measured"]
-    else:
+    rows = []
+    if not a.paper_only:
         for stages in (1, 2):
             row = measure(stages, a)
             print(json.dumps({k: v for k, v in row.items() if k != "command"}))
-            res["measured"].append(row)
-    res["on_paper"] = [on_paper(g) for g in (1, 4, 8)]
-    OUT.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    OUT.with_suffix(".md").write_text(markdown(res))
-    plot(res)
-    print(markdown(res))
+            rows.append(measured_row(row, a))
+    rows += [paper_row(on_paper(g)) for g in (1, 4, 8)]
+    meta = artifacts.run_meta(["benchmarks/pipeline.py", *(argv or sys.argv[1:])],
+                              machine_info=machine_info())
+    run = {"meta": meta, "rows": rows,
+           "settings": {"model": a.model, "budget_gb": a.budget_gb, "batch": a.batch,
+                        "gpu_batches": a.gpu_batches, "prompt_len": a.prompt_len,
+                        "gen_len": a.gen_len, "paper_only": a.paper_only}}
+    doc = artifacts.append_run(a.out, run, fresh=a.fresh,
+                               benchmark=__doc__.splitlines()[0],
+                               flexgen_published=FLEXGEN_PIPELINE,
+                               flexgen_published_one_t4=FLEXGEN_ONE_T4,
+                               published_note=PUBLISHED_NOTE)
+    write(doc, a.out)
 
 
 if __name__ == "__main__":

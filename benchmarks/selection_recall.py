@@ -17,11 +17,13 @@ keys, turned into rows by the selection rule), and is scored against the exact a
 
 It does not replace the perplexity sweep (``accuracy_sweep.py``), which runs the real decode
 path where errors compound; it ranks variants in seconds instead of minutes each.
+
+Each run appends to the ``runs`` list of ``--out``'s JSON (``--fresh``: a new list); the .md
+table and the .png sum up the runs with the newest run's model, windows and budget.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -37,9 +39,12 @@ from flexgen_infinigen.kv.spec_pages import PAGE_KINDS, SpeculationPages
 from flexgen_infinigen.runtime.attention import attend, mask_bias
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import artifacts  # noqa: E402
+
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
 PARAGRAPH = ROOT / "benchmarks" / "data" / "calibration_paragraph.txt"
-OUT = ROOT / "benchmarks" / "results" / "selection_recall"
+OUT = artifacts.INVESTIGATIONS / "selection_recall"
 DEFAULT = dict(rule="mass", alpha=math.inf, fraction=0.18, keys="int4", ratio=1.0,
                calibration="built-in", prompt_skew=False, column_score="q", sink=0, recent=0,
                query="guess")
@@ -101,13 +106,13 @@ class Recorder:
         for stage, w in zip(self.engine.stages, self.weights):
             if stage.kind == "embed":
                 h = fam.embed(cfg, w, x_ids, pos)
-            elif stage.kind == "attn":
+            if stage.kind in ("attn", "layer"):  # "layer": attention and MLP, one stage
                 x = fam.attn_input(cfg, w, h)
                 q, k, v = fam.attn_qkv(cfg, w, x, rope)
                 rec[stage.layer] = dict(x=x[0], q=q[0], k=k[0], v=v[0], w=w, h_in=h[0])
                 h = fam.attn_out(cfg, w, h, attend(q, k, v, bias))
                 rec[stage.layer]["h_mid"] = h[0]
-            elif stage.kind == "mlp":
+            if stage.kind in ("mlp", "layer"):
                 h = fam.mlp(cfg, w, h)
         return rec, rope
 
@@ -222,7 +227,13 @@ def main(argv=None) -> int:
                         "cached tokens per selecting layer)")
     p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                    help="run the variants whose name contains one of these")
+    p.add_argument("--fresh", action="store_true", help="start the runs list anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the .md and .png from the runs in the JSON")
     a = p.parse_args(argv)
+    if a.report_only:
+        write_outputs(Path(a.out).with_suffix(""))
+        return 0
     if not Path(a.text).is_file():
         print(f"error: {a.text} is absent; pass --text (wikitext-2 test split)", file=sys.stderr)
         return 2
@@ -247,27 +258,64 @@ def main(argv=None) -> int:
             print(f"{name:52s} recall {r['recall']:.4f}  error {r['output_error']:.4f}  "
                   f"kv {r['relative_kv_size']:.3f}  {time.perf_counter() - start:.0f}s",
                   flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if a.only and out.with_suffix(".json").is_file():  # update these rows, keep the others
-        kept = json.loads(out.with_suffix(".json").read_text())
-        same = {k: v for k, v in kept["settings"].items() if k != "only"} == \
-            {k: v for k, v in vars(a).items() if k != "only"}
-        if same:
-            merged = {**kept["variants"], **rows}
-            rows = {name: merged[name] for name, _ in VARIANTS if name in merged}
-    out.with_suffix(".json").write_text(json.dumps({"settings": vars(a), "variants": rows},
-                                                   indent=1))
-    lines = [f"# Selection recall: {lm.cfg.name}, {a.windows} wikitext-2 windows of {a.seq_len} "
-             f"tokens, decode positions {a.prefill_len}+, layers 2-{lm.cfg.num_layers - 1}", "",
-             "| variant | attention mass recall | output error | relative KV size | "
-             "speculation key bytes (fp16) |", "|---|---:|---:|---:|---:|"]
-    for name, r in rows.items():
-        kb = r["speculation_key_bytes_fp16"]
-        lines.append(f"| {name} | {r['recall']:.4f} | {r['output_error']:.4f} | "
-                     f"{r['relative_kv_size']:.3f} | {'' if kb is None else kb} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem = Path(a.out).with_suffix("")
+    settings = {k: v for k, v in vars(a).items()
+                if k not in ("out", "only", "fresh", "report_only")}
+    settings["model_name"] = lm.cfg.name
+    settings["layers"] = lm.cfg.num_layers
+    command = ["benchmarks/selection_recall.py", *(sys.argv[1:] if argv is None else argv)]
+    run = {"meta": artifacts.run_meta(command), "settings": settings,
+           "rows": [{"variant": name, **r} for name, r in rows.items()]}
+    artifacts.append_run(stem, run, fresh=a.fresh)
+    write_outputs(stem)
     return 0
+
+
+def write_outputs(stem: Path) -> None:
+    """``STEM.md`` and ``STEM.png`` from the runs of ``STEM.json`` with the newest run's model,
+    windows and budget: one line a variant, each cell median (min-max, N runs)."""
+    doc = artifacts.load(stem)
+    keys = ("model", "windows", "seq_len", "prefill_len", "fraction")
+    runs = [r for r in doc["runs"] if doc["runs"] and all(
+        r["settings"].get(k) == doc["runs"][-1]["settings"].get(k) for k in keys)]
+    if not runs:
+        return
+    st = runs[-1]["settings"]
+    columns = [("attention mass recall", "recall", "{:.4f}"),
+               ("output error", "output_error", "{:.4f}"),
+               ("relative KV size", "relative_kv_size", "{:.3f}"),
+               ("speculation key bytes (fp16)", "speculation_key_bytes_fp16", "{:.0f}")]
+    lines = [f"# Selection recall: {st.get('model_name', st['model'])}, {st['windows']} "
+             f"wikitext-2 windows of {st['seq_len']} tokens, decode positions "
+             f"{st['prefill_len']}+, budget {st['fraction']}", "", artifacts.meta_line(runs), "",
+             "| variant | " + " | ".join(h for h, _, _ in columns) + " |",
+             "|" + "---|" * (1 + len(columns))]
+    groups = artifacts.grouped(runs, ["variant"])
+    order = [name for name, _ in VARIANTS]
+    for (name,), got in sorted(groups.items(), key=lambda kv: order.index(kv[0][0])
+                               if kv[0][0] in order else len(order)):
+        lines.append("| " + " | ".join([name] + [artifacts.spread(
+            (r.get(f) for r in got), fmt) for _, f, fmt in columns]) + " |")
+    lines += ["", "Each cell: median (min-max, N runs)."]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in order if (n,) in groups] + [k[0] for k in groups if k[0] not in order]
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(names) + 1.5))
+    for i, name in enumerate(names):
+        got = [r["recall"] for r in groups[(name,)]]
+        ax.barh(i, sorted(got)[len(got) // 2], color="tab:blue", alpha=0.6)
+        ax.plot(got, [i] * len(got), "ko", markersize=3)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="attention mass recall", xlim=(0, 1),
+           title=f"{st.get('model_name', st['model'])}, budget {st['fraction']}")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

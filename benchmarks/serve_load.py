@@ -16,7 +16,9 @@
 
     python benchmarks/serve_load.py --quick      # short settings for a busy machine
 
-Writes benchmarks/results/serve_load.json, .md and .png.
+Appends the run to benchmarks/results/serve_load.json's ``runs`` (``--fresh`` starts them
+anew) and rewrites serve_load.md (median, min-max over every round and run) and .png from all
+of them; ``--report-only`` only rewrites those two.
 """
 from __future__ import annotations
 
@@ -37,11 +39,12 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import artifacts  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
 
-OUT = HERE / "results" / "serve_load.json"
+OUT = HERE / "results" / "serve_load"
 MODEL = "smollm2-135m"
 STARTS = ["The capital of France is", "Once upon a time there was", "My favourite food is",
           "The best way to learn to code is", "Water boils at", "In 1969, the first",
@@ -279,68 +282,130 @@ def part_sweep(a) -> list[dict]:
     return rows
 
 
-def markdown(r: dict) -> str:
-    c = r["concurrent"]
-    lines = [f"# Serving under load ({r['settings']})", "",
-             "## 16 concurrent clients at temperature 0", "",
-             "| round | server decode tok/s | batch decode tok/s | ratio | server max TTFT s | "
-             "batch prefill s | TTFT / (prefill + wait) | equal to alone | server blocks |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for i, (x, ratio, tt) in enumerate(zip(c["rounds"], c["decode_ratio"], c["ttft_ratio"])):
-        lines.append(f"| {i} | {x['server']['decode_tokens_per_s']:.1f} | "
-                     f"{x['batch']['decode_tokens_per_s']:.1f} | {ratio:.2f} | "
-                     f"{x['server']['ttft_max_s']:.2f} | {x['batch']['prefill_s']:.2f} | "
-                     f"{tt:.2f} | {x['equal_to_alone']}/16 | {x['server_blocks']:.0f} |")
-    lone = c["lone"]
-    lines += ["", f"A lone request: time to first token {lone['ttft_s']:.2f} s against a "
-              f"batch-1 prefill of {lone['prefill_s']:.2f} s plus the wait: ratio "
-              f"{lone['ttft_ratio']:.2f}.", "", "## Load test", ""]
-    load = c["load_test"]
-    lines.append(f"{load['requests']} requests, {load['hung_up']} hung up: none lost "
-                 f"{load['none_lost']}, none answered twice {load['none_twice']}; server "
-                 f"finished {load['server_finished']:.0f} + cancelled "
-                 f"{load['server_cancelled']:.0f}; RSS {load['rss_before_mb']:.0f} MB before, "
-                 f"{load['rss_after_mb']:.0f} MB after (ratio {load['rss_ratio']:.3f}).")
-    if r.get("sweep"):
-        lines += ["", "## Block size and --max-wait-ms", "",
-                  "| block | max wait ms | 16 clients: decode tok/s | max TTFT s | max latency s "
-                  "| lone TTFT s | blocks for the 16 | their mean fill |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for s in r["sweep"]:
-            lines.append(f"| {s['gpu_batch_size']} x {s['num_gpu_batches']} | "
-                         f"{s['max_wait_ms']:g} | {s['decode_tokens_per_s']:.1f} | "
-                         f"{s['ttft_max_s']:.2f} | {s['latency_max_s']:.2f} | "
-                         f"{s['lone_ttft_s']:.2f} | {s['blocks']:.0f} | "
-                         f"{s['mean_block_fill']:.2f} |")
+def rows_of(run: dict) -> list[dict]:
+    """The table's rows of one run: one per round of the 16 clients, the lone request, and
+    each setting of the sweep (16 clients, then one alone)."""
+    st, c = run["settings"], run["concurrent"]
+    block, wait, tokens = f"{st['block'][0]} x {st['block'][1]}", st["max_wait_ms"], st["gen_len"]
+    rows = []
+    for x, ratio, tt in zip(c["rounds"], c["decode_ratio"], c["ttft_ratio"]):
+        rows.append({"clients": 16, "block": block, "max_wait_ms": wait, "tokens": tokens,
+                     "server_decode_tok_s": x["server"]["decode_tokens_per_s"],
+                     "batch_decode_tok_s": x["batch"]["decode_tokens_per_s"],
+                     "server_over_batch": ratio, "ttft_max_s": x["server"]["ttft_max_s"],
+                     "ttft_over_prefill_wait": tt,
+                     "latency_max_s": x["server"]["latency_max_s"],
+                     "equal_to_alone": x["equal_to_alone"], "blocks": x["server_blocks"],
+                     "block_fill": 16 / (x["server_blocks"] * st["block"][0] * st["block"][1])
+                     if x["server_blocks"] else None})
+    rows.append({"clients": 1, "block": block, "max_wait_ms": wait, "tokens": tokens,
+                 "ttft_max_s": c["lone"]["ttft_s"],
+                 "ttft_over_prefill_wait": c["lone"]["ttft_ratio"]})
+    for s in run.get("sweep") or []:
+        key = {"block": f"{s['gpu_batch_size']} x {s['num_gpu_batches']}",
+               "max_wait_ms": s["max_wait_ms"], "tokens": tokens}
+        rows.append({"clients": 16, **key, "server_decode_tok_s": s["decode_tokens_per_s"],
+                     "ttft_max_s": s["ttft_max_s"], "latency_max_s": s["latency_max_s"],
+                     "blocks": s["blocks"], "block_fill": s["mean_block_fill"]})
+        rows.append({"clients": 1, **key, "ttft_max_s": s["lone_ttft_s"]})
+    return rows
+
+
+KEYS = ["clients", "block", "max_wait_ms", "tokens"]
+COLUMNS = [("server decode tok/s", "server_decode_tok_s", "{:.1f}"),
+           ("`batch` decode tok/s", "batch_decode_tok_s", "{:.1f}"),
+           ("server / batch", "server_over_batch", "{:.2f}"),
+           ("max first token s", "ttft_max_s", "{:.2f}"),
+           ("first token / (prefill + wait)", "ttft_over_prefill_wait", "{:.2f}"),
+           ("max latency s", "latency_max_s", "{:.2f}"),
+           ("answers equal to alone", "equal_to_alone", "{:.0f}"),
+           ("blocks", "blocks", "{:.0f}"),
+           ("block fill", "block_fill", "{:.2f}")]
+
+
+def table(runs: list[dict]) -> str:
+    """``artifacts.table`` with a format per column."""
+    lines = ["| clients | block | max wait ms | tokens | "
+             + " | ".join(h for h, _, _ in COLUMNS) + " |",
+             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
+    for key, rows in artifacts.grouped(runs, KEYS).items():
+        cells = [f"{k:g}" if isinstance(k, float) else str(k) for k in key]
+        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(r: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = ["# Serving under load", "", artifacts.meta_line(runs), "",
+             "SmolLM2-135M, streaming clients at temperature 0. Each cell: median (min-max, N), "
+             "N counting every round of every run. `batch`: the library's generation of the "
+             "same 16 prompts as one block, alternated with the server's rounds; first token / "
+             "(prefill + wait): the slowest first token over that block's prefill (one "
+             "prompt's for a lone request) plus `--max-wait-ms`.", "", table(runs),
+             "## Load test", "",
+             "| date | commit | requests | hung up | lost | answered twice | server finished "
+             "+ cancelled | RSS MB before | after |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        t = run["concurrent"]["load_test"]
+        lines.append(f"| {run['meta'].get('date')} | {run['meta'].get('commit')} | "
+                     f"{t['requests']} | {t['hung_up']} | {'none' if t['none_lost'] else 'some'}"
+                     f" | {'none' if t['none_twice'] else 'some'} | "
+                     f"{t['server_finished']:.0f} + {t['server_cancelled']:.0f} | "
+                     f"{t['rss_before_mb']:.0f} | {t['rss_after_mb']:.0f} |")
+    return "\n".join(lines) + "\n"
 
-    c = r["concurrent"]
-    fig, axes = plt.subplots(1, 2 if r.get("sweep") else 1, figsize=(11, 4), squeeze=False)
-    ax = axes[0][0]
-    x = range(len(c["rounds"]))
-    ax.bar([i - 0.2 for i in x], [q["server"]["decode_tokens_per_s"] for q in c["rounds"]],
-           0.4, label="server, 16 clients")
-    ax.bar([i + 0.2 for i in x], [q["batch"]["decode_tokens_per_s"] for q in c["rounds"]],
-           0.4, label="generate (batch), same block")
-    ax.set_xlabel("round")
-    ax.set_ylabel("decode tokens/s")
+
+def plot(doc: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    import statistics
+
+    groups = artifacts.grouped(doc["runs"], KEYS)
+
+    def med(rows, field):
+        xs = [r[field] for r in rows if r.get(field) is not None]
+        return statistics.median(xs) if xs else None
+
+    both = {k: g for k, g in groups.items() if med(g, "batch_decode_tok_s") is not None}
+    sweep = {k: g for k, g in groups.items() if k[0] == 16 and med(g, "server_decode_tok_s")}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for i, g in enumerate(both.values()):
+        for dx, field, label, color in ((-0.2, "server_decode_tok_s", "server, 16 clients",
+                                         "tab:blue"),
+                                        (0.2, "batch_decode_tok_s", "`batch`, the same block",
+                                         "tab:orange")):
+            xs = [r[field] for r in g if r.get(field) is not None]
+            m = statistics.median(xs)
+            ax.bar(i + dx, m, 0.4, color=color, label=label if i == 0 else None,
+                   yerr=[[m - min(xs)], [max(xs) - m]], capsize=3)
+    ax.set_xticks(range(len(both)), [f"{k[1]}, wait {k[2]:g} ms" for k in both])
+    ax.set_xlim(-0.8, len(both) - 0.2)
+    ax.set_ylabel("decode tokens/s (median, min-max)")
     ax.legend()
-    if r.get("sweep"):
-        ax = axes[0][1]
-        for s in r["sweep"]:
-            ax.scatter(s["ttft_max_s"], s["decode_tokens_per_s"])
-            ax.annotate(f"{s['gpu_batch_size']}x{s['num_gpu_batches']}, "
-                        f"{s['max_wait_ms']:g} ms", (s["ttft_max_s"], s["decode_tokens_per_s"]))
-        ax.set_xlabel("max time to first token, 16 clients (s)")
-        ax.set_ylabel("aggregate decode tokens/s")
+    ax = axes[1]
+    for j, (k, g) in enumerate(sweep.items()):
+        x, y = med(g, "ttft_max_s"), med(g, "server_decode_tok_s")
+        ax.scatter(x, y, color="tab:blue")
+        ax.annotate(f"{k[1]}, {k[2]:g} ms", (x, y), textcoords="offset points",
+                    xytext=(6, -12 if j % 2 else 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("max time to first token, 16 clients (s)")
+    ax.set_ylabel("aggregate decode tokens/s")
+    fig.suptitle(f"serving, {len(doc['runs'])} run(s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(doc: dict, out: Path) -> None:
+    out.with_suffix(".md").write_text(markdown(doc))
+    plot(doc, out.with_suffix(".png"))
 
 
 def main() -> int:
@@ -355,26 +420,35 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-sweep", action="store_true")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=OUT,
+                   help="STEM: this run is appended to STEM.json's runs; STEM.md and STEM.png "
+                        "are rewritten from all of them")
+    p.add_argument("--fresh", action="store_true", help="start STEM.json's runs anew")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: rewrite STEM.md and STEM.png from STEM.json")
     a = p.parse_args()
+    out = a.out.with_suffix("") if a.out.suffix == ".json" else a.out
+    if a.report_only:
+        write_outputs(artifacts.load(out), out)
+        print(out.with_suffix(".md").read_text())
+        return 0
     if a.quick:
         a.gen_len, a.rounds = 12, 2
     a.sweep = [] if a.no_sweep else [(1, 1, 0), (8, 2, 0), (8, 2, 50), (8, 2, 500)]
     lm = OffloadedLM.load(model=MODEL, progress=False,
                           policy=Policy(gpu_batch_size=a.block[0], num_gpu_batches=a.block[1]))
-    result = {"settings": f"{MODEL}, blocks {a.block[0]} x {a.block[1]}, --max-wait-ms "
-                          f"{a.max_wait_ms:g}, {a.gen_len} tokens",
-              "command": " ".join(sys.argv), "machine": machine_info()}
+    run = {"meta": artifacts.run_meta(["benchmarks/serve_load.py", *sys.argv[1:]],
+                                      machine_info=machine_info()),
+           "settings": {"model": MODEL, "block": list(a.block), "max_wait_ms": a.max_wait_ms,
+                        "gen_len": a.gen_len, "rounds": a.rounds, "requests": a.requests}}
     with lm:
-        result["concurrent"] = part_concurrent(a, lm)
-    result["sweep"] = part_sweep(a)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    a.out.with_suffix(".md").write_text(markdown(result))
-    plot(result, a.out.with_suffix(".png"))
-    print(markdown(result))
+        run["concurrent"] = part_concurrent(a, lm)
+    run["sweep"] = part_sweep(a)
+    run["rows"] = rows_of(run)
+    doc = artifacts.append_run(out, run, fresh=a.fresh, benchmark=__doc__.split("\n")[0])
+    write_outputs(doc, out)
+    print(out.with_suffix(".md").read_text())
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import torch
 from flexgen_infinigen.kv.spec_keys import SpeculationKeys
 from flexgen_infinigen.runtime.tiers import Tiers
 
-OUT = Path(__file__).resolve().parent / "results" / "speculation_keys_cost"
+OUT = (Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations"
+       / "speculation_keys_cost")
 
 
 def time_kind(kind: str, length: int, kv: int, group: int, width: int, fraction: float,

@@ -9,7 +9,10 @@ generation step by link and kind, and peak memory per tier. Hugging Face transfo
     python benchmarks/throughput.py            # full run: both models, every policy
     python benchmarks/throughput.py --quick    # smoke configuration (about 10 seconds)
 
-See benchmarks/README.md for what each column means.
+Each run is appended to the ``runs`` list of ``--out`` (``--fresh`` starts it anew); the
+markdown table (medians over every run) and the chart are rebuilt from all runs
+(``throughput_report.py``, or ``--report-only``). See benchmarks/README.md for what each
+column means.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ from tqdm.auto import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from artifacts import append_run, load, run_meta  # noqa: E402
 from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
-from throughput_report import bar_chart, markdown  # noqa: E402
+from throughput_report import write_outputs  # noqa: E402
 
 from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
 from flexgen_infinigen.cli.report import build_report  # noqa: E402
@@ -221,7 +225,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-transformers", action="store_true",
                    help="skip the transformers reference (ratios become null)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh", action="store_true",
+                   help="start the JSON's runs list anew instead of appending this run")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the markdown and the chart from the JSON's runs; measure nothing")
     a = p.parse_args(argv)
+    out = Path(a.out).with_suffix(".json")
+    if a.report_only:
+        written = write_outputs(load(out), out)
+        print("wrote " + ", ".join(map(str, written)))
+        return 0
+    if not a.fresh:
+        try:  # a JSON written before runs were appended stops here, not after the runs
+            load(out)
+        except ValueError as e:
+            p.error(f"{e} (or pass --fresh)")
 
     quick = a.quick
     models = a.models or (["smollm2-135m"] if quick else list(MODELS))
@@ -235,8 +253,6 @@ def main(argv=None) -> int:
     if base["gen_len"] < 2:
         p.error("--gen-len must be at least 2 (decode throughput needs a decode step)")
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(),
               "settings": {**base, "quick": quick, "models": models, "policies": policies,
                            "warmup_gen_len": a.warmup_gen_len, "seed": a.seed,
@@ -293,14 +309,25 @@ def main(argv=None) -> int:
                 ratio = row["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
                 row["ratio_vs_transformers"] = ratio
 
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    md = out.with_suffix(".md")
-    md.write_text(markdown(result))
-    png = out.with_suffix(".png")
-    made = bar_chart(result, png)
-    print(md.read_text())
-    print(f"wrote {out}, {md}" + (f", {png}" if made else " (no matplotlib: no chart)"))
+    rows = []
+    for model, entry in result["models"].items():
+        st = entry["settings"]
+        shape = {"model": model, "batch": st["batch"], "prompt_len": st["prompt_len"],
+                 "gen_len": st["gen_len"]}
+        rows += [{**shape, **row, "model_bytes": entry.get("model_bytes"),
+                  "cache_bytes": entry.get("cache_bytes")} for row in entry["rows"]]
+        if entry["transformers"] is not None:
+            rows.append({**shape, **entry["transformers"]})
+    run = {"meta": run_meta(machine=result["machine"]),
+           "settings": {**result["settings"],
+                        "models": {m: e["settings"] for m, e in result["models"].items()}},
+           "rows": rows}
+    doc = append_run(out, run, fresh=a.fresh, device=result["machine"]["device_name"],
+                     benchmark="throughput.py: decode throughput and bytes moved per "
+                     "offloading policy, against transformers' generate")
+    written = write_outputs(doc, out)
+    print(out.with_suffix(".md").read_text())
+    print("wrote " + ", ".join(map(str, [out, *written])))
     print(f"total {result['settings']['wall_time_s']:.0f} s")
     return 0
 

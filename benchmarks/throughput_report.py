@@ -1,110 +1,133 @@
-"""The markdown tables and the bar chart of a throughput.py result (see benchmarks/README.md
-for what each column means)."""
+"""The markdown table and the bar chart of throughput.py's results, rebuilt from every run in
+its JSON (see benchmarks/README.md for what each column means).
+
+    python benchmarks/throughput_report.py                  # results/throughput_cpu.json
+    python benchmarks/throughput_report.py path/to/throughput.json
+
+Each run holds one row per model and policy (and the transformers reference); a row measured
+in several runs is one line of the table, each number ``median (min-max, N runs)``.
+"""
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
 from pathlib import Path
 
-from flexgen_infinigen.runtime.tiers import LINKS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from artifacts import RESULTS, load, meta_line, table  # noqa: E402
+
+KEYS = ["model", "batch x prompt + generated", "policy"]
+COLUMNS = [("decode tok/s", "decode_tokens_per_s"), ("prefill s", "prefill_s"),
+           ("vs transformers", "ratio_vs_transformers"),
+           ("weights GB/step", "weights_gb_step"), ("KV cache MB/step", "kv_mb_step"),
+           ("peak device GB", "peak_device_gb"), ("peak host GB", "peak_host_gb"),
+           ("peak disk GB", "peak_disk_gb")]
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3f}"
+def _moved_mb(row: dict, kind: str) -> float | None:
+    """MB of one kind a generation step moves, summed over the links it crosses."""
+    per = row.get("bytes_per_token")
+    if per is None:
+        return None
+    return sum(links[kind] for links in per.values()) / 1e6
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f}"
+def _moved_gb(row: dict, kind: str) -> float | None:
+    mb = _moved_mb(row, kind)
+    return None if mb is None else mb / 1e3
 
 
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def view(row: dict) -> dict:
+    """A row with the table's key fields, MB moved a step and peak GB by tier."""
+    peak = row.get("peak_memory_bytes") or {}
+    out = {**row, "batch x prompt + generated":
+           f"{row['batch']} x {row['prompt_len']} + {row['gen_len']}",
+           "weights_gb_step": _moved_gb(row, "weights"), "kv_mb_step": _moved_mb(row, "kv_cache")}
+    for tier in ("device", "host", "disk"):
+        out[f"peak_{tier}_gb"] = peak[tier] / 1e9 if tier in peak else None
+    if row["policy"] == "transformers generate":
+        out["ratio_vs_transformers"] = 1.0
+    return out
 
 
-def _busy(r: dict) -> str:
-    x = r.get("other_processes_cpu")
-    return ("-" if x is None else f"{100 * x:.0f}%") + ("" if r.get("quiet", True) else " (!)")
+def rows_of(runs: list[dict]) -> list[dict]:
+    return [view(r) for run in runs for r in run["rows"]]
 
 
-SHORT = {"disk->host": "disk>h", "host->device": "h>d", "device->host": "d>h",
-         "host->disk": "h>disk"}
-
-
-def _links(bpt: dict, kind: str) -> str:
-    """MB per step of one kind, by link, e.g. 'h>d 48.5, d>h 1.5' ('0' when nothing moved)."""
-    parts = [f"{SHORT[link]} {_mb(bpt[link][kind])}" for link in LINKS if bpt[link][kind]]
-    return ", ".join(parts) or "0"
-
-
-def markdown(result: dict) -> str:
-    """One table per model: our policies and the transformers reference."""
-    m = result["machine"]
-    lines = [f"# Decode throughput on {m['device_name']} ({m['cpu_count']} CPUs, "
-             f"torch {m['torch_version']}, transformers {m['transformers_version']})", ""]
-    for model, entry in result["models"].items():
-        s = entry["settings"]
-        lines += [f"## {model}", "",
-                  f"batch {s['batch']}, prompt {s['prompt_len']} tokens, generate "
-                  f"{s['gen_len']} tokens, {s['dtype']}; model {_mb(entry['model_bytes'])} MB. "
-                  "Bytes are per generation step (one new token for each of the "
-                  f"{s['batch']} prompts), averaged over all {s['gen_len']} steps "
-                  f"(prefill included). Times are the best of {s['repeats']} "
-                  f"run{'s' if s['repeats'] > 1 else ''} (more when another process was "
-                  "busy). (!) marks a time measured while other processes used more than "
-                  f"{100 * result['settings']['max_others']:.0f}% of the CPU: unreliable.", ""]
-        if s.get("reduced"):
-            lines += [f"Lengths reduced from the defaults: {s['reduced']}", ""]
-        lines += ["| policy | percent | decode tok/s | prefill s | vs HF | "
-                  "weights MB/step | KV cache MB/step | activations MB/step | "
-                  "peak device GB | peak host GB | peak disk GB | others' CPU |",
-                  "|---|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|"]
-        for r in entry["rows"]:
-            bpt = r["bytes_per_token"]
-            pk = r["peak_memory_bytes"]
-            pct = " ".join(f"{p:g}" for p in r["percent"]) + (" +4bit" if r["compress_weight"]
-                                                             else "")
-            lines.append(f"| {r['policy']} | {pct} | {r['decode_tokens_per_s']:.2f} | "
-                         f"{r['prefill_s']:.2f} | {_num(r['ratio_vs_transformers'])} | "
-                         f"{_links(bpt, 'weights')} | {_links(bpt, 'kv_cache')} | "
-                         f"{_links(bpt, 'activations')} | {_gb(pk['device'])} | "
-                         f"{_gb(pk['host'])} | {_gb(pk['disk'])} | "
-                         f"{_busy(r)} |")
-        hf = entry["transformers"]
-        if hf is not None:
-            lines.append(f"| transformers generate | - | {hf['decode_tokens_per_s']:.2f} | "
-                         f"{hf['prefill_s']:.2f} | 1.00 | - | - | - | - | - | - | "
-                         f"{_busy(hf)} |")
-        lines.append("")
+def markdown(doc: dict) -> str:
+    runs = doc["runs"]
+    lines = [f"# Decode throughput and bytes moved, {doc.get('device', 'CPU')}", "",
+             meta_line(runs) + ".", "",
+             "Each number: median (min-max, N runs); a run's time is the fastest quiet one of "
+             "its repeats. GB/step, MB/step: bytes a generation step (one token for each "
+             "prompt) moves, by kind, summed over the links it crosses.", "",
+             table([{"rows": rows_of(runs)}], KEYS, COLUMNS).rstrip("\n"), "", "Runs:", ""]
+    for i, run in enumerate(runs, 1):
+        m = run["meta"]
+        lines.append(f"{i}. {m.get('date')}, commit {m.get('commit')}, {m.get('cpu')}, "
+                     f"{m.get('cores')} cores: `{m.get('command')}`"
+                     + (f" ({m['note']})" if m.get("note") else ""))
+    loud = [r for r in runs[-1]["rows"] if not r.get("quiet", True)] if runs else []
+    if loud:
+        lines += ["", "Measured while other processes used more than "
+                  f"{100 * runs[-1]['settings']['max_others']:.0f}% of the CPU (unreliable) in "
+                  "the latest run: " + ", ".join(f"{r['model']} / {r['policy']}" for r in loud)]
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(result: dict, path: Path) -> bool:
-    """Decode tokens/s per policy, one panel per model, saved to ``path``; False when
-    matplotlib is missing."""
+def bar_chart(doc: dict, path: Path) -> bool:
+    """Median decode tokens/s per policy (the bar from min to max), one panel per model and
+    lengths, saved to ``path``; False when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    models = list(result["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        entry = result["models"][model]
-        names = [r["policy"] for r in entry["rows"]]
-        values = [r["decode_tokens_per_s"] for r in entry["rows"]]
-        colors = ["tab:blue"] * len(entry["rows"])
-        if entry["transformers"] is not None:
-            names.append("transformers generate")
-            values.append(entry["transformers"]["decode_tokens_per_s"])
-            colors.append("tab:gray")
-        ax.bar(range(len(names)), values, color=colors)
+    panels: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows_of(doc["runs"]):
+        panels.setdefault((r["model"], r["batch x prompt + generated"]), {}).setdefault(
+            r["policy"], []).append(r["decode_tokens_per_s"])
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, ((model, shape), bars) in zip(axes[0], panels.items()):
+        names = list(bars)
+        med = [statistics.median(v) for v in bars.values()]
+        err = [[m - min(v) for m, v in zip(med, bars.values())],
+               [max(v) - m for m, v in zip(med, bars.values())]]
+        colors = ["tab:gray" if n == "transformers generate" else "tab:blue" for n in names]
+        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-        s = entry["settings"]
-        ax.set_title(f"{model} (batch {s['batch']}, prompt {s['prompt_len']}, "
-                     f"gen {s['gen_len']})", fontsize=10)
+        ax.set_title(f"{model} (batch x prompt + generated: {shape})", fontsize=10)
         ax.set_ylabel("decode tokens/s")
-    fig.suptitle(f"Decode throughput, {result['machine']['device_name']}", fontsize=10)
+    fig.suptitle(f"Decode throughput, {doc.get('device', 'CPU')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def write_outputs(doc: dict, json_path: Path) -> list[Path]:
+    """The ``.md`` and ``.png`` beside ``json_path`` from every run of ``doc``."""
+    md = Path(json_path).with_suffix(".md")
+    md.write_text(markdown(doc))
+    png = Path(json_path).with_suffix(".png")
+    return [md, png] if bar_chart(doc, png) else [md]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="?", default=str(RESULTS / "throughput_cpu.json"))
+    a = p.parse_args(argv)
+    path = Path(a.json).with_suffix(".json")
+    written = write_outputs(load(path), path)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# .ci/run sets this: there a test that skips because a package is missing is a failure, since
+# the README's install (setup.py's [test] extra) must bring every package a test imports.
+EXTRAS_REQUIRED = os.environ.get("FLEXGEN_INFINIGEN_TEST_EXTRAS") == "required"
+
+
+def _missing_package_fails(report) -> None:
+    if not (EXTRAS_REQUIRED and report.skipped and isinstance(report.longrepr, tuple)):
+        return
+    found = re.search(r"could not import '([^']+)'", str(report.longrepr[2]))
+    if found:
+        report.outcome = "failed"
+        report.longrepr = (f"{found[1]} is not installed, and the README's install command should "
+                           f"install every package a test imports: add {found[1]} to the [test] "
+                           "extra in setup.py")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _missing_package_fails(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _missing_package_fails(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,67 @@ def test_every_documented_command_parses(monkeypatch, capsys, page, line, comman
         if e.code not in (0, None):  # --help exits 0
             pytest.fail(f"{page.relative_to(ROOT)}: `{line}` does not parse: "
                         f"{capsys.readouterr().err.strip().splitlines()[-1]}")
+
+
+RESULTS_PAGE = ROOT / "docs" / "results.md"
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+# the pages a reader follows: every page the guards below read
+ALL_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]
+MONTH = ("(january|february|march|april|may|june|july|august|september|october|november|"
+         "december)")
+DATE = re.compile(rf"\b20\d\d-\d\d\b|\b{MONTH} \d|\b\d{{1,2}} {MONTH}\b", re.I)
+# a folder of one machine, or the checkout's neighbour: a reader's machine has neither
+LOCAL_PATH = re.compile(r"(?<![\w.~/-])(/(work|root|home|check|mnt|tmp)/[^\s)`'\"]*"
+                        r"|\.\./shared\b[^\s)`'\"]*)")
+
+
+def result_files() -> list[Path]:
+    """The files under benchmarks/results/ that the repository holds: git's list in a
+    checkout (a benchmark's output not yet committed is no part of the page), else all."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "benchmarks/results"], cwd=ROOT,
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [p for p in RESULTS_DIR.rglob("*") if p.is_file()]
+    return [ROOT / name for name in out.split("\0") if name and (ROOT / name).is_file()]
+
+
+RESULTS_MAX_LINES = 340
+
+
+def test_the_results_page_stays_one_page():
+    """Current numbers only: a section per benchmark, one table each; history lives in git."""
+    lines = RESULTS_PAGE.read_text(encoding="utf-8").count("\n")
+    assert lines <= RESULTS_MAX_LINES, (
+        f"docs/results.md has {lines} lines (at most {RESULTS_MAX_LINES}): replace a rerun's "
+        "table instead of adding one, and move investigations to a design page")
+
+
+def test_no_results_heading_carries_a_date():
+    """Links to a section must survive a rerun, which changes its date line, not its heading."""
+    text = FENCE.sub("", RESULTS_PAGE.read_text(encoding="utf-8"))
+    dated = [h for h in re.findall(r"^#+\s+(.*)$", text, re.M) if DATE.search(h)]
+    assert not dated, f"docs/results.md headings with a date: {dated}"
+
+
+def test_every_result_artifact_is_linked_from_the_results_page():
+    """benchmarks/results/ holds one artifact set per section of the results page, no more."""
+    linked = {(RESULTS_PAGE.parent / t.partition("#")[0]).resolve()
+              for t in relative_links(RESULTS_PAGE)}
+    unlinked = sorted(str(p.relative_to(ROOT)) for p in result_files()
+                      if p.resolve() not in linked)
+    assert not unlinked, ("files under benchmarks/results/ that docs/results.md does not link "
+                          f"(link each from its section, or remove it; git keeps it): {unlinked}")
+
+
+@pytest.mark.parametrize("page", ALL_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_names_a_path_outside_the_repository(page):
+    """A page names files in the repository, or placeholders (DIR, path/to/...): a folder of
+    the machine it was written on means nothing to a reader of a fresh clone."""
+    text = page.read_text(encoding="utf-8")
+    outside = [m.group(1) for m in LOCAL_PATH.finditer(text)]
+    for target in relative_links(page):
+        path = target.partition("#")[0]
+        if path and not (page.parent / path).resolve().is_relative_to(ROOT):
+            outside.append(target)
+    assert not outside, f"{page.relative_to(ROOT)} names paths outside the repository: {outside}"
