@@ -278,11 +278,8 @@ def markdown(doc: dict) -> str:
 
 
 def plot(path: Path, doc: dict) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     windows = _by_window(doc)
     if not windows:

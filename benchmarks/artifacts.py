@@ -118,15 +118,17 @@ def grouped(runs: list[dict], keys: list[str],
     return groups
 
 
-def table(runs: list[dict], keys: list[str], columns: list[tuple[str, str]],
+def table(runs: list[dict], keys: list[str], columns: list[tuple],
           where: Callable[[dict], bool] | None = None, fmt: str = "{:.3g}") -> str:
     """A markdown table: one line per distinct ``keys`` tuple, one cell per ``(header, field)``
-    in ``columns``, each ``median (min-max, N runs)`` over the rows that have the field."""
-    lines = ["| " + " | ".join([*keys, *(h for h, _ in columns)]) + " |",
+    or ``(header, field, format)`` in ``columns`` (``fmt`` where a column names none), each
+    ``median (min-max, N runs)`` over the rows that have the field."""
+    columns = [(c[0], c[1], c[2] if len(c) > 2 else fmt) for c in columns]
+    lines = ["| " + " | ".join([*keys, *(c[0] for c in columns)]) + " |",
              "|" + "---|" * (len(keys) + len(columns))]
     for key, rows in grouped(runs, keys, where).items():
         cells = ["" if k is None else str(k) for k in key]
-        cells += [spread((r.get(f) for r in rows), fmt) for _, f in columns]
+        cells += [spread((r.get(f) for r in rows), form) for _, f, form in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -137,3 +139,15 @@ def meta_line(runs: list[dict]) -> str:
         return ", ".join(dict.fromkeys(str(r["meta"].get(field)) for r in runs if "meta" in r))
     return (f"{len(runs)} run{'s' if len(runs) != 1 else ''}; machine: {each('cpu')}, "
             f"{each('cores')} cores; dates: {each('date')}; commits: {each('commit')}")
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files (the Agg backend), or None where matplotlib is not
+    installed: a benchmark's plot is optional, its JSON and table are not."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

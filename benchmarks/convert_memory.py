@@ -123,14 +123,8 @@ COLUMNS = [("checkpoint MiB", "checkpoint_mib", "{:.0f}"),
 
 
 def table(runs: list[dict]) -> str:
-    """``artifacts.table`` with a format per column (MiB as integers, ratios to 2 places)."""
-    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
-             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
-    for key, rows in artifacts.grouped(runs, KEYS).items():
-        cells = [str(k) for k in key]
-        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    """``artifacts.table`` with a format per column."""
+    return artifacts.table(runs, KEYS, COLUMNS)
 
 
 def row(gb: float, shard_mb: int, info: dict, child: dict, store_bytes: int) -> dict:

@@ -269,11 +269,8 @@ def markdown(doc: dict) -> str:
 def write_outputs(doc: dict, out: Path) -> None:
     """The markdown and the plot of every run in ``doc``."""
     out.with_suffix(".md").write_text(markdown(doc))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5.5, 5))
     groups = artifacts.grouped(doc["runs"], ["policy"])

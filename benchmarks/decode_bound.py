@@ -34,11 +34,9 @@ from flexgen_infinigen.kv.spec_keys import bytes_per_key
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from artifacts import append_run, load, meta_line, run_meta, table  # noqa: E402
+from artifacts import INVESTIGATIONS, append_run, load, meta_line, pyplot, run_meta, table  # noqa: E402,E501
 
 TEXT = ROOT.parent / "shared" / "data" / "wikitext2_test.txt"
-from artifacts import INVESTIGATIONS  # noqa: E402
-
 OUT = INVESTIGATIONS / "decode_bound_cpu"
 POLICIES = {"full": None, "infinigen": None, "h2o": {"hh_ratio": 0.09, "recent_ratio": 0.09}}
 
@@ -204,11 +202,8 @@ def write_outputs(doc: dict, out: Path) -> None:
 
 def plot(path: Path, rows: list[dict]) -> None:
     """Median step and bound of each line, the step's bar from its min to its max."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -194,13 +194,7 @@ COLUMNS = [("decode step s", "decode_step_s", "{:.3g}"),
 
 def table(runs: list[dict]) -> str:
     """``artifacts.table`` with a format per column."""
-    lines = ["| " + " | ".join([*KEYS, *(h for h, _, _ in COLUMNS)]) + " |",
-             "|" + "---|" * (len(KEYS) + len(COLUMNS))]
-    for key, rows in artifacts.grouped(runs, KEYS).items():
-        cells = [str(k) for k in key]
-        cells += [artifacts.spread((r.get(f) for r in rows), fmt) for _, f, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return artifacts.table(runs, KEYS, COLUMNS)
 
 
 def markdown(doc: dict) -> str:

@@ -349,11 +349,8 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     groups = artifacts.grouped(doc["runs"], KEYS)
 

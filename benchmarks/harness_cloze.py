@@ -90,11 +90,8 @@ def write(stem: Path) -> None:
         + artifacts.table(runs, ["policy"], COLUMNS, fmt="{:.3g}")
         + "\nEach cell: median (min-max, N runs); stderr: the harness's standard error of "
           "the accuracy.\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     groups = artifacts.grouped(runs, ["policy"])
     names = [k[0] for k in groups]

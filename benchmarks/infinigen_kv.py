@@ -130,11 +130,8 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     groups = artifacts.grouped(doc["runs"], ["model", "kv_policy", "context"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -16,15 +16,7 @@ import torch
 import flexgen_infinigen
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from artifacts import cpu_name  # noqa: E402,F401 - re-exported: older scripts import it here
 
 
 def machine_info() -> dict:

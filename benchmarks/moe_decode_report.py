@@ -113,11 +113,8 @@ def markdown(doc: dict) -> str:
 
 def plot(doc: dict, path: Path) -> None:
     """Each table line's median tokens/s, the bar's whisker from the min to the max run."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = artifacts.pyplot()
+    if plt is None:
         return
     groups = artifacts.grouped([{"rows": table_rows(doc["runs"])}], KEYS)
     if not groups:

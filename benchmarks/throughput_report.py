@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from artifacts import RESULTS, load, meta_line, table  # noqa: E402
+from artifacts import RESULTS, load, meta_line, pyplot, table  # noqa: E402
 
 KEYS = ["model", "batch x prompt + generated", "policy"]
 COLUMNS = [("decode tok/s", "decode_tokens_per_s"), ("prefill s", "prefill_s"),
@@ -79,11 +79,8 @@ def markdown(doc: dict) -> str:
 def bar_chart(doc: dict, path: Path) -> bool:
     """Median decode tokens/s per policy (the bar from min to max), one panel per model and
     lengths, saved to ``path``; False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     panels: dict[tuple, dict[str, list[float]]] = {}
     for r in rows_of(doc["runs"]):

@@ -5,13 +5,18 @@
 
 Each input line is a JSON object: ``id`` (unique), ``prompt`` (text or token ids) or
 ``messages`` (a chat, [{"role", "content"}], through the model's chat template), and
-optionally ``gen_len``, ``temperature``, ``top_p``, ``repetition_penalty``. A file in the
-OpenAI Batch API format (``custom_id``, ``method``, ``url``, ``body``; see
-:mod:`.openai_batch`) is read as such and answered in that format. Prompts with the
-same settings are sorted by length (less padding) and run in blocks of the policy's size;
-each finished block is appended to ``--output`` (one line per id) and synced to disk. A
-rerun skips the ids already written: an interrupted job loses at most the block in flight
-and never writes an id twice.
+optionally ``gen_len`` (or ``max_tokens``), ``temperature``, ``top_p``,
+``repetition_penalty``, ``seed`` and ``stop``. A file in the OpenAI Batch API format
+(``custom_id``, ``method``, ``url``, ``body``; see :mod:`.cli.openai_batch`) is read as such
+and answered in that format. Prompts with the same settings are sorted by length (less
+padding) and run in blocks of the policy's size; each finished block is appended to
+``--output`` (one line per id) and synced to disk. A rerun skips the ids already written: an
+interrupted job loses at most the block in flight and never writes an id twice.
+
+A request that cannot run (a refused value, a prompt outside the model's vocabulary or
+positions, a row that fails in the engine) gets an error line of its own and the job goes
+on; a block that fails runs again one row at a time, so its other rows are answered as they
+would have been (see :mod:`.cli.batch_file`).
 """
 from __future__ import annotations
 
@@ -20,109 +25,25 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from .cli import openai_batch
+from .cli import request_checks as checks
 from .cli.args import (
     add_model_args,
     add_policy_args,
     check_policy_args,
+    check_sampling_args,
     policy_from_args,
     wants_plan,
 )
+from .cli.batch_file import FAILED, INVALID, done_ids, error_line, read_requests, result_line
+from .cli.batch_file import same_file
 from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
 from .runtime.guards import check_output_path, run_command
 from .sampling import SamplingConfig
 
-SETTINGS = {"gen_len": int, "temperature": float, "top_p": float, "repetition_penalty": float}
-
-
-def read_requests(path: str, defaults: dict) -> list[dict]:
-    """The input lines, checked: one error naming the line for anything malformed."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read --input {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--input {path} is not UTF-8 text") from None
-    requests, seen, first = [], set(), None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--input {path} line {n}"
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"{where} is not JSON ({e.msg})") from None
-        openai = openai_batch.is_openai(item)
-        if first is None:
-            first = (n, openai)
-        elif openai != first[1]:
-            formats = ("our format", "the OpenAI Batch format")
-            raise ConfigError(f"{where} is in {formats[openai]} but line {first[0]} is in "
-                              f"{formats[first[1]]}; one file holds one format")
-        if openai:
-            request = openai_batch.parse(item, where, defaults)
-        else:
-            request = _ours(item, where, defaults)
-        if request["id"] in seen:
-            raise ConfigError(f"{where}: id {request['id']!r} appears twice; ids must be "
-                              "unique")
-        seen.add(request["id"])
-        requests.append(request)
-    if not requests:
-        raise ConfigError(f"--input {path} holds no requests (one JSON object per line)")
-    return requests
-
-
-def _ours(item, where: str, defaults: dict) -> dict:
-    """A request in this command's own format (see the module docstring)."""
-    if not isinstance(item, dict) or "id" not in item:
-        raise ConfigError(f"{where} needs an object with an \"id\"")
-    key = str(item["id"])
-    if ("prompt" in item) == ("messages" in item):
-        raise ConfigError(f"{where}: give exactly one of \"prompt\" and \"messages\"")
-    prompt = item.get("prompt")
-    if prompt is not None and not (isinstance(prompt, str) and prompt.strip() or
-                                   isinstance(prompt, list) and prompt and
-                                   all(isinstance(t, int) for t in prompt)):
-        raise ConfigError(f"{where}: \"prompt\" must be non-empty text or token ids")
-    messages = item.get("messages")
-    if messages is not None and not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-        raise ConfigError(f"{where}: \"messages\" must be a list of {{role, content}}")
-    settings = dict(defaults)
-    for name, kind in SETTINGS.items():
-        if name in item:
-            try:
-                settings[name] = kind(item[name])
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: {name} must be a number") from None
-    if settings["gen_len"] < 1:
-        raise ConfigError(f"{where}: gen_len must be at least 1")
-    SamplingConfig(settings["temperature"], settings["top_p"], 0,
-                   settings["repetition_penalty"]).validate()
-    return {"id": key, "format": "ours", "prompt": prompt, "messages": messages,
-            "settings": settings, "refused": None, "stop": []}
-
-
-def done_ids(path: str) -> set[str]:
-    """Ids already in ``--output``. A last line cut short by a kill is removed first."""
-    out = Path(path)
-    if not out.is_file():
-        return set()
-    data = out.read_bytes()
-    complete = data[:data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with open(out, "r+b") as f:
-            f.truncate(len(complete))
-    ids = set()
-    for line in complete.decode("utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            ids.add(str(row["custom_id"] if "custom_id" in row else row["id"]))
-    return ids
+__all__ = ["done_ids", "main", "read_requests"]
 
 
 def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> list[int]:
@@ -160,16 +81,80 @@ def planned(a, model: str, todo: list[dict]):
     return policy_from_args(a, cfg, (longest, gen))
 
 
+def _cut_at_stop(lm, request: dict, ids: list[int], text: str) -> tuple[list[int], str, bool]:
+    """(ids, text, whether a stop string ended it): the text up to the request's first stop
+    string, and the tokens up to the one that completed it."""
+    text, cut = openai_batch.cut_at_stop(text, request["stop"])
+    if not cut:
+        return ids, text, False
+    lo, hi = 1, len(ids)  # the fewest tokens whose text holds a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if openai_batch.cut_at_stop(lm.tokenizer.decode(ids[:mid]), request["stop"])[1]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return ids[:lo], text, True
+
+
 def _result(lm, request: dict, ids: list[int], text: str) -> dict:
     """One output line, in the request's format."""
     stopped = bool(ids) and ids[-1] in lm.stop_token_ids
-    if request["format"] == "ours":
-        return {"id": request["id"], "text": text, "token_ids": ids,
-                "prompt_tokens": len(request["ids"]),
-                "finish_reason": "stop" if stopped else "length"}
-    text, cut = openai_batch.cut_at_stop(text, request["stop"])
-    return openai_batch.response_line(request, text, len(ids), len(request["ids"]),
-                                      "stop" if stopped or cut else "length", lm.cfg.name)
+    ids, text, cut = _cut_at_stop(lm, request, ids, text)
+    return result_line(request, ids, text, len(request["ids"]),
+                       "stop" if stopped or cut else "length", lm.cfg.name)
+
+
+def _prepare(lm, request: dict, chat: bool, template: str | None) -> str | None:
+    """Set the request's token ids; a message when this request cannot run on this model."""
+    try:
+        ids = prompt_ids(lm, request, chat, template)
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:  # a tokenizer or template fault is this prompt's own
+        return f"the prompt cannot be encoded ({_first_line(e)})"
+    gen_len = request["settings"]["gen_len"]
+    if not ids:
+        return "the prompt is empty; give at least one token"
+    try:  # ids the embedding can look up (a text's are; given ones may not be)
+        checks.token_ids(ids, lm.cfg.vocab_size)
+    except checks.Refused as e:
+        request["param"] = e.param
+        return str(e)
+    if len(ids) + gen_len > lm.cfg.max_positions:
+        request["param"] = "max_tokens" if request["format"] == "openai" else "gen_len"
+        return (f"the prompt ({len(ids)} tokens) plus {gen_len} generated is over "
+                f"{lm.cfg.name}'s {lm.cfg.max_positions} positions; shorten one of them")
+    request["ids"] = ids
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
+
+
+def _answer(lm, block: list[dict], gen_len: int, sampling: SamplingConfig) -> list[dict]:
+    """The output lines of one block. A block that fails runs again one row at a time, so
+    only the row that fails gets an error line (a greedy row gets the tokens it would have
+    had; a sampled one draws from a generator of its own then); a disk's fault stops the
+    job."""
+    try:
+        gen = lm.generate([r["ids"] for r in block], gen_len, sampling)
+    except OSError:
+        raise
+    except Exception as e:
+        failure = e
+    else:
+        return [_result(lm, r, ids, text) for r, ids, text in
+                zip(block, gen.token_ids, gen.texts)]
+    if len(block) > 1:
+        return [line for r in block for line in _answer(lm, [r], gen_len, sampling)]
+    message = _first_line(failure)
+    print(f"warning: request {block[0]['id']!r} failed ({message}); its output line holds "
+          "the error", file=sys.stderr)
+    return [error_line(block[0], message,
+                       INVALID if isinstance(failure, ConfigError) else FAILED)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,15 +180,32 @@ def main(argv=None) -> int:
     return run_command(_main, argv)
 
 
+def _write(out, lines: list[dict]) -> None:
+    """Append whole lines and put them on the disk: a kill loses no line written."""
+    for line in lines:
+        out.write(json.dumps(line) + "\n")
+    out.flush()
+    os.fsync(out.fileno())
+
+
+def _generated(line: dict) -> int:
+    """Tokens an output line reports generating (0 for an error)."""
+    if line.get("token_ids") is not None:
+        return len(line["token_ids"])
+    response = line.get("response") or {}
+    return response.get("body", {}).get("usage", {}).get("completion_tokens", 0)
+
+
 def _main(argv=None) -> int:
-    from tqdm.auto import tqdm
-
-    from .api import OffloadedLM
-    from .text.chat import store_template
-
     a = build_parser().parse_args(argv)
     check_output_path(a.output, "--output")
+    if same_file(a.input, a.output):
+        raise ConfigError(f"--output {a.output} is the --input file; the results go to "
+                          "another file: give a new name")
     check_policy_args(a)
+    check_sampling_args(a)
+    if a.gen_len < 1:
+        raise ConfigError(f"--gen-len must be at least 1 (got {a.gen_len})")
     defaults = {"gen_len": a.gen_len, "temperature": a.temperature, "top_p": a.top_p,
                 "repetition_penalty": a.repetition_penalty}
     requests = read_requests(a.input, defaults)
@@ -213,24 +215,45 @@ def _main(argv=None) -> int:
           file=sys.stderr)
     if not todo:
         return 0
+    with open(a.output, "a", encoding="utf-8") as out:
+        # refused at once, before any loading: the job goes on with the rest
+        refused = [error_line(r, r["refused"]) for r in todo if r["refused"]]
+        _write(out, refused)
+        todo = [r for r in todo if not r["refused"]]
+        failed = _run(a, todo, out) if todo else 0
+    errors = len(refused) + failed
+    print(f"wrote {len(todo) + len(refused)} lines to {a.output}"
+          + (f" ({errors} of them errors: see their \"error\")" if errors else ""),
+          file=sys.stderr)
+    return 0
+
+
+def _run(a, todo: list[dict], out) -> int:
+    """Answer ``todo`` into ``out``; returns how many got an error line."""
+    from tqdm.auto import tqdm
+
+    from .api import OffloadedLM
+    from .text.chat import store_template
+
     kv = kv_policy_from_args(a)
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
     policy, _ = planned(a, model, todo) if wants_plan(a) else policy_from_args(a)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                           device=a.device, dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed)
-    with lm, open(a.output, "a", encoding="utf-8") as out:
+    failed = 0
+    with lm:
         template = store_template(lm.store_path)  # read once, not per request
-        for r in [r for r in todo if r["refused"]]:  # answered at once, the job goes on
-            out.write(json.dumps(openai_batch.error_line(r, r["refused"])) + "\n")
-        out.flush()
-        todo = [r for r in todo if not r["refused"]]
+        ready, refused = [], []
         for r in todo:  # an OpenAI completion is plain text, never a chat
-            r["ids"] = prompt_ids(lm, r, a.chat and r["format"] == "ours", template)
+            why = _prepare(lm, r, a.chat and r["format"] == "ours", template)
+            (ready.append(r) if why is None else refused.append(error_line(r, why)))
+        _write(out, refused)
+        failed += len(refused)
         groups: dict[tuple, list[dict]] = {}
-        for r in todo:
+        for r in ready:
             groups.setdefault(tuple(sorted(r["settings"].items())), []).append(r)
-        bar = tqdm(total=len(todo), desc="prompts", unit="prompt")
+        bar = tqdm(total=len(ready), desc="prompts", unit="prompt")
         tokens, start = 0, time.perf_counter()
         for key, group in groups.items():
             settings = dict(key)
@@ -240,17 +263,14 @@ def _main(argv=None) -> int:
                                       settings["repetition_penalty"])
             for i in range(0, len(group), policy.block_size):
                 block = group[i:i + policy.block_size]
-                gen = lm.generate([r["ids"] for r in block], settings["gen_len"], sampling)
-                for r, ids, text in zip(block, gen.token_ids, gen.texts):
-                    out.write(json.dumps(_result(lm, r, ids, text)) + "\n")
-                    tokens += len(ids)
-                out.flush()
-                os.fsync(out.fileno())
+                lines = _answer(lm, block, settings["gen_len"], sampling)
+                _write(out, lines)
+                failed += sum(line["error"] is not None for line in lines)
+                tokens += sum(map(_generated, lines))
                 bar.update(len(block))
                 bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
         bar.close()
-    print(f"wrote {len(todo)} results to {a.output}", file=sys.stderr)
-    return 0
+    return failed
 
 
 if __name__ == "__main__":

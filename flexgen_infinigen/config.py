@@ -207,3 +207,27 @@ def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(cache_dir)
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "flexgen_infinigen"
+
+
+def writable_folder(folder: str | os.PathLike) -> Path:
+    """``folder`` in the cache (the cache itself, or a folder in it), created now; one error
+    naming the fix when it cannot be written: a file in its place, a read-only disk, no
+    permission."""
+    folder = Path(folder)
+    fix = (f"point ${CACHE_ENV} at a writable folder (it is "
+           f"{os.environ.get(CACHE_ENV) or 'unset: ~/.cache/flexgen_infinigen'})")
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise ConfigError(f"the cache folder {folder} cannot be made: {above} is a "
+                                  f"file, not a folder; {fix}")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the cache folder {folder} "
+                          f"({e.strerror or type(e).__name__}); {fix}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"the cache folder {folder} is not writable (a read-only disk, or "
+                          f"not yours); {fix}")
+    return folder

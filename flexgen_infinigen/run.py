@@ -9,6 +9,7 @@ from .cli.args import (
     add_model_args,
     add_policy_args,
     check_policy_args,
+    check_sampling_args,
     policy_from_args,
     wants_plan,
     write_json,
@@ -21,7 +22,6 @@ from .pipeline.args import add_pipeline_args, check_pipeline_args
 from .policy import Policy
 from .runtime.guards import check_output_path, run_command
 from .runtime.loading import model_config
-from .sampling import SamplingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +89,7 @@ def check_args(a) -> list[str]:
     check_output_path(a.json, "--json")
     check_output_path(a.record_routing, "--record-routing")
     check_policy_args(a)
+    check_sampling_args(a)
     check_pipeline_args(a)
     if a.stream and (len(texts) > 1 or a.synthesize):
         raise ConfigError("--stream prints one prompt's tokens as they come; give one --prompt "
@@ -157,8 +158,7 @@ def _main(argv=None) -> int:
         from .pipeline.launch import run_pipeline
         return run_pipeline(a, texts)
     kv = kv_policy_from_args(a)
-    sampling = SamplingConfig(a.temperature, a.top_p, a.seed,
-                              a.repetition_penalty).validate()
+    sampling = check_sampling_args(a)
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
     policy, plan = planned_policy(a, model, texts) if wants_plan(a) else policy_from_args(a)
     hint = None if texts else (a.prompt_len, a.gen_len)

@@ -1,9 +1,13 @@
 """Choosing the next token: greedy, or temperature with nucleus (top-p) sampling."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+TOP_P_FLOOR = 2.0 ** -126  # float32's smallest normal: a smaller top_p rounds to 0 there
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -15,13 +19,20 @@ class SamplingConfig:
 
     def validate(self) -> "SamplingConfig":
         from .config import ConfigError
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"--repetition-penalty must be above 0 (1 = off), got "
-                              f"{self.repetition_penalty}")
+        # written so that NaN fails each check (every comparison with NaN is false)
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0 = greedy), got "
+                              f"{self.temperature}")
+        if not TOP_P_FLOOR <= self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1] and at least {TOP_P_FLOOR:.3g} "
+                              f"(float32's smallest normal), got {self.top_p}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ConfigError(f"the seed must be an integer from {SEED_MIN} to {SEED_MAX} (64 "
+                              f"bits), got {self.seed!r}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ConfigError(f"--repetition-penalty must be a finite number above 0 (1 = "
+                              f"off), got {self.repetition_penalty}")
         return self
 
 
@@ -35,13 +46,20 @@ class Sampler:
         logits = logits.float().cpu()
         if self.config.temperature == 0:
             return logits.argmax(-1)
-        probs = torch.softmax(logits / self.config.temperature, dim=-1)
+        scaled = logits / self.config.temperature
+        # a temperature so small that the scaled logits overflow (softmax would be NaN): its
+        # limit, the greedy choice
+        greedy = ~torch.isfinite(scaled.amax(-1))
+        probs = torch.softmax(scaled.masked_fill(greedy[:, None], 0), dim=-1)
         if self.config.top_p < 1:
             sorted_p, order = probs.sort(-1, descending=True)
             before = sorted_p.cumsum(-1) - sorted_p
-            sorted_p = sorted_p.masked_fill(before >= self.config.top_p, 0)
+            drop = before >= self.config.top_p
+            drop[:, 0] = False  # the most likely token is always kept
+            sorted_p = sorted_p.masked_fill(drop, 0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return torch.where(greedy, logits.argmax(-1), drawn)
 
 
 class ForcedTokens:

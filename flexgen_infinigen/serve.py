@@ -44,8 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send and /v1/models lists (default: the "
                         "model's name)")
     g.add_argument("--api-key", default=os.environ.get("FLEXGEN_INFINIGEN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: the "
-                        "FLEXGEN_INFINIGEN_API_KEY environment variable; none: open)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: the FLEXGEN_INFINIGEN_API_KEY environment variable; "
+                        "none: open)")
+    g.add_argument("--allowed-hosts", default=None, metavar="NAME[,NAME...]",
+                   help="Host header names answered besides the loopback ones (localhost, "
+                        "127.0.0.1, ::1); on a loopback --host any other Host is refused "
+                        "(421: the guard against DNS rebinding). '*': answer any Host")
+    g.add_argument("--max-body-mb", type=float, default=2.0,
+                   help="largest request body, in MiB; a larger one is refused with 413 "
+                        "before it is read (default 2)")
+    g.add_argument("--request-timeout-s", type=float, default=30.0,
+                   help="seconds a client has to send a request's line and headers, and "
+                        "then its body; a half-sent request is answered 408 and closed "
+                        "(default 30)")
+    g.add_argument("--max-json-depth", type=int, default=64,
+                   help="deepest nesting of a JSON body (default 64)")
+    g.add_argument("--docs", action="store_true",
+                   help="serve the interactive API docs at /docs, /redoc and /openapi.json "
+                        "(off by default; /docs loads its scripts from a CDN)")
+    g.add_argument("--allow-control-tokens", action="store_true",
+                   help="encode control-token text in user content (such as <|im_start|>) "
+                        "as the control token; by default it is encoded as plain text")
     g.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -61,6 +81,16 @@ def check_args(a) -> None:
             raise ConfigError(f"{flag} must be at least 1 (got {v})")
     if a.api_key is not None and not a.api_key.strip():
         raise ConfigError("--api-key is empty; give a key or drop the flag")
+    for flag, v in (("--max-body-mb", a.max_body_mb),
+                    ("--request-timeout-s", a.request_timeout_s)):
+        if not 0 < v < float("inf"):
+            raise ConfigError(f"{flag} must be a positive number (got {v:g})")
+    if a.max_body_mb * 2**20 < 1024:
+        raise ConfigError(f"--max-body-mb {a.max_body_mb:g} is under 1 KiB; no request fits")
+    if not 1 <= a.max_json_depth <= 512:
+        raise ConfigError(f"--max-json-depth must be 1 to 512 (got {a.max_json_depth})")
+    if a.allowed_hosts is not None and not _allowed_hosts(a.allowed_hosts):
+        raise ConfigError("--allowed-hosts is empty; give names separated by commas, or '*'")
     check_policy_args(a)
     _check_listen(a.host, a.port)
     try:
@@ -69,6 +99,26 @@ def check_args(a) -> None:
     except ImportError:
         raise ConfigError("the server needs FastAPI and uvicorn: pip install "
                           "'flexgen_infinigen[serve]'") from None
+
+
+def _allowed_hosts(given: str) -> set[str]:
+    from .serving.guard import host_name
+
+    return {host_name(n) for n in given.split(",") if n.strip()}
+
+
+def limits_from_args(a):
+    """The server's :class:`~.serving.guard.Limits` from its flags."""
+    from .serving.guard import Limits, is_loopback
+
+    hosts = _allowed_hosts(a.allowed_hosts) if a.allowed_hosts is not None else set()
+    if "*" in hosts or (not hosts and not is_loopback(a.host)):
+        allowed = None  # any Host: the address is reachable from other machines anyway
+    else:
+        allowed = frozenset(hosts)
+    return Limits(max_body_bytes=int(a.max_body_mb * 2**20),
+                  request_timeout_s=a.request_timeout_s, max_json_depth=a.max_json_depth,
+                  allowed_hosts=allowed, docs=a.docs)
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -94,6 +144,7 @@ def _main(argv=None) -> int:
 
     from .api import OffloadedLM
     from .serving.app import create_app
+    from .serving.guard import HEAD_LIMIT_KB, KEEP_ALIVE_S, http_protocol
     from .serving.scheduler import Scheduler
     from .text.chat import store_template
 
@@ -112,10 +163,15 @@ def _main(argv=None) -> int:
         name = a.served_model_name or lm.cfg.name
         names = {name, lm.cfg.name} | ({a.model} if a.model else set())
         scheduler = Scheduler(lm, a.max_wait_ms / 1000, a.max_queue)
+        limits = limits_from_args(a)
         app = create_app(scheduler, name, names, store_template(lm.store_path), a.max_tokens,
-                         a.api_key)
+                         a.api_key, limits, control_tokens=a.allow_control_tokens)
         server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port,
-                                               log_level=a.log_level, access_log=False))
+                                               log_level=a.log_level, access_log=False,
+                                               http=http_protocol(a.request_timeout_s),
+                                               timeout_keep_alive=KEEP_ALIVE_S,
+                                               h11_max_incomplete_event_size=HEAD_LIMIT_KB
+                                               * 1024))
         print(f"serving {name} on http://{a.host}:{a.port}/v1 (blocks of "
               f"{policy.gpu_batch_size} x {policy.num_gpu_batches}, --max-wait-ms "
               f"{a.max_wait_ms:g}); Ctrl-C or SIGTERM drains and exits", file=sys.stderr,

@@ -103,7 +103,7 @@ def _in_thread(fn, *args, **kwargs):
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=AUTH).text.splitlines():
         if line.startswith(f"flexgen_infinigen_{name} "):
             return float(line.split()[-1])
     raise AssertionError(f"no metric {name}")
@@ -211,7 +211,8 @@ def test_a_dropped_stream_frees_its_row(client, server):
     (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "not served"),
 ])
 def test_malformed_bodies_get_openai_errors(server, body, status, words):
-    r = httpx.post(f"{server}/v1/completions", content=body, headers=AUTH, timeout=60)
+    r = httpx.post(f"{server}/v1/completions", content=body,
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
     assert r.status_code == status
     error = r.json()["error"]
     assert words in error["message"] and error["type"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from ..config import DEFAULT_MODEL, ConfigError
@@ -12,6 +13,8 @@ from ..flags import int_or_auto, str2bool
 from ..kv import add_kv_args, kv_policy_from_args
 from ..policy import Policy
 from ..runtime.offload_dir import offload_root
+from ..sampling import SamplingConfig
+from .request_checks import SEED_MAX, SEED_MIN
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +185,19 @@ def check_policy_args(a) -> None:
     if a.offload_dir:
         offload_root(a.offload_dir)  # created, and checked writable, before any loading
     kv_policy_from_args(a).check_placement(a.cpu_cache_compute)
+
+
+def check_sampling_args(a) -> SamplingConfig:
+    """The sampling flags (``--temperature``, ``--top-p``, ``--repetition-penalty``), checked:
+    argparse's ``float`` takes ``nan`` and ``inf``, which no comparison refuses."""
+    for flag in ("temperature", "top_p", "repetition_penalty"):
+        value = getattr(a, flag)
+        if not math.isfinite(value):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number (got "
+                              f"{value})")
+    if not SEED_MIN <= a.seed <= SEED_MAX:  # what a torch generator takes
+        raise ConfigError(f"--seed must be from {SEED_MIN} to {SEED_MAX} (got {a.seed})")
+    return SamplingConfig(a.temperature, a.top_p, a.seed, a.repetition_penalty).validate()
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -1,30 +1,39 @@
 """The FastAPI application: OpenAI's routes over a :class:`~.scheduler.Scheduler`.
 
 Every error is OpenAI's error JSON with its status (400 for a body that cannot be served as
-asked, 401 without the API key, 404 for another model, 503 when the queue is full) and the
+asked, 401 without the API key, 404 for another model, 408, 413, 415 and 421 for what
+:mod:`.guard` refuses, 503 when the queue is full, 500 when the server itself fails) and the
 server goes on. A streamed answer is Server-Sent Events, one ``data:`` chunk per piece of
-text, then ``data: [DONE]``; a client that goes away cancels its row.
+text, then ``data: [DONE]``; a client that goes away, streamed or not, cancels its row at the
+engine's next step.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from .guard import Guard, Limits, decode_json, endpoint, log, read_body, server_error
 from .requests import ApiError, ServeRequest, parse
 from .scheduler import QueueFull, Scheduler
 
-POLL_S = 1.0  # how often a waiting handler checks that its client is still there
+GONE = ("gone", None, None)  # the event that says the client has disconnected
 
 
 def create_app(scheduler: Scheduler, model: str, names: set[str], template: str | None,
-               default_max_tokens: int, api_key: str | None = None) -> FastAPI:
+               default_max_tokens: int, api_key: str | None = None,
+               limits: Limits | None = None, control_tokens: bool = False):
+    """The ASGI app: the routes behind :class:`~.guard.Guard`'s checks. ``control_tokens``:
+    control-token text in user content is encoded as the control token (by default, as
+    plain text)."""
     lm, metrics = scheduler.lm, scheduler.metrics
+    limits = limits or Limits()
     created = int(time.time())
 
     @asynccontextmanager
@@ -34,19 +43,38 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
         # the server has stopped taking requests and answered every one in flight
         await asyncio.to_thread(scheduler.stop)
 
-    app = FastAPI(title="flexgen_infinigen", lifespan=lifespan)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        # an exception no route turned into an answer; Guard logs it once
+        metrics.answered(endpoint(request.url.path), 500)
+        failure = server_error(e)
+        return JSONResponse(failure.body(), status_code=500, headers={"connection": "close"})
+
+    async def refused(request: Request, e: HTTPException) -> JSONResponse:
+        # the router's own answers (no such route, another method) in OpenAI's shape
+        metrics.answered(endpoint(request.url.path), e.status_code)
+        words = {404: f"there is no route {request.url.path}",
+                 405: f"{request.url.path} does not take {request.method}"}
+        return JSONResponse(ApiError(e.status_code, words.get(e.status_code, str(e.detail)),
+                                     code="not_found" if e.status_code == 404 else None).body(),
+                            status_code=e.status_code, headers=e.headers)
+
+    docs = limits.docs
+    app = FastAPI(title="flexgen_infinigen", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None,
+                  exception_handlers={Exception: failed, HTTPException: refused})
 
     def error(endpoint: str, e: ApiError) -> JSONResponse:
         metrics.answered(endpoint, e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        # a body too slow to come is not waited for; the rest of one too large is read
+        # and dropped for --request-timeout-s at most (see guard.http_protocol), so that
+        # a client still sending sees this answer, not a reset connection
+        close = {"connection": "close"} if e.status == 408 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=close)
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "a valid API key is needed: send the header Authorization: "
-                                "Bearer <key>", code="invalid_api_key")
+    def decode_and_parse(kind: str, raw: bytes) -> ServeRequest:
+        return parse(kind, decode_json(raw, limits.max_json_depth), lm, template,
+                     default_max_tokens, names, control_tokens=control_tokens)
 
     @app.get("/health")
     async def health():
@@ -61,24 +89,15 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        try:
-            check_key(request)
-        except ApiError as e:
-            return error("/v1/models", e)
+    async def models():
         return {"object": "list", "data": [{"id": model, "object": "model",
                                             "created": created, "owned_by": "flexgen_infinigen",
                                             "max_model_len": lm.cfg.max_positions}]}
 
     async def complete(kind: str, endpoint: str, request: Request):
         try:
-            check_key(request)
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not JSON ({e})") from None
-            served = await asyncio.to_thread(parse, kind, body, lm, template,
-                                             default_max_tokens, names)
+            raw = await read_body(request, limits)
+            served = await asyncio.to_thread(decode_and_parse, kind, raw)
             served.loop, served.events = asyncio.get_running_loop(), asyncio.Queue()
             try:
                 scheduler.submit(served)
@@ -86,6 +105,9 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
                 raise ApiError(503, str(e), "server_overloaded") from None
         except ApiError as e:
             return error(endpoint, e)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            metrics.answered(endpoint, 499)
+            return JSONResponse({}, status_code=499)
         metrics.count("requests_admitted")
         metrics.count("prompt_tokens", len(served.ids))
         if served.stream:
@@ -109,29 +131,29 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     async def completions(request: Request):
         return await complete("completion", "/v1/completions", request)
 
-    return app
+    return Guard(app, limits, api_key, metrics)
 
 
-async def _next_event(served: ServeRequest, request: Request):
-    """The engine's next event for this request, or None once the client has gone."""
-    while True:
-        try:
-            return await asyncio.wait_for(served.events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
+async def _watch(served: ServeRequest, request: Request) -> None:
+    """Waits for the client to disconnect, then cancels its row and wakes the handler. After
+    the body, the next message of a request is its disconnect: this sees it at once, where
+    a check between events would wait for an event to come."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    served.cancelled.set()  # the engine drops the row at its next step
+    served.events.put_nowait(GONE)
 
 
 async def _collect(served: ServeRequest, request: Request):
     """(text, finish reason, log-probability entries) of a whole answer; reason None when
     the client left before it was done."""
     pieces, entries = [], []
+    watch = asyncio.create_task(_watch(served, request))
     try:
         while True:
-            event = await _next_event(served, request)
-            if event is None:
+            kind, piece, extra = await served.events.get()
+            if kind == "gone":
                 return "", None, []
-            kind, piece, extra = event
             if kind == "error":
                 raise piece
             pieces.append(piece)
@@ -140,23 +162,24 @@ async def _collect(served: ServeRequest, request: Request):
             if extra is not None:
                 entries.append(extra)
     finally:
+        watch.cancel()
         served.cancelled.set()  # a no-op once the row has finished
 
 
 async def _sse(served: ServeRequest, request: Request):
     """The answer as Server-Sent Events; leaving (the client's disconnect closes this
-    generator) cancels the row."""
+    generator, or the watch sees it first) cancels the row."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    watch = asyncio.create_task(_watch(served, request))
     try:
         if served.kind == "chat":
             yield data(served.chunk("", None, [], first=True))
         while True:
-            event = await _next_event(served, request)
-            if event is None:
+            kind, piece, extra = await served.events.get()
+            if kind == "gone":
                 return
-            kind, piece, extra = event
             if kind == "error":
                 yield data(piece.body())
                 return
@@ -168,5 +191,9 @@ async def _sse(served: ServeRequest, request: Request):
         if served.include_usage:
             yield data(served.chunk(None, None, []))
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the stream has begun: its last event says so
+        log.error("a streamed answer failed", exc_info=e)
+        yield data(server_error(e).body())
     finally:
+        watch.cancel()
         served.cancelled.set()

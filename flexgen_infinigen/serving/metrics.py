@@ -19,6 +19,8 @@ HELP = {
     "prompt_tokens_total": ("counter", "prompt tokens admitted"),
     "generation_tokens_total": ("counter", "tokens generated for clients"),
     "engine_errors_total": ("counter", "blocks the engine failed on"),
+    "row_errors_total": ("counter", "requests failed alone inside a block (the other rows "
+                                    "went on)"),
     "queue_depth": ("gauge", "requests waiting for a block"),
     "running_rows": ("gauge", "requests in the block being decoded"),
     "blocks_total": ("counter", "blocks run"),
@@ -76,7 +78,8 @@ class Metrics:
                                   for kind, n in sorted(kinds.items())],
         }
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
-                     "prompt_tokens", "generation_tokens", "engine_errors", "blocks", "block_rows"):
+                     "prompt_tokens", "generation_tokens", "engine_errors", "row_errors",
+                     "blocks", "block_rows"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]
         lines = []
         for name, (kind, text) in HELP.items():

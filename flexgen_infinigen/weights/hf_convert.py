@@ -12,6 +12,8 @@ The tokenizer files are copied along.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -25,6 +27,7 @@ from ..models import family_of
 from ..runtime.guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
+from .hub_files import safe_file_name
 from .store import StoreWriter
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,10 +96,14 @@ def safetensors_files(folder: Path) -> list[Path]:
         return sorted(folder.glob("*.safetensors"))
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError):
+        names = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(f"{index} is not a safetensors index (no weight_map); "
                           "download the checkpoint again") from None
-    files = sorted({folder / f for f in weight_map.values()})
+    if not all(isinstance(f, str) and safe_file_name(f) for f in names):
+        raise ConfigError(f"{index} names a shard outside {folder}; download the checkpoint "
+                          "again")
+    files = sorted(folder / f for f in names)
     for f in files:
         if not f.is_file():
             raise ConfigError(f"{index} names the shard {f.name}, which is missing; the "
@@ -110,17 +117,53 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "BOOL": torch.bool}
 
 
+# the safetensors library's own limit on a header; real headers are a few hundred KB
+MAX_HEADER_BYTES = 100 << 20
+
+
 def safetensors_header(path: Path) -> tuple[dict, int]:
-    """(tensor table, offset of the data) of a safetensors file, without reading the data."""
+    """(tensor table, offset of the data) of a safetensors file, without reading the data.
+    The header's length is checked against the file's size before it is read: a damaged or
+    hostile length asks for no memory."""
+    broken = f"{path} is not a safetensors file ({{}}); download it again"
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
+        first = f.read(8)
+        size = int.from_bytes(first, "little")
+        total = os.fstat(f.fileno()).st_size
+        if len(first) < 8 or size > min(MAX_HEADER_BYTES, total - 8):
+            raise ConfigError(broken.format(
+                f"its header claims {size} bytes of a {total}-byte file" if len(first) == 8
+                else "shorter than a header"))
         try:
             header = json.loads(f.read(size))
-        except ValueError:
-            raise ConfigError(f"{path} is not a safetensors file (bad header); download "
-                              "it again") from None
+        except (ValueError, RecursionError):
+            raise ConfigError(broken.format("bad header")) from None
+    if not isinstance(header, dict):
+        raise ConfigError(broken.format("its header is not a table of tensors"))
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        fault = _entry_fault(info, total - 8 - size)
+        if fault:
+            raise ConfigError(broken.format(f"tensor {name!r}: {fault}"))
     return header, 8 + size
+
+
+def _entry_fault(info, data_bytes: int) -> str | None:
+    """What is wrong with one header entry (None: nothing): the shape and offsets must
+    describe bytes inside the file, as many as the shape and dtype need."""
+    if not isinstance(info, dict):
+        return "not an entry"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        return f"shape {shape!r} is not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and
+            all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]
+            <= data_bytes):
+        return f"data_offsets {offsets!r} are not inside the file's {data_bytes} data bytes"
+    dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+    if dtype is not None and math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
+        return f"shape {shape} of {info['dtype']} does not fill data_offsets {offsets}"
+    return None
 
 
 def read_safetensors(path: Path):
@@ -168,9 +211,33 @@ def read_checkpoint(folder: Path):
 
     def pickled_free():
         for f in files:
-            for key, t in torch.load(str(f), map_location="cpu", weights_only=True).items():
-                yield key, t
+            yield from _weights_only(f).items()
     return None, pickled_free()
+
+
+def _weights_only(path: Path) -> dict:
+    """A ``.bin`` checkpoint's tensors, through ``torch.load(weights_only=True)``, which runs
+    no pickled code: a file that holds anything but tensors is refused in one line."""
+    import pickle
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # torch warns of pickle protocols it may not read
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError,
+            TypeError, ImportError, IndexError, KeyError) as e:
+        noise = ("Weights only load failed", "Please file an issue", "Check the documentation")
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x for x in lines if not x.startswith(noise)), type(e).__name__)
+        raise ConfigError(f"{path} holds more than plain tensors ({why[:160]}); it was refused "
+                          "without running it: use the model's .safetensors weights, or "
+                          "convert the .bin with a tool you trust") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor)
+                                              for t in state.values()):
+        raise ConfigError(f"{path} holds no plain table of tensors; use the model's "
+                          ".safetensors weights")
+    return state
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str | None]:

@@ -24,7 +24,15 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..config import ConfigError
-from .hub_files import HubName, choose_gguf, choose_hf, parse_hub_name, shard_set
+from .hub_files import (
+    HubName,
+    check_hub_name,
+    choose_gguf,
+    choose_hf,
+    parse_hub_name,
+    safe_file_name,
+    shard_set,
+)
 
 OFFLINE_ENV = "HF_HUB_OFFLINE"
 _TRUE = {"1", "true", "yes", "on"}
@@ -107,6 +115,11 @@ def _fix_for(name: HubName, e: BaseException) -> ConfigError:
                            f"({os.strerror(e.errno)}); free space or point HF_HUB_CACHE at a "
                            "bigger disk and run again (finished files are kept, nothing was "
                            "converted)")
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM,
+                                              errno.ENOTDIR, errno.EEXIST):
+        return ConfigError(f"--model {name}: cannot write the download in {hub_cache_dir()} "
+                           f"({os.strerror(e.errno)}); point HF_HUB_CACHE at a writable "
+                           "folder")
     if isinstance(e, hf.HfHubHTTPError) and getattr(e.response, "status_code", 0) in (401, 403):
         return ConfigError(f"--model {name}: {_endpoint()} refused access to {name.repo} "
                            f"({e.response.status_code}); set HF_TOKEN to a token that can "
@@ -134,10 +147,17 @@ def _not_cached(name: HubName, reason: str = "") -> ConfigError:
 
 
 def _cached_snapshot(name: HubName) -> Path | None:
-    """The cached snapshot folder of the name's revision, found without any request."""
+    """The cached snapshot folder of the name's revision, found without any request. The
+    revision was checked (:func:`.check_hub_name`); a ref file that names anything but a
+    commit (a damaged or planted cache) finds nothing."""
     repo_dir = hub_cache_dir() / ("models--" + name.repo.replace("/", "--"))
     ref = repo_dir / "refs" / name.rev
-    commit = ref.read_text().strip() if ref.is_file() else name.rev
+    try:
+        commit = ref.read_text().strip() if ref.is_file() else name.rev
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not safe_file_name(commit) or "/" in commit:
+        return None
     folder = repo_dir / "snapshots" / commit
     return folder if folder.is_dir() else None
 
@@ -148,10 +168,12 @@ def _cached_files(folder: Path) -> list[str]:
 
 
 def _remote_files(name: HubName) -> list[str]:
+    """The repository's file names as the Hub lists them; a name that would leave the
+    snapshot folder is never asked for."""
     hub = _client()
     info = hub.HfApi(endpoint=_endpoint(), token=_token()).model_info(name.repo,
                                                                       revision=name.rev)
-    return sorted(s.rfilename for s in (info.siblings or []))
+    return sorted(s.rfilename for s in (info.siblings or []) if safe_file_name(s.rfilename))
 
 
 class _Quiet(tqdm):
@@ -187,6 +209,10 @@ def _index_shards(name: HubName, index: str, online: bool) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"--model {name}: its {index} cannot be read ({e}); the repository "
                           "is broken, or pick another revision") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and safe_file_name(f) for f in weight_map.values()):
+        raise ConfigError(f"--model {name}: its {index} names a file outside the repository "
+                          "(or no file); the repository is broken, or pick another revision")
     folder = index.rpartition("/")[0]
     return sorted({f"{folder}/{f}" if folder else f for f in weight_map.values()})
 
@@ -215,6 +241,7 @@ def resolve(model: str, progress: bool = True, config_only: bool = False) -> Pat
     if name is None:
         raise ConfigError(f"--model {model} is not a Hub name (org/name); give org/name, a "
                           ".gguf file or a local folder")
+    check_hub_name(name)  # before any request, and before the cache is looked at
     try:
         return _resolve(name, progress, config_only)
     except ConfigError:
@@ -265,5 +292,5 @@ def _resolve(name: HubName, progress: bool, config_only: bool) -> Path:
         return folder
     # a split GGUF is named by its first shard: the GGUF loader reads every shard in that
     # folder as one file (weights/gguf_shards.py), so nothing is joined into a copy
-    return folder / shard_set(str(name), gguf)[0]
+    return folder / shard_set(str(name), gguf)[0]  # gguf: safe names (see _remote_files)
 

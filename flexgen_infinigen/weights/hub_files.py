@@ -45,6 +45,42 @@ def parse_hub_name(model: str | None) -> HubName | None:
     return HubName(m["repo"], m["rev"], m["quant"], m["file"])
 
 
+# what may name a revision: a branch, tag or commit (one segment, as git spells them), or a
+# pull request's ref, refs/pr/N; never a path (no separator, "..", or absolute path), so
+# that no revision names a folder outside the repository's part of the cache
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}|refs/pr/[0-9]{1,9}")
+_REPO_MAX = 96  # the Hub's limit on a repository name
+
+
+def check_hub_name(name: HubName) -> None:
+    """One error naming the fix when a Hub name's repository, revision or file could name
+    something outside the Hub cache (``..``, a separator, an absolute path)."""
+    owner, _, repo = name.repo.partition("/")
+    if any("--" in part or ".." in part or part.endswith(".") or len(part) > _REPO_MAX
+           for part in (owner, repo)):
+        raise ConfigError(f"--model {name}: {name.repo!r} is not a Hub repository name "
+                          "(letters, digits, '-', '_' and '.', no '--' or '..', at most "
+                          f"{_REPO_MAX} characters each side of the '/'); check the name")
+    rev = name.revision
+    if rev is not None and (not _REVISION.fullmatch(rev) or ".." in rev
+                            or rev.endswith((".", ".lock"))):
+        raise ConfigError(f"--model {name}: the revision {rev!r} is not a branch, tag or "
+                          "commit name (no '/', '\\' or '..'; a pull request is refs/pr/N); "
+                          "give one the repository has")
+    if name.file is not None and not safe_file_name(name.file):
+        raise ConfigError(f"--model {name}: the file {name.file!r} is not a file name inside "
+                          "the repository (no '..', '\\' or leading '/'); give the file's "
+                          "path as the repository lists it")
+
+
+def safe_file_name(path: str) -> bool:
+    """A repository file's name that stays inside its folder: relative, '/'-separated, with
+    no empty, '.' or '..' part."""
+    parts = path.split("/")
+    return bool(path) and "\\" not in path and "\0" not in path and \
+        all(p not in ("", ".", "..") for p in parts)
+
+
 # llama.cpp's gguf-split names: <prefix>-00001-of-00003.gguf
 _SHARD = re.compile(r"(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf")
 # a quantization as file names carry it: Q4_K_M, q8_0, IQ4_XS, UD-Q4_K_XL, BF16, F16

@@ -13,7 +13,8 @@ uses find that store and skip the conversion while the source's identity is unch
 The identity is every source file's name, size and modification time (nanoseconds), plus
 the converter's version: cheap to read, so a 100 GB checkpoint is not hashed at every
 start, and any rewrite of a file (a new download, an edit) changes it. A changed source is
-converted again, over the old store. Stores are written atomically (:class:`.StoreWriter`),
+converted again, over the old store, and so is a damaged store (a tensor file missing or cut
+short, a manifest that cannot be read). Stores are written atomically (:class:`.StoreWriter`),
 so an interrupted conversion leaves nothing that later looks complete.
 """
 from __future__ import annotations
@@ -24,9 +25,9 @@ import re
 import sys
 from pathlib import Path
 
-from ..config import KNOWN_MODELS, ConfigError, ModelConfig
+from ..config import KNOWN_MODELS, ConfigError, ModelConfig, writable_folder
 from .hub_files import parse_hub_name
-from .store import MANIFEST
+from .store import MANIFEST, damage
 
 # bump when a conversion would now write something different (a tokenizer fix, say)
 CONVERTER_VERSION = 3  # 3: GGUF tensors kept as the file's codes (store format 2)
@@ -127,12 +128,16 @@ def store_for(model: str, progress: bool = True, cache_dir: Path | None = None,
     path, kind = _source(model, progress=progress)
     ident = identity(path, kind)
     store = cache_store_path(path, cache_dir, model)
+    fault = None
     if _stored_identity(store) == ident:
-        return store
-    why = "first use" if not store.exists() else "the source changed"
+        fault = damage(store)  # a damaged store is converted again, over itself
+        if fault is None:
+            return store
+    why = "first use" if not store.exists() else "the source changed" if fault is None \
+        else f"the store is damaged: {fault}"
+    writable_folder(store.parent)
     print(f"converting {path} into {store} ({why})", file=sys.stderr, flush=True)
     extra = {"source_identity": ident}
-    store.parent.mkdir(parents=True, exist_ok=True)
     if kind == "gguf":
         from .gguf_convert import convert_gguf
         return convert_gguf(path, store, progress=progress, pre_tokenizer=pre_tokenizer,

@@ -19,6 +19,7 @@ never leaves a folder that looks complete.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -79,7 +80,14 @@ class StoreWriter:
     def __enter__(self) -> "StoreWriter":
         self._remove_stale_partials()  # what killed conversions left is free space for this one
         check_room(self.dest, self.expected_bytes, self.source)
-        self.tmp.mkdir(parents=True)
+        try:
+            self.tmp.mkdir(parents=True)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ConfigError(f"cannot write the weight store in {self.dest.parent} "
+                              f"({e.strerror or type(e).__name__}); give a writable folder "
+                              f"(convert's --out; for the cache, ${CACHE_ENV})") from None
         return self
 
     def _remove_stale_partials(self) -> None:
@@ -130,6 +138,24 @@ class StoreWriter:
         os.replace(self.tmp, self.dest)
 
 
+def rebuild_hint(path: str | os.PathLike) -> str:
+    """How to get a good store back at ``path``: a store in the cache is converted again by
+    the next run (once the damaged one is gone); another was made by ``convert``."""
+    from ..config import default_cache_dir
+
+    path = Path(path)
+    try:
+        cached = path.resolve().is_relative_to(default_cache_dir().resolve())
+    except OSError:
+        cached = False
+    if cached:
+        return (f"re-run the conversion: delete the folder (rm -r '{path}'); the next run "
+                "whose --model names its source re-converts it")
+    return (f"re-run the conversion: delete the folder and re-convert the weights into it "
+            f"(python -m flexgen_infinigen.convert --checkpoint FOLDER or --gguf FILE --out "
+            f"'{path}')")
+
+
 class WeightStore:
     """Read access to a finished store; tensors come back memory-mapped."""
 
@@ -140,42 +166,56 @@ class WeightStore:
             raise ConfigError(
                 f"{self.path} is not a weight store (no {MANIFEST}); convert weights with "
                 "`python -m flexgen_infinigen.convert` or use --dummy")
-        self.manifest = json.loads(manifest_path.read_text())
-        if self.manifest.get("format", 1) > FORMAT_VERSION:
-            raise ConfigError(f"weight store {self.path} has format {self.manifest['format']}, "
-                              "newer than this version reads; upgrade or re-convert it")
-        self.config = ModelConfig.from_dict(self.manifest["config"])
-        self.tensors: dict[str, dict] = self.manifest["tensors"]
+        try:
+            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            if self.manifest.get("format", 1) > FORMAT_VERSION:
+                raise ConfigError(f"weight store {self.path} has format "
+                                  f"{self.manifest['format']}, newer than this version "
+                                  "reads; upgrade or re-convert it")
+            self.config = ModelConfig.from_dict(self.manifest["config"])
+            self.tensors: dict[str, dict] = dict(self.manifest["tensors"])
+        except ConfigError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"weight store {self.path} is damaged (its {MANIFEST} cannot be "
+                              f"read: {type(e).__name__}); {rebuild_hint(self.path)}"
+                              ) from None
         self._half: dict[str, bool] = {}  # quantized tensors whose factors are float16s
 
-    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """One clear error when a tensor is missing, its file is gone, or its shape is off."""
-        for name, shape in expected.items():
-            info = self.tensors.get(name)
-            if info is None or not (self.path / f"{name}.npy").is_file():
-                raise ConfigError(
-                    f"weight store {self.path} lacks tensor {name!r}; re-run the conversion")
-            # the file's own header, not only the manifest (reads no tensor data); a file cut
-            # short or with a broken header cannot be mapped
-            try:
-                actual = tuple(self.load(name).shape)
-            except (ValueError, OSError) as e:
-                raise ConfigError(f"tensor file {self.path / (name + '.npy')} is damaged "
-                                  f"({e}); re-run the conversion") from None
+    def _fault(self, name: str) -> str | None:
+        """What is wrong with one tensor's file, against the manifest (None: nothing). Reads
+        the ``.npy`` header only, no tensor data."""
+        info = self.tensors.get(name)
+        file = self.path / f"{name}.npy"
+        if not isinstance(info, dict) or not file.is_file():
+            return f"it lacks tensor {name!r}"
+        try:  # a file cut short or with a broken header cannot be mapped
+            actual = tuple(self.load(name).shape)
             kind = info.get("gguf_type")
             if kind is not None:  # blocks: [rows, blocks a row * bytes a block]
                 size, per = gguf_codes.BLOCKS[kind][:2]
                 blocks = (math.prod(info["shape"][:-1]), info["shape"][-1] // per * size)
                 if actual != blocks or info["shape"][-1] % per:
-                    raise ConfigError(f"tensor file {self.path / (name + '.npy')} holds "
-                                      f"{actual}, not the {kind} blocks of {info['shape']}; "
-                                      "re-run the conversion")
-                actual = tuple(info["shape"])
-            for found in (tuple(info["shape"]), actual):
-                if found != tuple(shape):
-                    raise ConfigError(
-                        f"tensor {name!r} in {self.path} has shape {found}, the model config "
-                        f"wants {tuple(shape)}; the store does not match --model, re-convert it")
+                    return f"{file} holds {actual}, not the {kind} blocks of {info['shape']}"
+            elif actual != tuple(info["shape"]):
+                return f"{file} holds {actual}, its manifest says {tuple(info['shape'])}"
+        except (ValueError, OSError, KeyError, TypeError, IndexError) as e:
+            return f"{file} is damaged ({type(e).__name__}: {str(e)[:80]})"
+        return None
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """One clear error when a tensor is missing, its file is gone or damaged, or its
+        shape is off; the error says how to rebuild the store."""
+        for name, shape in expected.items():
+            fault = self._fault(name)
+            if fault is not None:
+                raise ConfigError(f"weight store {self.path} is damaged: {fault}; "
+                                  f"{rebuild_hint(self.path)}")
+            found = tuple(self.tensors[name]["shape"])
+            if found != tuple(shape):
+                raise ConfigError(
+                    f"tensor {name!r} in {self.path} has shape {found}, the model config "
+                    f"wants {tuple(shape)}; the store does not match --model, re-convert it")
 
     def format(self, name: str) -> str:
         """What a tensor is stored as: its GGUF type (``Q4_1``), or ``F32``/``F16``/``BF16``."""
@@ -221,3 +261,18 @@ class WeightStore:
     def tokenizer_path(self) -> Path | None:
         tok = self.manifest.get("tokenizer")
         return self.path / tok if tok else None
+
+
+def damage(path: str | os.PathLike) -> str | None:
+    """Why the store at ``path`` cannot be used (None: it can): a manifest that cannot be
+    read, or a tensor file missing, cut short, or not the manifest's shape. Reads headers
+    only; a conversion into the cache runs again over a damaged store."""
+    try:
+        store = WeightStore(path)
+    except ConfigError as e:
+        return str(e).split(";")[0]
+    for name in store.tensors:
+        fault = store._fault(name)
+        if fault is not None:
+            return fault
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -44,5 +45,10 @@ def cached_profile(progress: bool = True) -> HardwareProfile:
     prof = saved_profile()
     if prof is None:
         prof = measure_hardware(resolve_device("auto"), quick=True, progress=progress)
-        save_to_cache(prof)
+        try:
+            save_to_cache(prof)
+        except OSError as e:  # a read-only cache costs a measurement a run, not the run
+            print(f"warning: this machine's profile could not be saved to {cache_path()} "
+                  f"({e.strerror or type(e).__name__}); the next run measures it again",
+                  file=sys.stderr)
     return prof

@@ -1,0 +1,211 @@
+"""Every value of one request, checked where the request is parsed: the validation layer that
+``serve`` (:mod:`..serving.requests`) and ``batch`` (:mod:`.openai_batch`) share.
+
+Each check returns the value as it will be used, or raises :class:`Refused` with a message
+that names the field and what to send instead, and ``param``, the field as OpenAI's errors
+name it (``max_tokens``, ``messages[0].content[1].text``). A value that passes cannot make the
+engine fail:
+
+- integers are JSON integers: a float (even ``16.0``), a boolean, Infinity or NaN is refused;
+- numbers are finite;
+- ``seed`` fits the sampler's 64-bit generator: ``-2**63`` to ``2**64 - 1``, what
+  ``torch.Generator.manual_seed`` takes;
+- ``top_p`` is at least float32's smallest normal (:data:`TOP_P_FLOOR`): the sampler keeps
+  the tokens whose mass before them is below ``top_p``, compared in float32, and a smaller
+  value rounds to 0 there and would keep none (``temperature`` 0 is the greedy choice);
+- token ids are in the model's vocabulary, ``0`` to ``vocab_size - 1``;
+- text is a string that UTF-8 can encode (a lone surrogate is refused by name);
+- a message's ``role`` is one of :data:`ROLES`, its ``content`` a string or a list of text
+  parts.
+"""
+from __future__ import annotations
+
+import math
+
+from ..sampling import SEED_MAX, SEED_MIN, TOP_P_FLOOR
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class Refused(Exception):
+    """A request value this runtime will not serve: the message names the field, ``param``
+    is that field, ``code`` OpenAI's code where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _shown(value) -> str:
+    """A short rendering of a refused value for a message (never the whole of a long one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'list'}"
+    text = repr(value)  # escapes surrogates, so the message itself is valid UTF-8
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_name(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object", type(None): "null"}.get(type(value),
+                                                                        type(value).__name__)
+
+
+def integer(value, param: str, low: int | None = None, high: int | None = None) -> int:
+    """A JSON integer within ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Refused(f"{param} must be an integer (got {_shown(value)})", param)
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f"at least {low}" if high is None else f"from {low} to {high}" \
+            if low is not None else f"at most {high}"
+        raise Refused(f"{param} must be {span} (got {_shown(value)})", param)
+    return value
+
+
+def number(value, param: str) -> float:
+    """A finite JSON number (an integer is taken as a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Refused(f"{param} must be a number (got {_shown(value)})", param)
+    try:
+        out = float(value)
+    except OverflowError:  # an integer too large for a float
+        out = math.inf
+    if not math.isfinite(out):
+        raise Refused(f"{param} must be a finite number (got {_shown(value)})", param)
+    return out
+
+
+def max_tokens(value, param: str = "max_tokens") -> int:
+    return integer(value, param, low=1)
+
+
+def temperature(value) -> float:
+    out = number(value, "temperature")
+    if out < 0:
+        raise Refused(f"temperature must be >= 0 (0 = greedy; got {_shown(value)})",
+                      "temperature")
+    return out
+
+
+def top_p(value) -> float:
+    out = number(value, "top_p")
+    if not 0 < out <= 1:
+        raise Refused(f"top_p must be in (0, 1] (got {_shown(value)})", "top_p")
+    if out < TOP_P_FLOOR:
+        raise Refused(f"top_p must be at least {TOP_P_FLOOR:.3g} (float32's smallest normal; "
+                      f"a smaller one rounds to 0 and keeps no token); for the most likely "
+                      f"token give temperature 0 (got {_shown(value)})", "top_p")
+    return out
+
+
+def seed(value) -> int:
+    return integer(value, "seed", SEED_MIN, SEED_MAX)
+
+
+def text(value, param: str) -> str:
+    """A string that UTF-8 can encode."""
+    if not isinstance(value, str):
+        raise Refused(f"{param} must be a string (got {_type_name(value)})", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Refused(f"{param} holds a lone surrogate (U+{ord(value[e.start]):04X} at "
+                      f"character {e.start}), which is not Unicode text; send valid UTF-8",
+                      param) from None
+    return value
+
+
+def model(value) -> str | None:
+    """``model``: a string when given (None when absent)."""
+    return None if value is None else text(value, "model")
+
+
+def messages(value) -> list[dict]:
+    """A chat: ``[{"role", "content"}]`` with content as text (text parts are joined)."""
+    if not isinstance(value, list) or not value:
+        raise Refused("\"messages\" must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise Refused(f"{where} must be an object with \"role\" and \"content\"", where)
+        for key in ("role", "content"):
+            if key not in m:
+                raise Refused(f"{where}.{key} is missing: every message needs \"role\" and "
+                              "\"content\"", f"{where}.{key}")
+        role = m["role"]
+        if role in ("tool", "function") or m.get("tool_calls"):
+            raise Refused(f"{where} is a tool call or result: tool calls are not served",
+                          f"{where}.role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise Refused(f"{where}.role must be one of {', '.join(ROLES)} (got "
+                          f"{_shown(role)})", f"{where}.role")
+        out.append({"role": role, "content": _content(m["content"], f"{where}.content")})
+    return out
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, list):  # content parts: text only
+        pieces = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise Refused(f"{where}[{j}].type is {_shown(kind)}: only text content parts "
+                              "are served (no images or audio)", f"{where}[{j}].type")
+            pieces.append(text(part.get("text"), f"{where}[{j}].text"))
+        return "".join(pieces)
+    if not isinstance(content, str):
+        raise Refused(f"message content must be text ({where} is {_type_name(content)})",
+                      where)
+    return text(content, where)
+
+
+def prompt(value, vocab_size: int | None = None) -> str | list[int]:
+    """A completion's prompt: one non-empty text, or one list of token ids (in the
+    vocabulary when its size is known)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return text(value, "prompt")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 for t in value):
+        return token_ids(value, vocab_size, "prompt")
+    raise Refused("\"prompt\" must be one non-empty text or one list of token ids (several "
+                  "prompts: one request each)", "prompt")
+
+
+def token_ids(ids: list[int], vocab_size: int | None, param: str = "prompt") -> list[int]:
+    """Ids the embedding can look up: none negative, none at or past ``vocab_size``."""
+    high = None if vocab_size is None else vocab_size - 1
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or \
+                (high is not None and t > high):
+            limit = f"0 to {high}" if high is not None else "0 or more"
+            raise Refused(f"{param}[{i}] is {_shown(t)}, not a token id of this model "
+                          f"({limit})", param)
+    return ids
+
+
+def stops(value) -> list[str]:
+    """``stop``: absent, one string, or a list of non-empty strings."""
+    if value is None:
+        return []
+    listed = [value] if isinstance(value, str) else value
+    if not isinstance(listed, list) or not all(isinstance(s, str) and s for s in listed):
+        raise Refused("stop must be a string or a list of non-empty strings", "stop")
+    return [text(s, "stop") for s in listed]
+
+
+def room(prompt_len: int, asked: int, given: bool, context: int, param: str) -> int:
+    """The tokens a request may generate: ``asked`` (cut to what the context has room for
+    when the request did not set it); refused when the prompt leaves no room, or when a
+    ``given`` length does not fit."""
+    left = context - prompt_len
+    if left < 1 or (given and asked > left):
+        raise Refused(f"this model's maximum context length is {context} tokens; the prompt "
+                      f"has {prompt_len}" + (f" and max_tokens asks for {asked}" if given
+                                             else "") + "; shorten the prompt"
+                      + (" or max_tokens" if given else ""), param,
+                      "context_length_exceeded")
+    return min(asked, left)
