@@ -5,8 +5,10 @@
 
 Each input line is a JSON object: ``id`` (unique), ``prompt`` (text or token ids) or
 ``messages`` (a chat, [{"role", "content"}], through the model's chat template), and
-optionally ``gen_len`` (or ``max_tokens``), ``temperature``, ``top_p``,
-``repetition_penalty``, ``seed`` and ``stop``. A file in the OpenAI Batch API format
+optionally ``gen_len`` (or ``max_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``,
+``stop``, ``stop_token_ids`` and ``ignore_eos`` (checked and meant as the server's:
+:mod:`.sampling`). A file in the OpenAI Batch API format
 (``custom_id``, ``method``, ``url``, ``body``; see :mod:`.cli.openai_batch`) is read as such
 and answered in that format. Prompts with the same settings are sorted by length (less
 padding) and run in blocks of the policy's size; each finished block is appended to
@@ -41,7 +43,7 @@ from .cli.batch_file import same_file
 from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
 from .runtime.guards import check_output_path, run_command
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, generation_defaults
 
 __all__ = ["done_ids", "main", "read_requests"]
 
@@ -49,8 +51,6 @@ __all__ = ["done_ids", "main", "read_requests"]
 def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> list[int]:
     """A request's token ids: ``messages``, or a text ``prompt`` when ``chat``, through the
     model's chat ``template``; else the prompt as written."""
-    from .text.chat import chat_prompt_ids
-
     messages = request["messages"]
     if messages is None and isinstance(request["prompt"], str) and chat \
             and template is not None:
@@ -59,7 +59,7 @@ def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> li
         if template is None or lm.tokenizer is None:
             raise ConfigError(f"request {request['id']!r} has messages but the model has no "
                               "chat template")
-        return chat_prompt_ids(lm.tokenizer, template, messages)
+        return openai_batch.chat_ids(lm.tokenizer, template, {**request, "messages": messages})
     return lm.encode([request["prompt"]])[0]
 
 
@@ -97,9 +97,27 @@ def _cut_at_stop(lm, request: dict, ids: list[int], text: str) -> tuple[list[int
     return ids[:lo], text, True
 
 
+def _stop_ids(lm, settings: dict) -> set[int] | None:
+    """The ids that end a row of these settings; None: the model's own (the engine stops
+    on them itself)."""
+    if not settings.get("ignore_eos") and not settings.get("stop_token_ids"):
+        return None
+    return set(settings.get("stop_token_ids", ())) | \
+        (set() if settings.get("ignore_eos") else set(lm.stop_token_ids))
+
+
 def _result(lm, request: dict, ids: list[int], text: str) -> dict:
     """One output line, in the request's format."""
-    stopped = bool(ids) and ids[-1] in lm.stop_token_ids
+    stops = _stop_ids(lm, request["settings"])
+    if stops is None:
+        stopped = bool(ids) and ids[-1] in lm.stop_token_ids
+    else:  # the rows ran on past their stop ids: cut at the first (kept in the ids, as the
+        # model's end token is; not in the text)
+        at = next((i for i, t in enumerate(ids) if t in stops), None)
+        stopped = at is not None
+        if stopped:
+            ids = ids[:at + 1]
+            text = lm.tokenizer.decode(ids[:at]) if lm.tokenizer else ""
     ids, text, cut = _cut_at_stop(lm, request, ids, text)
     return result_line(request, ids, text, len(request["ids"]),
                        "stop" if stopped or cut else "length", lm.cfg.name)
@@ -109,6 +127,9 @@ def _prepare(lm, request: dict, chat: bool, template: str | None) -> str | None:
     """Set the request's token ids; a message when this request cannot run on this model."""
     try:
         ids = prompt_ids(lm, request, chat, template)
+    except checks.Refused as e:
+        request["param"] = e.param
+        return str(e)
     except ConfigError as e:
         return str(e)
     except Exception as e:  # a tokenizer or template fault is this prompt's own
@@ -118,6 +139,11 @@ def _prepare(lm, request: dict, chat: bool, template: str | None) -> str | None:
         return "the prompt is empty; give at least one token"
     try:  # ids the embedding can look up (a text's are; given ones may not be)
         checks.token_ids(ids, lm.cfg.vocab_size)
+        settings = request["settings"]
+        checks.token_ids([t for t, _ in settings.get("logit_bias", ())], lm.cfg.vocab_size,
+                         "logit_bias")
+        checks.token_ids(list(settings.get("stop_token_ids", ())), lm.cfg.vocab_size,
+                         "stop_token_ids")
     except checks.Refused as e:
         request["param"] = e.param
         return str(e)
@@ -134,13 +160,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
 
 
-def _answer(lm, block: list[dict], gen_len: int, sampling: SamplingConfig) -> list[dict]:
+def _answer(lm, block: list[dict], gen_len: int, sampling: SamplingConfig,
+            stop_token_id: int | None = -1) -> list[dict]:
     """The output lines of one block. A block that fails runs again one row at a time, so
     only the row that fails gets an error line (a greedy row gets the tokens it would have
     had; a sampled one draws from a generator of its own then); a disk's fault stops the
     job."""
     try:
-        gen = lm.generate([r["ids"] for r in block], gen_len, sampling)
+        gen = lm.generate([r["ids"] for r in block], gen_len, sampling,
+                          stop_token_id=stop_token_id)
     except OSError:
         raise
     except Exception as e:
@@ -149,7 +177,8 @@ def _answer(lm, block: list[dict], gen_len: int, sampling: SamplingConfig) -> li
         return [_result(lm, r, ids, text) for r, ids, text in
                 zip(block, gen.token_ids, gen.texts)]
     if len(block) > 1:
-        return [line for r in block for line in _answer(lm, [r], gen_len, sampling)]
+        return [line for r in block
+                for line in _answer(lm, [r], gen_len, sampling, stop_token_id)]
     message = _first_line(failure)
     print(f"warning: request {block[0]['id']!r} failed ({message}); its output line holds "
           "the error", file=sys.stderr)
@@ -233,7 +262,6 @@ def _run(a, todo: list[dict], out) -> int:
     from tqdm.auto import tqdm
 
     from .api import OffloadedLM
-    from .text.chat import store_template
 
     kv = kv_policy_from_args(a)
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
@@ -243,7 +271,17 @@ def _run(a, todo: list[dict], out) -> int:
                           offload_dir=a.offload_dir, seed=a.seed)
     failed = 0
     with lm:
-        template = store_template(lm.store_path)  # read once, not per request
+        template = _template(lm, a)  # read once, not per request
+        model_defaults = generation_defaults(lm.store_path)
+        if a.repetition_penalty != 1.0:  # the flag, when set, is the job's own default
+            model_defaults.pop("repetition_penalty", None)
+        ignored = sorted({name for r in todo for name in r.get("ignored", ())})
+        if ignored:  # once per job, not per line
+            print(f"note: fields that do not change an answer are ignored: "
+                  f"{', '.join(ignored)}", file=sys.stderr)
+        for r in todo:  # OpenAI lines: a field left out takes the model's default
+            if r["format"] == "openai":
+                openai_batch.apply_model_defaults(r, model_defaults)
         ready, refused = [], []
         for r in todo:  # an OpenAI completion is plain text, never a chat
             why = _prepare(lm, r, a.chat and r["format"] == "ours", template)
@@ -258,12 +296,16 @@ def _run(a, todo: list[dict], out) -> int:
         for key, group in groups.items():
             settings = dict(key)
             group.sort(key=lambda r: len(r["ids"]))
-            sampling = SamplingConfig(settings["temperature"], settings["top_p"],
-                                      settings.get("seed", a.seed),
-                                      settings["repetition_penalty"])
+            sampling = SamplingConfig(
+                settings["temperature"], settings["top_p"], settings.get("seed", a.seed),
+                settings["repetition_penalty"], settings.get("top_k", -1),
+                settings.get("min_p", 0.0), settings.get("presence_penalty", 0.0),
+                settings.get("frequency_penalty", 0.0), settings.get("logit_bias", ()))
+            # own stop ids: the rows run on, and each is cut at its first stop id
+            stop_token_id = -1 if _stop_ids(lm, settings) is None else None
             for i in range(0, len(group), policy.block_size):
                 block = group[i:i + policy.block_size]
-                lines = _answer(lm, block, settings["gen_len"], sampling)
+                lines = _answer(lm, block, settings["gen_len"], sampling, stop_token_id)
                 _write(out, lines)
                 failed += sum(line["error"] is not None for line in lines)
                 tokens += sum(map(_generated, lines))
@@ -271,6 +313,13 @@ def _run(a, todo: list[dict], out) -> int:
                 bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
         bar.close()
     return failed
+
+
+def _template(lm, a) -> str | None:
+    """The chat template: ``--chat-template FILE`` when given, else the store's."""
+    from .text.chat import chat_template
+
+    return chat_template(lm.store_path, a.chat_template)
 
 
 if __name__ == "__main__":

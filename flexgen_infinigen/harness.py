@@ -133,9 +133,9 @@ class OffloadedHarnessLM(LM):
         return str(self.lm.store_path or self.lm.cfg.name)
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        from .text.chat import render, store_template
+        from .text.chat import chat_template, render
 
-        template = store_template(self.lm.store_path)
+        template = chat_template(self.lm.store_path, self.settings.get("chat_template"))
         if template is None:
             raise ConfigError(f"{self.lm.cfg.name} has no chat template; drop "
                               "--apply_chat_template")

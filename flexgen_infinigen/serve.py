@@ -146,7 +146,7 @@ def _main(argv=None) -> int:
     from .serving.app import create_app
     from .serving.guard import HEAD_LIMIT_KB, KEEP_ALIVE_S, http_protocol
     from .serving.scheduler import Scheduler
-    from .text.chat import store_template
+    from .text.chat import chat_template
 
     a = build_parser().parse_args(argv)
     check_args(a)
@@ -164,8 +164,8 @@ def _main(argv=None) -> int:
         names = {name, lm.cfg.name} | ({a.model} if a.model else set())
         scheduler = Scheduler(lm, a.max_wait_ms / 1000, a.max_queue)
         limits = limits_from_args(a)
-        app = create_app(scheduler, name, names, store_template(lm.store_path), a.max_tokens,
-                         a.api_key, limits, control_tokens=a.allow_control_tokens)
+        app = create_app(scheduler, name, names, chat_template(lm.store_path, a.chat_template),
+                         a.max_tokens, a.api_key, limits, control_tokens=a.allow_control_tokens)
         server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port,
                                                log_level=a.log_level, access_log=False,
                                                http=http_protocol(a.request_timeout_s),

@@ -86,6 +86,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own (as in "
+                        "transformers' chat_template.jinja); checked when the command starts")
+
+
+def _chat_template_file(path: str) -> str:
+    """``--chat-template FILE``: the path, once the file is read and parses (an argparse
+    error, before any loading, otherwise)."""
+    from ..text.chat import template_file
+
+    try:
+        template_file(path)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
 
 
 class _Offline(argparse.Action):

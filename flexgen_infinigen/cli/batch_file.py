@@ -34,10 +34,9 @@ from . import request_checks as checks
 LENGTHS = ("gen_len", "max_tokens", "max_completion_tokens")
 # fields of other APIs that would change the answer, refused by name rather than ignored
 # (any other field is the user's own, kept out of the way)
-NOT_SERVED = ("n", "best_of", "logprobs", "top_logprobs", "echo", "presence_penalty",
-              "frequency_penalty", "logit_bias", "top_k", "min_p", "min_tokens", "stream",
+NOT_SERVED = ("n", "best_of", "logprobs", "top_logprobs", "echo", "min_tokens", "stream",
               "tools", "tool_choice", "functions", "response_format", "suffix",
-              "stop_token_ids", "ignore_eos", "logits_processors")
+              "logits_processors")
 INVALID, FAILED = "invalid_request", "generation_failed"  # the error lines' codes
 
 
@@ -137,19 +136,15 @@ def ours(item, where: str, defaults: dict) -> dict:
         unserved = [name for name in NOT_SERVED if name in item]
         if unserved:
             raise checks.Refused(f"not served: {', '.join(unserved)} (our format reads id, "
-                                 "prompt or messages, gen_len, temperature, top_p, "
-                                 "repetition_penalty, seed and stop)", unserved[0])
+                                 "prompt or messages, gen_len, stop and "
+                                 f"{', '.join(openai_batch.SAMPLING)})", unserved[0])
         if messages is not None:
             request["messages"] = checks.messages(messages)
         elif isinstance(prompt, str):
             checks.text(prompt, "prompt")
-        for name, check in (("temperature", checks.temperature), ("top_p", checks.top_p),
-                            ("seed", checks.seed)):
+        for name, check in openai_batch.SAMPLING.items():  # token ids: checked once loaded
             if name in item:
-                settings[name] = check(item[name])
-        if "repetition_penalty" in item:
-            settings["repetition_penalty"] = checks.number(item["repetition_penalty"],
-                                                           "repetition_penalty")
+                settings[name] = check(item[name], None)
         request["stop"] = checks.stops(item.get("stop"))
         _sampler_takes(settings)
     except checks.Refused as e:
@@ -165,7 +160,10 @@ def _sampler_takes(settings: dict) -> None:
     """The sampler's own checks, worded for a request's fields rather than the flags."""
     try:
         SamplingConfig(settings["temperature"], settings["top_p"], settings.get("seed", 0),
-                       settings["repetition_penalty"]).validate()
+                       settings["repetition_penalty"], settings.get("top_k", -1),
+                       settings.get("min_p", 0.0), settings.get("presence_penalty", 0.0),
+                       settings.get("frequency_penalty", 0.0),
+                       settings.get("logit_bias", ())).validate()
     except ConfigError as e:
         message = re.sub(r"--([a-z-]+)", lambda m: m[1].replace("-", "_"), str(e))
         field = message.split()[0]

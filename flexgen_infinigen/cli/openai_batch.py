@@ -2,11 +2,17 @@
 
 An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url``
 ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``: text or
-token ids). What a body may set: ``max_tokens`` (``max_completion_tokens``), ``temperature``
-and ``top_p`` (OpenAI's defaults, 1.0, when absent), ``seed``, ``stop`` (strings; the text is
-cut at the first one), ``model`` (informational: the command's ``--model`` runs), ``n`` 1,
-``stream`` false. Anything else that changes what comes back (``n`` > 1, ``logprobs``,
-``tools``, ``echo``, penalties, ...) is refused for that line, and so is any value that
+token ids). What a body may set (:data:`SERVED`): ``max_tokens`` (``max_completion_tokens``),
+``temperature`` and ``top_p`` (OpenAI's defaults, 1.0, when absent), ``top_k``, ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``
+(see :mod:`..sampling` for what each does), ``stop`` (strings; the text is cut at the first
+one), ``stop_token_ids`` and ``ignore_eos``, ``chat_template_kwargs`` and ``documents`` (a
+chat's, passed to its template), ``model`` (informational: the command's ``--model`` runs),
+``n`` 1, ``stream`` false. A field left out takes the model's ``generation_config.json``
+value where it has one (:func:`apply_model_defaults`). Fields that change nothing in the
+answer (:data:`IGNORED`: ``user``, ``metadata``, ...) are accepted and named in the
+request's ``ignored``. Anything else (``n`` > 1, ``logprobs``, ``tools``, ``echo``,
+``best_of``, ...) is refused for that line, and so is any value that
 :mod:`.request_checks` refuses (the layer the server shares): its output line carries an
 ``error`` naming the field and the job goes on. A line that is not a request of this format
 (or a file that mixes formats) is one error naming the line, before any work.
@@ -17,6 +23,7 @@ or ``response: null`` and ``error: {"code", "message", "param"}`` for a refused 
 """
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 
@@ -24,11 +31,31 @@ from ..config import ConfigError
 from . import request_checks as checks
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-# body fields that change nothing here (or that we honour below)
-ACCEPTED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens",
-            "temperature", "top_p", "seed", "stop", "n", "stream", "user", "metadata",
-            "store", "response_format", "logprobs", "top_logprobs", "echo",
-            "presence_penalty", "frequency_penalty", "stream_options"}
+# the sampling fields a body may set, each with its check (``vocab``: the model's size, when
+# known, for the fields that name token ids)
+SAMPLING = {
+    "temperature": lambda v, vocab: checks.temperature(v),
+    "top_p": lambda v, vocab: checks.top_p(v),
+    "top_k": lambda v, vocab: checks.top_k(v),
+    "min_p": lambda v, vocab: checks.min_p(v),
+    "seed": lambda v, vocab: checks.seed(v),
+    "repetition_penalty": lambda v, vocab: checks.repetition_penalty(v),
+    "presence_penalty": lambda v, vocab: checks.penalty(v, "presence_penalty"),
+    "frequency_penalty": lambda v, vocab: checks.penalty(v, "frequency_penalty"),
+    "logit_bias": lambda v, vocab: checks.logit_bias(v, vocab),
+    "stop_token_ids": lambda v, vocab: checks.stop_token_ids(v, vocab),
+    "ignore_eos": lambda v, vocab: checks.flag(v, "ignore_eos"),
+}
+# body fields served (the values below are checked; n, stream, logprobs and echo only where
+# they ask for what one answer is)
+SERVED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n",
+          "stream", "response_format", "logprobs", "top_logprobs", "echo",
+          "chat_template_kwargs", "documents", *SAMPLING}
+# body fields that change nothing in the answer: accepted, named once in a log line.
+# parallel_tool_calls only matters with tools (refused); prediction (Predicted Outputs) only
+# speeds OpenAI's answer up; stream_options reaches here only in a batch, which never streams
+IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier",
+           "prompt_cache_key", "parallel_tool_calls", "prediction", "stream_options"}
 
 
 def is_openai(item) -> bool:
@@ -55,24 +82,27 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
         raise ConfigError(f"{where}: \"body\" must be an object")
     request = {"id": str(item["custom_id"]), "format": "openai", "kind": kind,
                "prompt": None, "messages": None, "stop": [], "refused": None, "param": None,
-               "model": None}
+               "model": None, "template_kwargs": None, "documents": None, "given": set(),
+               "ignored": sorted(str(k) for k in body if k in IGNORED)}
     settings = {**defaults, "temperature": 1.0, "top_p": 1.0}
     try:
         request["model"] = checks.model(body.get("model"))
         if kind == "chat":
             request["messages"] = checks.messages(body.get("messages"))
+            request["template_kwargs"] = checks.template_kwargs(body.get("chat_template_kwargs"))
+            request["documents"] = checks.documents(body.get("documents"))
         else:
             request["prompt"] = checks.prompt(body.get("prompt"), vocab_size)
-        _check_options(body)
+        _check_options(body, kind)
         for name in ("max_tokens", "max_completion_tokens"):
             if body.get(name) is not None:
                 settings["gen_len"] = checks.max_tokens(body[name], name)
         if settings["gen_len"] < 1:
             raise checks.Refused("max_tokens must be at least 1", "max_tokens")
-        for name, check in (("temperature", checks.temperature), ("top_p", checks.top_p),
-                            ("seed", checks.seed)):
+        for name, check in SAMPLING.items():
             if body.get(name) is not None:
-                settings[name] = check(body[name])
+                settings[name] = check(body[name], vocab_size)
+                request["given"].add(name)
         request["stop"] = checks.stops(body.get("stop"))
     except checks.Refused as e:
         request["refused"], request["param"] = str(e), e.param
@@ -80,10 +110,36 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
     return request
 
 
-def _check_options(body: dict) -> None:
-    unknown = sorted(set(body) - ACCEPTED)
+def apply_model_defaults(request: dict, model_defaults: dict) -> None:
+    """The model's ``generation_config.json`` values (:func:`..sampling.generation_defaults`)
+    for the sampling fields the request left out: a request's own value comes first, then
+    the model's, then OpenAI's default (as vLLM does)."""
+    for name, value in model_defaults.items():
+        if name not in request["given"]:
+            request["settings"][name] = value
+
+
+def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = False) -> list[int]:
+    """A chat request's prompt ids through ``template``, with its ``documents`` and
+    ``chat_template_kwargs`` (refused by name while the template renderer cannot take them)."""
+    from ..text.chat import chat_prompt_ids
+
+    extra = {k: request.get(k) for k in ("documents", "template_kwargs")
+             if request.get(k) is not None}
+    takes = inspect.signature(chat_prompt_ids).parameters
+    for name in extra:
+        if name not in takes:
+            param = "chat_template_kwargs" if name == "template_kwargs" else name
+            raise checks.Refused(f"{param} is not served: this version's chat templates do "
+                                 "not read it", param)
+    return chat_prompt_ids(tokenizer, template, request["messages"],
+                           control_tokens=control_tokens, **extra)
+
+
+def _check_options(body: dict, kind: str) -> None:
+    unknown = sorted(str(k) for k in set(body) - SERVED - IGNORED)
     if unknown:
-        raise checks.Refused(f"not served: {', '.join(map(str, unknown))}", str(unknown[0]))
+        raise checks.Refused(f"not served: {', '.join(unknown)}", unknown[0])
     if body.get("n") is not None and checks.integer(body["n"], "n") != 1:
         raise checks.Refused("n > 1 is not served (one choice per request)", "n")
     if body.get("stream"):
@@ -91,13 +147,15 @@ def _check_options(body: dict) -> None:
     for name in ("logprobs", "top_logprobs", "echo"):
         if body.get(name):
             raise checks.Refused(f"{name} is not served here (no logprobs or echo)", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) is not None and checks.number(body[name], name) != 0:
-            raise checks.Refused(f"{name} is not served (no penalties)", name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise checks.Refused("response_format other than text is not served",
                              "response_format")
+    if kind != "chat":
+        for name in ("chat_template_kwargs", "documents"):
+            if body.get(name) is not None:
+                raise checks.Refused(f"{name} goes with /v1/chat/completions (a completion's "
+                                     "prompt is not rendered through a template)", name)
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:

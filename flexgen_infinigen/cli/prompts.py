@@ -38,9 +38,9 @@ def synthesize_prompts(lm: OffloadedLM, prompt_len: int, count: int, seed: int):
 def chat_prompts(lm: OffloadedLM, a, texts: list[str]):
     """Token ids of each text (or of an example question when none is given and no synthetic
     prompts were asked for) in the model's chat template; None when not chatting."""
-    from ..text.chat import DEFAULT_QUESTION, chat_prompt_ids, store_template
+    from ..text.chat import DEFAULT_QUESTION, chat_prompt_ids, chat_template
 
-    template = store_template(lm.store_path)
+    template = chat_template(lm.store_path, getattr(a, "chat_template", None))
     if a.chat and (template is None or lm.tokenizer is None):
         raise ConfigError("--chat: this model has no chat template (or no tokenizer); drop "
                           "--chat to continue the prompt as plain text")

@@ -16,13 +16,18 @@ engine fail:
 - token ids are in the model's vocabulary, ``0`` to ``vocab_size - 1``;
 - text is a string that UTF-8 can encode (a lone surrogate is refused by name);
 - a message's ``role`` is one of :data:`ROLES`, its ``content`` a string or a list of text
-  parts.
+  parts;
+- ``top_k`` is an integer >= 0 or -1 (0 and -1: off, as vLLM takes them), ``min_p`` in
+  [0, 1], ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's),
+  ``repetition_penalty`` above 0, ``logit_bias`` an object of token-id strings to numbers
+  in [-100, 100], ``stop_token_ids`` a list of token ids, ``ignore_eos`` a boolean (the ids
+  are checked against the vocabulary where its size is known).
 """
 from __future__ import annotations
 
 import math
 
-from ..sampling import SEED_MAX, SEED_MIN, TOP_P_FLOOR
+from ..sampling import BIAS_LIMIT, PENALTY_LIMIT, SEED_MAX, SEED_MIN, TOP_P_FLOOR
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -209,3 +214,87 @@ def room(prompt_len: int, asked: int, given: bool, context: int, param: str) -> 
                       + (" or max_tokens" if given else ""), param,
                       "context_length_exceeded")
     return min(asked, left)
+
+
+def top_k(value) -> int:
+    """-1 or 0: every token (vLLM takes both); k >= 1: the k most likely."""
+    return integer(value, "top_k", low=-1)
+
+
+def min_p(value) -> float:
+    out = number(value, "min_p")
+    if not 0 <= out <= 1:
+        raise Refused(f"min_p must be in [0, 1] (0 = off; got {_shown(value)})", "min_p")
+    return out
+
+
+def penalty(value, param: str) -> float:
+    """``presence_penalty`` or ``frequency_penalty``: OpenAI's range, -2 to 2."""
+    out = number(value, param)
+    if not -PENALTY_LIMIT <= out <= PENALTY_LIMIT:
+        raise Refused(f"{param} must be from -2 to 2 (got {_shown(value)})", param)
+    return out
+
+
+def repetition_penalty(value) -> float:
+    out = number(value, "repetition_penalty")
+    if out <= 0:
+        raise Refused(f"repetition_penalty must be above 0 (1 = off; got {_shown(value)})",
+                      "repetition_penalty")
+    return out
+
+
+def flag(value, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise Refused(f"{param} must be true or false (got {_shown(value)})", param)
+    return value
+
+
+def logit_bias(value, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` -> ((id, bias), ...) sorted by id; biases from -100 to 100."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise Refused(f"logit_bias must be an object of token ids to numbers (got "
+                      f"{_type_name(value)})", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        where = f"logit_bias[{_shown(key)}]"
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+            raise Refused(f"logit_bias keys are token ids written as decimal strings (\"50256\"); "
+                          f"got {_shown(key)}", "logit_bias")
+        token = int(key)
+        token_ids([token], vocab_size, "logit_bias")
+        out[token] = number(bias, "logit_bias")
+        if not -BIAS_LIMIT <= out[token] <= BIAS_LIMIT:
+            raise Refused(f"{where} must be from -100 to 100 (got {_shown(bias)})", "logit_bias")
+    return tuple(sorted(out.items()))
+
+
+def stop_token_ids(value, vocab_size: int | None = None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise Refused(f"stop_token_ids must be a list of token ids (got {_type_name(value)})",
+                      "stop_token_ids")
+    return tuple(token_ids(value, vocab_size, "stop_token_ids"))
+
+
+def template_kwargs(value) -> dict | None:
+    """``chat_template_kwargs``: an object of names the chat template reads
+    (``enable_thinking``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise Refused(f"chat_template_kwargs must be an object (got {_type_name(value)})",
+                      "chat_template_kwargs")
+    return value
+
+
+def documents(value) -> list[dict] | None:
+    """``documents``: a list of objects (``{"title", "text"}``) for a template that cites them."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
+        raise Refused("documents must be a list of objects", "documents")
+    return value

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .guard import Guard, Limits, decode_json, endpoint, log, read_body, server_error
+from . import tokens
 from .requests import ApiError, ServeRequest, parse
 from .scheduler import QueueFull, Scheduler
 
@@ -130,6 +131,29 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await complete("completion", "/v1/completions", request)
+
+    async def tokenizer_route(path: str, request: Request, answer):
+        try:
+            raw = await read_body(request, limits)
+            body = decode_json(raw, limits.max_json_depth)
+            out = await asyncio.to_thread(answer, body)
+        except ApiError as e:
+            return error(path, e)
+        except ClientDisconnect:
+            metrics.answered(path, 499)
+            return JSONResponse({}, status_code=499)
+        metrics.answered(path, 200)
+        return out
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenizer_route("/tokenize", request, lambda body: tokens.tokenize(
+            body, lm, template, control_tokens))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenizer_route("/detokenize", request,
+                                     lambda body: tokens.detokenize(body, lm))
 
     return Guard(app, limits, api_key, metrics)
 

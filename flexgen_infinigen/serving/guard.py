@@ -28,7 +28,7 @@ from .requests import ApiError
 log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
 
 ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-          "/docs", "/redoc", "/openapi.json"}
+          "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json"}
 OPEN = {"/health"}  # answered without the API key
 HEAD_LIMIT_KB = 16  # the parser's limit on a request line and headers not yet complete
 KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this

@@ -8,6 +8,8 @@ the event loop, which reads :attr:`ServeRequest.events`.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import threading
 import time
 import uuid
@@ -16,10 +18,11 @@ from dataclasses import dataclass, field
 from ..cli import openai_batch
 from ..cli import request_checks as checks
 from ..config import ConfigError
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, generation_defaults
 from ..text.incremental import TextStream
 
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
+log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
 
 
 class ApiError(Exception):
@@ -46,6 +49,8 @@ class ServeRequest:
     stream: bool
     include_usage: bool
     model: str
+    ignore_eos: bool = False  # the model's end and stop tokens do not end this row
+    stop_token_ids: tuple[int, ...] = ()  # the request's own stop ids (always end it)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     # the channel: set by the event loop before the request is queued
@@ -71,7 +76,7 @@ class ServeRequest:
         if self.finished:
             return 0
         self.generated += 1
-        if token in stop_ids:
+        if token in self.stop_token_ids or (token in stop_ids and not self.ignore_eos):
             self.finish("stop")
             return 1
         piece = self.text.add(token)
@@ -191,6 +196,7 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
         raise ApiError(400, str(e)) from None
     if request["refused"]:
         raise ApiError(400, request["refused"], param=request["param"])
+    openai_batch.apply_model_defaults(request, _model_defaults(getattr(lm, "store_path", None)))
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -209,12 +215,35 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                                  param)
     except checks.Refused as e:
         raise _refused(e) from None
+    if request["ignored"]:  # accepted, and changing nothing: said once, per request
+        log.info("request ignores fields that do not change its answer: %s",
+                 ", ".join(request["ignored"]))
+    return ServeRequest(kind, ids, max_tokens, sampling_config(settings), request["stop"],
+                        _top_logprobs(kind, body), stream, include_usage, model,
+                        ignore_eos=settings.get("ignore_eos", False),
+                        stop_token_ids=settings.get("stop_token_ids", ()))
+
+
+def sampling_config(settings: dict) -> SamplingConfig:
+    """A request's sampler settings (its checked values, and the model's defaults)."""
     seed = settings.get("seed")
     if seed is None:  # OpenAI: an unseeded request samples differently every time
         seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
-    sampling = SamplingConfig(settings["temperature"], settings["top_p"], seed)
-    return ServeRequest(kind, ids, max_tokens, sampling, request["stop"],
-                        _top_logprobs(kind, body), stream, include_usage, model)
+    config = SamplingConfig(settings["temperature"], settings["top_p"], seed,
+                            settings.get("repetition_penalty", 1.0), settings.get("top_k", -1),
+                            settings.get("min_p", 0.0), settings.get("presence_penalty", 0.0),
+                            settings.get("frequency_penalty", 0.0),
+                            settings.get("logit_bias", ()))
+    try:
+        return config.validate()
+    except ConfigError as e:  # the checks refuse first; this is the sampler's own word
+        raise ApiError(400, str(e)) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _model_defaults(store_path) -> dict:
+    """The store's generation_config.json defaults, read once per store."""
+    return generation_defaults(store_path)
 
 
 def _refused(e: checks.Refused) -> ApiError:
@@ -252,14 +281,11 @@ def _top_logprobs(kind: str, body: dict) -> int | None:
 
 
 def _prompt_ids(request: dict, lm, template: str | None, control_tokens: bool) -> list[int]:
-    from ..text.chat import chat_prompt_ids
-
     try:
         if request["messages"] is not None:
             if template is None or lm.tokenizer is None:
                 raise ApiError(400, "this model has no chat template; use /v1/completions")
-            return chat_prompt_ids(lm.tokenizer, template, request["messages"],
-                                   control_tokens=control_tokens)
+            return openai_batch.chat_ids(lm.tokenizer, template, request, control_tokens)
         prompt = request["prompt"]
         if isinstance(prompt, list):
             return prompt

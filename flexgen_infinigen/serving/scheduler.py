@@ -9,8 +9,10 @@ each row's token to its request at every step.
 - Requests join at block boundaries only. A row that finishes early stays empty until the
   block ends: its KV cache and positions belong to the block's prompt, and taking a new
   prompt in would need a prefill of its own, outside the step every row shares.
-- Sampling is per row: each row has its own temperature, top-p and random generator (seeded
-  by its request), so an answer does not depend on the other rows of its block.
+- Sampling is per row: each row has its own settings (temperature, top-k, top-p, min-p,
+  penalties, logit bias; :mod:`..sampling`), stop ids and random generator (seeded by its
+  request), so an answer does not depend on the other rows of its block: a greedy row that
+  moves no logits is the plain argmax whatever its neighbours ask.
 - A request whose client has gone is skipped in the queue, and dropped from its block at the
   next step; the block stops as soon as no row is left.
 - A row fails alone: a prompt id outside the vocabulary or a sampler that cannot be made
@@ -27,7 +29,7 @@ from contextlib import closing
 
 import torch
 
-from ..sampling import Sampler
+from ..sampling import Sampler, row_chooser
 from .metrics import Metrics
 from .requests import ServeRequest
 
@@ -49,7 +51,7 @@ class RowChooser:
                  samplers: list[Sampler] | None = None):
         self.requests, self.batch_size, self.tokenizer = requests, batch_size, tokenizer
         self.samplers = samplers if samplers is not None else \
-            [Sampler(r.sampling) for r in requests]
+            [row_chooser(r.sampling, r.ids) for r in requests]
         self.logprobs: list[dict | None] = [None] * len(requests)
         self.failed: dict[int, str] = {}  # row -> why its choice failed (not yet reported)
 
@@ -63,8 +65,9 @@ class RowChooser:
                 continue  # a padding row, or one that has ended: its token is never read
             request = self.requests[row]
             try:
-                if request.sampling.temperature > 0:
-                    tokens[r] = self.samplers[row](logits[r:r + 1], step, batch)[0]
+                if request.sampling.temperature > 0 or request.sampling.moves_logits:
+                    # the row's own chooser, on its row alone (its history is its own)
+                    tokens[r] = self.samplers[row](logits[r:r + 1], step, 0)[0]
                 if request.top_logprobs is not None:
                     self.logprobs[row] = self._logprobs(logits[r], int(tokens[r]),
                                                         request.top_logprobs)
@@ -184,7 +187,7 @@ class Scheduler:
                 self.metrics.count("row_errors")
                 continue
             try:
-                samplers.append(Sampler(r.sampling))
+                samplers.append(row_chooser(r.sampling, r.ids))
             except Exception as e:  # noqa: BLE001 - e.g. a seed the generator cannot take
                 r.fail(f"this request's sampler cannot be made: {type(e).__name__}: {e}")
                 self.metrics.count("row_errors")

@@ -34,6 +34,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "special_tokens_map.json")
+# copied into the store beside the tokenizer: the model's sampling defaults, which serve and
+# batch read (sampling.generation_defaults)
+KEPT_FILES = TOKENIZER_FILES + ("generation_config.json",)
 
 _OPT_LAYER = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
               "self_attn.v_proj": "v_proj", "self_attn.out_proj": "o_proj",
@@ -279,7 +282,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
         if missing:
             raise ConfigError(f"{folder} lacks {len(missing)} tensors (first: {missing[0]}); "
                               "the checkpoint is partial, download it again")
-        for fname in TOKENIZER_FILES:
+        for fname in KEPT_FILES:
             if (folder / fname).is_file():
                 shutil.copy(folder / fname, w.tmp / fname)
         if (folder / "tokenizer.json").is_file():
