@@ -158,6 +158,9 @@ class Sampler:
         # limit, the greedy choice
         greedy = ~torch.isfinite((logits / self.config.temperature).amax(-1))
         probs = probabilities(logits.masked_fill(greedy[:, None], 0), self.config)
+        # a greedy row draws from any valid distribution (its draw is replaced below): a
+        # temperature that is 0 in float32 makes its probabilities 0/0
+        probs = torch.where(greedy[:, None], 1.0 / probs.shape[-1], probs)
         drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         return torch.where(greedy, logits.argmax(-1), drawn)
 

@@ -171,9 +171,9 @@ def test_a_failing_row_fails_alone(engine_lm, solo, monkeypatch, poison, expecte
            "raises-mid-block": lambda: _request(lm, PROMPTS[3], SamplingConfig(0.5, 1.0, 3)),
            }[poison]()
     if poison == "raises-mid-block":
-        real = scheduler_module.Sampler
-        monkeypatch.setattr(scheduler_module, "Sampler", lambda c: _RaisingSampler(c)
-                            if c.seed == 3 else real(c))
+        real = scheduler_module.row_chooser  # how the engine makes each row's chooser
+        monkeypatch.setattr(scheduler_module, "row_chooser", lambda c, ids: _RaisingSampler(c)
+                            if c.seed == 3 else real(c, ids))
     good = _good(lm)
     out = _in_thread(_serve, lm, [good[0], good[1], bad, good[2]])
     assert out[2] == expected
