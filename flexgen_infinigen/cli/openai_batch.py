@@ -23,7 +23,6 @@ or ``response: null`` and ``error: {"code", "message", "param"}`` for a refused 
 """
 from __future__ import annotations
 
-import inspect
 import time
 import uuid
 
@@ -121,19 +120,12 @@ def apply_model_defaults(request: dict, model_defaults: dict) -> None:
 
 def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = False) -> list[int]:
     """A chat request's prompt ids through ``template``, with its ``documents`` and
-    ``chat_template_kwargs`` (refused by name while the template renderer cannot take them)."""
+    ``chat_template_kwargs``."""
     from ..text.chat import chat_prompt_ids
 
-    extra = {k: request.get(k) for k in ("documents", "template_kwargs")
-             if request.get(k) is not None}
-    takes = inspect.signature(chat_prompt_ids).parameters
-    for name in extra:
-        if name not in takes:
-            param = "chat_template_kwargs" if name == "template_kwargs" else name
-            raise checks.Refused(f"{param} is not served: this version's chat templates do "
-                                 "not read it", param)
     return chat_prompt_ids(tokenizer, template, request["messages"],
-                           control_tokens=control_tokens, **extra)
+                           control_tokens=control_tokens, documents=request.get("documents"),
+                           template_kwargs=request.get("template_kwargs"))
 
 
 def _check_options(body: dict, kind: str) -> None:

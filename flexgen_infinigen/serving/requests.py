@@ -296,6 +296,6 @@ def _prompt_ids(request: dict, lm, template: str | None, control_tokens: bool) -
         if not ids:
             raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
         return ids
-    except ConfigError as e:
-        raise ApiError(400, str(e), param="messages" if request["messages"] is not None
-                       else "prompt") from None
+    except ConfigError as e:  # a TemplateInputError names the field it refuses
+        raise ApiError(400, str(e), param=getattr(e, "param", None) or (
+            "messages" if request["messages"] is not None else "prompt")) from None

@@ -29,6 +29,7 @@ from contextlib import closing
 
 import torch
 
+from ..cli import request_checks as checks
 from ..sampling import Sampler, row_chooser
 from .metrics import Metrics
 from .requests import ServeRequest
@@ -177,13 +178,14 @@ class Scheduler:
         the vocabulary, or whose sampler cannot be made, fails alone before the block runs
         (parsing refuses both; this keeps a request made another way from failing the
         others' block)."""
-        vocab, rows, samplers = self.lm.cfg.vocab_size, [], []
+        rows, samplers = [], []
         for r in block:
-            bad = [t for t in r.ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]
-            if bad or not r.ids:
-                r.fail(f"the prompt holds {bad[0]!r}, not a token id of this model (0 to "
-                       f"{vocab - 1})" if bad else "the prompt is empty", 400, "prompt")
+            try:
+                if not r.ids:
+                    raise checks.Refused("the prompt is empty", "prompt")
+                checks.token_ids(r.ids, self.lm.cfg.vocab_size, "prompt")
+            except checks.Refused as e:
+                r.fail(str(e), 400, e.param)
                 self.metrics.count("row_errors")
                 continue
             try:
