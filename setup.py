@@ -7,7 +7,7 @@ setup(
                 "management",
     packages=find_packages(include=["flexgen_infinigen", "flexgen_infinigen.*"]),
     # the CPU kernels' C sources, compiled on first use
-    package_data={"flexgen_infinigen": ["runtime/kernels/*.c", "runtime/kernels/*.h"]},
+    package_data={"flexgen_infinigen": ["kernels/c/*.c", "kernels/c/*.h"]},
     python_requires=">=3.10",
     # PuLP 4 no longer bundles the CBC solver the optimizer uses
     install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",

@@ -27,11 +27,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
 from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
 from flexgen_infinigen.kv.options import DEFAULT_MIN_KV
-from flexgen_infinigen.kv.spec_keys import bytes_per_key
+from flexgen_infinigen.kv.infinigen.spec_keys import bytes_per_key
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -109,7 +109,7 @@ def _variants(f: float, corpus: str) -> dict[str, tuple]:
 
 
 def score(store, windows, prefill, kv, kw, compress) -> dict:
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(windows),
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(windows),
                                  compress_cache=compress)
     start = time.perf_counter()
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=kw,

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 import artifacts  # noqa: E402
 from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
 
-from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen import OffloadedLM, Placement  # noqa: E402
 from flexgen_infinigen.config import get_config  # noqa: E402
 from flexgen_infinigen.kv import make_kv_policy  # noqa: E402
 from flexgen_infinigen.planner.cost import predict  # noqa: E402
@@ -46,7 +46,7 @@ from flexgen_infinigen.run import synthesize_prompts  # noqa: E402
 
 SMOL = {"model": "smollm2-135m"}
 OPT = {"model": "opt-125m", "dummy": True}
-# name -> (how to load, percent, Policy switches, kv policy, kv options)
+# name -> (how to load, percent, Placement switches, kv policy, kv options)
 VALIDATION = {
     "all on device": (SMOL, [100, 0, 100, 0, 100, 0], {}, "full", {}),
     "weights in CPU memory": (SMOL, [0, 100, 100, 0, 100, 0], {}, "full", {}),
@@ -89,7 +89,7 @@ def profile_in_child(quick: bool):
         return load_profile(path)
 
 
-def measure_policy(load: dict, policy: Policy, kv: str, opts: dict, prompt_len: int,
+def measure_policy(load: dict, policy: Placement, kv: str, opts: dict, prompt_len: int,
                    gen_len: int, retry: Retry) -> dict:
     lm = OffloadedLM.load(policy=policy, progress=False, kv_policy=make_kv_policy(kv, **opts),
                           max_len_hint=(prompt_len, gen_len), **load)
@@ -113,7 +113,7 @@ def validation(hw, names, prompt_len, gen_len, batch, retry) -> list[dict]:
     rows = []
     for name in tqdm(names, desc="validation", unit="policy"):
         load, pct, switches, kv, opts = VALIDATION[name]
-        policy = Policy.from_percent(pct, gpu_batch_size=batch, **switches)
+        policy = Placement.from_percent(pct, gpu_batch_size=batch, **switches)
         if policy.overlap is None:
             policy = dataclasses.replace(policy, overlap=hw.copies_overlap_compute)
         got = measure_policy(load, policy, kv, opts, prompt_len, gen_len, retry)
@@ -151,11 +151,11 @@ def grid(hw, budget_gb, prompt_len, gen_len, batches, retry) -> dict:
     cells = []
     for b in batches:
         for name, pct in GRID_PERCENTS.items():
-            policy = Policy.from_percent(pct, gpu_batch_size=b,
+            policy = Placement.from_percent(pct, gpu_batch_size=b,
                                          overlap=hw.copies_overlap_compute)
             if fits(memory_needs(work, policy), limited):
                 cells.append((f"{name}, batch {b}", policy))
-    best, _ = optimize(work, limited, Policy(overlap=hw.copies_overlap_compute),
+    best, _ = optimize(work, limited, Placement(overlap=hw.copies_overlap_compute),
                        batch_sizes=batches, num_batches=(1, 2))
     cells.append(("optimizer's pick", best.policy))
     rows = []
@@ -176,7 +176,7 @@ def paper_setting() -> dict:
     """Predictions only: OPT-13B, batch 20, prompt 1920, 128 tokens, A6000 / PCIe 3 profile."""
     hw = load_profile("a6000-pcie3")
     cfg = get_config("opt-13b")
-    paper = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=20)
+    paper = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=20)
     out = {"profile": "a6000-pcie3", "model": "opt-13b", "prompt_len": 1920, "gen_len": 128}
     for kv, fraction in (("full", 1.0), ("infinigen", 0.2)):
         work = Workload(cfg, 1920, 128, 2, kv, fraction)

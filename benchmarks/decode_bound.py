@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.kv.spec_keys import bytes_per_key
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kv.infinigen.spec_keys import bytes_per_key
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -59,7 +59,7 @@ def _timed(fn) -> float:
 def measure_decode_step(store, kv: str, prompts: list[list[int]], gen_len: int) -> dict:
     """Median decode step time of one policy with the KV cache in CPU memory, and the bytes
     that step moves and touches."""
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts))
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts))
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=POLICIES[kv],
                           progress=False) as lm:
         cfg, item = lm.cfg, lm.engine.dtype.itemsize

@@ -41,7 +41,7 @@ SETS = 6  # input sets cycled through: 6 x 100 MB of K and V is far past any cac
 
 
 def _big(*shape, dtype=torch.float32, generator=None) -> torch.Tensor:
-    from flexgen_infinigen.runtime.huge_pages import advise_huge_pages
+    from flexgen_infinigen.memory.huge_pages import advise_huge_pages
     t = torch.empty(*shape, dtype=dtype)
     advise_huge_pages(t)
     if dtype.is_floating_point:
@@ -79,10 +79,10 @@ def main(argv=None) -> int:
     from long_context import read_bandwidth
     from machine import machine_info
 
-    from flexgen_infinigen.runtime import cpu_kernels as ck
-    from flexgen_infinigen.runtime.compression import PackedWeight, compress
+    from flexgen_infinigen.kernels import cpu_kernels as ck
+    from flexgen_infinigen.memory.codes import PackedWeight, compress
     try:  # the layers' own math (linear) moved to cpu_layers; older checkouts keep it here
-        from flexgen_infinigen.runtime import cpu_layers as layers
+        from flexgen_infinigen.kernels import layers as layers
     except ImportError:
         layers = ck
 

@@ -30,7 +30,7 @@ OUT = Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations"
 KERNELS = ("attend_rows", "attend_rows_q4", "attend_indexed", "speculate_mass",
            "speculate_pages", "score_packed", "select_mass", "spec_write")
 LAYER_KERNELS = ("linear", "rms_norm", "rotary", "moe_experts")  # in cpu_layers
-FUSED = "decode_layer"  # a layer's step as one compiled call (fused_decode.LayerPlan._call)
+FUSED = "decode_layer"  # a layer's step as one compiled call (LayerCall.run)
 FUSED_MOE = "moe_layer"  # a MoE stage's step as one compiled call (fused_moe.MoePlan)
 
 
@@ -39,9 +39,9 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
     ``active[0]`` (decode steps only)."""
     import importlib
 
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
     try:
-        from flexgen_infinigen.runtime import cpu_layers
+        from flexgen_infinigen.kernels import layers as cpu_layers
     except ImportError:  # an older checkout: the layers' kernels lived in cpu_kernels
         cpu_layers = cpu_kernels
 
@@ -59,8 +59,8 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
 
     timed = {name: wrap(cpu_kernels, name) for name in KERNELS}
     try:  # the fused layer call: the kernels inside it are C calling C, not wrapped
-        from flexgen_infinigen.runtime import fused_decode
-        real_call = fused_decode.LayerPlan._call
+        from flexgen_infinigen.kernels.layer_call import LayerCall
+        real_call = LayerCall.run
 
         def timed_call(self, mode):
             start = time.perf_counter()
@@ -68,11 +68,11 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
             if active[0]:
                 times[FUSED] += time.perf_counter() - start
                 calls[FUSED] += 1
-        fused_decode.LayerPlan._call = timed_call
+        LayerCall.run = timed_call
     except (ImportError, AttributeError):  # an older checkout: no fused call
         pass
     try:  # a MoE stage's decode step as one call (norm, router, experts, residual)
-        from flexgen_infinigen.runtime import fused_moe
+        from flexgen_infinigen.engine import fused_moe
         real_stage = fused_moe.MoePlan.__call__
 
         def timed_stage(self, h):
@@ -91,11 +91,12 @@ def _timed_kernels(times: dict, calls: collections.Counter, active: list) -> Non
     layer = {name: wrap(cpu_layers, name) for name in real}
     for name, fn in layer.items():
         setattr(cpu_layers, name, fn)
-    for module in ("flexgen_infinigen.runtime.cpu_kernels", "flexgen_infinigen.kv.spec_keys",
-                   "flexgen_infinigen.kv.spec_pages",
-                   "flexgen_infinigen.infinigen.rehearsal", "flexgen_infinigen.models.llama",
+    for module in ("flexgen_infinigen.kernels.cpu_kernels",
+                   "flexgen_infinigen.kv.infinigen.spec_keys",
+                   "flexgen_infinigen.kv.infinigen.spec_pages",
+                   "flexgen_infinigen.kv.infinigen.rehearsal", "flexgen_infinigen.models.llama",
                    "flexgen_infinigen.models.opt", "flexgen_infinigen.models.moe",
-                   "flexgen_infinigen.runtime.attention"):
+                   "flexgen_infinigen.kernels.attention"):
         mod = importlib.import_module(module)
         for name, fn in timed.items():
             if module.endswith("cpu_kernels") or getattr(mod, name, None) is not None:
@@ -131,16 +132,16 @@ def main(argv=None) -> int:
     from long_prompts import SHARED, natural_prompts
     from machine import machine_info
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.kv import make_kv_policy
-    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+    from flexgen_infinigen.engine.prefill_cache import PrefillCache
 
     times: dict = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     active = [False]  # kernels are timed in decode steps only, not in the prefill
     _timed_kernels(times, calls, active)
     kept = PrefillCache(a.prefill_dir) if a.prefill_dir else PrefillCache()
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
                                  compress_weight=a.compress_weight,
                                  sep_layer=None if a.sep_layer is None
                                  else a.sep_layer == "true")
@@ -155,12 +156,12 @@ def main(argv=None) -> int:
 
         decodes = [0]
 
-        def timed_iteration(decode, *args):
+        def timed_iteration(p, *args):
             # the first decode step also writes what the prompt left (a kept prefill's
             # speculation keys): timed from the second on, as the steps are
-            decodes[0] += decode
+            decodes[0] += p.decode
             active[0] = decodes[0] >= 2
-            return iteration(decode, *args)
+            return iteration(p, *args)
         lm.engine._iteration = timed_iteration
         for label in a.policies:
             kv, _, opts = label.partition(":")

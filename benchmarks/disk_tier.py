@@ -73,17 +73,17 @@ def child(spec: dict) -> dict:
     """One setting, in this process: load, generate, report."""
     import torch
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.cli.prompts import synthesize_prompts
     from flexgen_infinigen.config import KNOWN_MODELS, get_config
-    from flexgen_infinigen.runtime.memory_plan import plan
+    from flexgen_infinigen.engine.memory_plan import plan
 
     if spec.get("layers"):  # OPT-13B's shapes, fewer layers: what fits in memory
         cfg = dataclasses.replace(get_config(spec["model"]), num_layers=spec["layers"],
                                   name=f"{spec['model']}-{spec['layers']}l")
         KNOWN_MODELS[cfg.name] = cfg
         spec = {**spec, "model": cfg.name}
-    policy = Policy.from_percent(spec["percent"], gpu_batch_size=spec["batch"],
+    policy = Placement.from_percent(spec["percent"], gpu_batch_size=spec["batch"],
                                  num_gpu_batches=spec["batches"], overlap=spec["overlap"],
                                  direct_io=spec["direct_io"])
     dtype = getattr(torch, spec["dtype"])

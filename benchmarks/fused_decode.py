@@ -1,4 +1,4 @@
-"""The fused CPU decode step (one compiled call a stage, ``runtime/fused_decode.py``) beside the
+"""The fused CPU decode step (one compiled call a stage, ``engine/stage_plan.py``) beside the
 per-operation path, alternating in one run, and llama.cpp's ``llama-bench`` on the same GGUF.
 
     python benchmarks/fused_decode.py --llama-bench path/to/llama-bench   # both cases
@@ -64,19 +64,19 @@ def paused(pidfile: str | None):
 
 def _timed_calls(spent: list) -> None:
     """Add each fused call's wall time to ``spent[0]``."""
-    from flexgen_infinigen.runtime import fused_decode
+    from flexgen_infinigen.kernels.layer_call import LayerCall
 
-    real = fused_decode.LayerPlan._call
+    real = LayerCall.run
 
     def timed(self, mode):
         start = time.perf_counter()
         real(self, mode)
         spent[0] += time.perf_counter() - start
-    fused_decode.LayerPlan._call = timed
+    LayerCall.run = timed
 
 
 def _run(lm, prompts, steps: int, fused, pause, spent, kept=None) -> dict:
-    """One generation with the fused step on (``fused`` the engine's FusedDecode) or off."""
+    """One generation with the fused step on (``fused``: the compiled-call library) or off."""
     saved = lm.engine.fused
     lm.engine.fused = fused
     spent[0] = 0.0
@@ -95,10 +95,10 @@ def _run(lm, prompts, steps: int, fused, pause, spent, kept=None) -> dict:
 def short_case(a, pause, spent) -> dict:
     from long_prompts import SHARED, natural_prompts
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.weights.embedded import default_model_store
 
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
     runs = {"fused": [], "per-operation": []}
     with OffloadedLM.load(path=default_model_store(progress=False), policy=policy,
                           progress=False, max_len_hint=(a.prompt, a.steps + 1)) as lm:
@@ -168,12 +168,12 @@ def long_case(a, pause, spent) -> dict:
     from long_context import kv_read_bytes, read_bandwidth, weight_read_bytes
     from long_prompts import SHARED, natural_prompts
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.kv import make_kv_policy
-    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+    from flexgen_infinigen.engine.prefill_cache import PrefillCache
 
     kept = PrefillCache(a.prefill_dir, keep=0)  # on disk only: one copy of the KV in memory
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch)
     rows = []
     with OffloadedLM.load(model="smollm2-135m", policy=policy, progress=False,
                           max_len_hint=(a.context, a.long_steps + 1)) as lm:

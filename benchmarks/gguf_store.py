@@ -177,12 +177,12 @@ def _load(path, compress: bool, wide: bool):
     from contextlib import nullcontext
     from unittest import mock
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.weights import gguf_codes
 
     with mock.patch.object(gguf_codes, "half_exact", lambda *_: False) if wide \
             else nullcontext():
-        return OffloadedLM.load(path=path, policy=Policy(compress_weight=compress),
+        return OffloadedLM.load(path=path, policy=Placement(compress_weight=compress),
                                 progress=False)
 
 
@@ -217,8 +217,8 @@ def kernel_step(store: Path, repeats: int) -> dict:
     one row of x) with float16 factors and with the same values in float32, alternated."""
     import torch
 
-    from flexgen_infinigen.runtime import cpu_layers
-    from flexgen_infinigen.runtime.compression import Packed, PackedWeight
+    from flexgen_infinigen.kernels import layers as cpu_layers
+    from flexgen_infinigen.memory.codes import Packed, PackedWeight
     from flexgen_infinigen.weights.store import WeightStore
 
     ws = WeightStore(store)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flexgen_infinigen import Generation, OffloadedLM, Policy
+from flexgen_infinigen import Generation, OffloadedLM, Placement
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -78,7 +78,7 @@ def run(args) -> dict:
                           for c in args.contexts if (m, c) not in configs]
     for model, context in tqdm(configs, desc="configurations"):
         dummy = model != "smollm2-135m"
-        policy = Policy.from_percent(args.percent, gpu_batch_size=args.batch)
+        policy = Placement.from_percent(args.percent, gpu_batch_size=args.batch)
         for kv in ("full", "infinigen"):
             lm = OffloadedLM.load(model=model, dummy=dummy, policy=policy, kv_policy=kv,
                                   dtype=args.dtype, progress=False,

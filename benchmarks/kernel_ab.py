@@ -67,7 +67,7 @@ def kernels_at(rev: str, dest: Path) -> Path:
 def load(folder: Path, out: Path):
     """The kernels in ``folder`` compiled with the runtime's flags and loaded by its loader
     (which declares every function's arguments)."""
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
     sources = [str(p) for p in sorted(folder.glob("*.c"))]
     subprocess.run(["gcc", *cpu_kernels._FLAGS, "-I", str(folder), *sources, "-o", str(out),
                     "-lm"], check=True, capture_output=True, timeout=300)
@@ -84,13 +84,13 @@ def load(folder: Path, out: Path):
 
 
 def use(lib) -> None:
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
     cpu_kernels._tried, cpu_kernels._lib = True, lib
 
 
 def linear_work(lm, bits: int, rows: int):
     """(one pass, its bytes): the model's ``bits``-bit float16-factor matrices at ``rows``."""
-    from flexgen_infinigen.runtime import cpu_layers
+    from flexgen_infinigen.kernels import layers as cpu_layers
     weights = lm.engine.weights
     mats = [weights[n].read_for_compute() for n in weights if n.endswith(".weight")]
     mats = [m for m in mats if getattr(m, "packed", None) is not None
@@ -109,7 +109,7 @@ def linear_work(lm, bits: int, rows: int):
 def moe_work(lm, rows: int):
     """(one pass, its bytes): every MoE layer's routed experts for ``rows`` tokens, each
     token sent to ``top_k`` experts in turn from the first (the bytes: the matrices used)."""
-    from flexgen_infinigen.runtime import cpu_layers
+    from flexgen_infinigen.kernels import layers as cpu_layers
     cfg, weights = lm.engine.cfg, lm.engine.weights
     k, layers = cfg.experts_per_token, []
     for layer in range(cfg.num_layers):
@@ -146,7 +146,7 @@ def moe_work(lm, rows: int):
 def speculation_work(shape: str):
     """(one pass, its bytes): speculate_mass of ``shape`` = "C,G,D,T" over random 4-bit keys
     (D / 2 bytes a row, a float32 minimum and scale), one row of a batch."""
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
     c, g, d, t = (int(x) for x in shape.split(","))
     gen = torch.Generator().manual_seed(t)
     codes = torch.randint(0, 256, (c, t, d // 2), dtype=torch.uint8, generator=gen)
@@ -162,7 +162,7 @@ def speculation_work(shape: str):
 def attention_work(shape: str, chosen: bool):
     """(one pass, its bytes): decode attention of ``shape`` = "C,G,D,T" over every row of a
     head-major cache, or (``chosen``) over a fifth of them picked at random."""
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
     c, g, d, t = (int(x) for x in shape.split(","))
     gen = torch.Generator().manual_seed(t)
     k, v = (torch.randn(c, t, d, generator=gen) for _ in range(2))
@@ -200,14 +200,14 @@ def main(argv=None) -> int:
         p.error("--kernel moe needs --gguf PATH, a MoE model's GGUF file")
     from machine import machine_info
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     threads = torch.get_num_threads()
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         libs = {"base": load(kernels_at(a.base, tmp / "a"), tmp / "a.so"),
                 "tree": load(ROOT / KERNELS, tmp / "b.so")}
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
         with OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
                               policy=policy, progress=False, max_len_hint=(64, 8)) as lm:
             cells = [(shape, chosen) for shape in a.shapes for chosen in (False, True)] \

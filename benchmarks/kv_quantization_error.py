@@ -35,7 +35,7 @@ COLUMNS = [("key relative error", "key_relative_error", "{:.3f}"),
 
 
 def _errors(rec, cfg, layout: str) -> dict:
-    from flexgen_infinigen.runtime.compression import compress, decompress
+    from flexgen_infinigen.memory.codes import compress, decompress
 
     keys, scores = [], []
     group = cfg.num_heads // cfg.num_kv_heads

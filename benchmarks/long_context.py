@@ -109,8 +109,8 @@ def weight_read_bytes(lm) -> int:
 
 def kv_read_bytes(lm, report: dict, batch: int, context: float, compress: bool) -> float:
     """Bytes of KV cache (and speculation keys) one decode step must read at ``context``."""
-    from flexgen_infinigen.kv.spec_keys import bytes_per_key
-    from flexgen_infinigen.runtime.compression import stored_bytes
+    from flexgen_infinigen.kv.infinigen.spec_keys import bytes_per_key
+    from flexgen_infinigen.memory.codes import stored_bytes
 
     cfg, item = lm.cfg, lm.engine.dtype.itemsize
     rows = batch * cfg.num_kv_heads
@@ -131,10 +131,10 @@ def run_one(spec: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; speed, bound and memory."""
     from long_prompts import natural_prompts
 
-    from flexgen_infinigen import OffloadedLM, Policy
-    from flexgen_infinigen.runtime import memory_plan
-    from flexgen_infinigen.runtime.loading import model_config
-    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+    from flexgen_infinigen import OffloadedLM, Placement
+    from flexgen_infinigen.engine import memory_plan
+    from flexgen_infinigen.engine.loading import model_config
+    from flexgen_infinigen.engine.prefill_cache import PrefillCache
 
     bandwidth = spec["bandwidth"]  # measured by the parent just before this process
     baseline = _current_rss()  # Python, torch and the libraries: what no plan counts
@@ -142,7 +142,7 @@ def run_one(spec: dict) -> dict:
     b, gen = spec["batch"], spec["gen_len"]
     # "8K" on a model of 8,192 positions: the prompt leaves room for the generated tokens
     ctx = min(spec["context"], model_config(spec["model"]).max_positions - gen)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b,
                                  compress_cache=compress, compress_weight=weights4,
                                  prefill_chunk=spec.get("chunk"))
     with OffloadedLM.load(model=spec["model"], policy=policy, kv_policy=kv,
@@ -196,7 +196,7 @@ def run_reference(spec: dict) -> dict:
     from long_prompts import natural_prompts
     from transformers import AutoModelForCausalLM
 
-    from flexgen_infinigen.runtime.loading import find_weights
+    from flexgen_infinigen.engine.loading import find_weights
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     path = Path(spec["gguf"])

@@ -150,7 +150,7 @@ def run_policies(a, model, samples, labels, done, path, bar, kept) -> None:
     """Every policy in ``labels`` on ``samples``: one load per cache format; each batch of
     prompts is prefilled once (``kept``, a PrefillCache) and every policy that needs no
     prompt queries decodes from that prefill."""
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.evals.retrieval_tasks import GEN_LEN
     from flexgen_infinigen.kv import make_kv_policy
 
@@ -162,7 +162,7 @@ def run_policies(a, model, samples, labels, done, path, bar, kept) -> None:
                  and any((lab, s.key) not in done for s in samples)]
         if not group:
             continue
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=a.batch,
                                      compress_cache=compress, compress_weight=w4)
         with OffloadedLM.load(model=model, policy=policy, max_len_hint=(length, gen),
                               progress=False) as lm:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from flexgen_infinigen.evals.retrieval_tasks import GEN_LEN, TASKS, Filler, make_samples
-    from flexgen_infinigen.runtime.loading import find_weights
+    from flexgen_infinigen.engine.loading import find_weights
     from flexgen_infinigen.text.tokenizer import load_tokenizer
 
     tasks = a.tasks or list(TASKS)
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     import shutil
     import tempfile
 
-    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+    from flexgen_infinigen.engine.prefill_cache import PrefillCache
     from flexgen_infinigen.weights.embedded import default_cache_dir
 
     folder = a.prefill_dir or tempfile.mkdtemp(prefix="prefills-", dir=default_cache_dir())

@@ -86,11 +86,11 @@ def run_one(spec: dict) -> dict:
 
     from long_context import kv_read_bytes
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.config import KNOWN_MODELS
     from flexgen_infinigen.models.moe import is_expert_weight
     from flexgen_infinigen.planner.workload import expert_coverage
-    from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+    from flexgen_infinigen.engine.prefill_cache import PrefillCache
 
     ctx, b, gen_steps = spec["context"], spec["batch"], spec.get("steps", GEN)
     cfg = cut_config(spec["model"], spec["layers"], ctx + gen_steps)
@@ -103,7 +103,7 @@ def run_one(spec: dict) -> dict:
     gguf = spec.get("gguf")
     eg, ec = spec.get("experts_percent") or (None, None)  # None: experts as the weights
     g = spec.get("gpu_batches", 1)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b // g,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b // g,
                                  num_gpu_batches=g,
                                  compress_weight=gguf is None, expert_gpu_percent=eg,
                                  expert_cpu_percent=ec)

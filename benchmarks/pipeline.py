@@ -63,14 +63,14 @@ def stage_weight_bytes(model: str, stages: int, item: int = 4) -> list[int]:
     check_stages(stages, cfg)
     shapes = family_of(cfg).weight_shapes(cfg)
     if stages == 1:
-        from flexgen_infinigen.runtime.stages import LayerSlice
+        from flexgen_infinigen.engine.stages import LayerSlice
         parts = [LayerSlice.whole(cfg)]
     else:  # the split is recomputed here with the run's default profile
         from flexgen_infinigen.pipeline.partition import stage_costs
         from flexgen_infinigen.planner.hardware import BUILTIN
-        from flexgen_infinigen.policy import Policy
+        from flexgen_infinigen.placement import Placement
         parts = split_layers(cfg.num_layers, stages, *stage_costs(
-            cfg, Policy(), 32, 6, item, BUILTIN["t4-pcie3"]))
+            cfg, Placement(), 32, 6, item, BUILTIN["t4-pcie3"]))
     return [sum(math.prod(shapes[n]) * item for n in p.weight_names(cfg)) for p in parts]
 
 
@@ -129,7 +129,7 @@ def on_paper(gpus: int) -> dict:
     from flexgen_infinigen.config import ConfigError, get_config
     from flexgen_infinigen.planner.auto import search
     from flexgen_infinigen.planner.hardware import BUILTIN
-    from flexgen_infinigen.policy import Policy
+    from flexgen_infinigen.placement import Placement
 
     cfg, hw = get_config("opt-175b"), BUILTIN["t4-pcie3"]
     layers = math.ceil(cfg.num_layers / gpus)
@@ -137,7 +137,7 @@ def on_paper(gpus: int) -> dict:
     best = None
     for n in (1, 2, 4, 8, 16) if gpus > 1 else (None,):
         try:
-            plan, _ = search(mine, 512, 32, hw, Policy(), "full",
+            plan, _ = search(mine, 512, 32, hw, Placement(), "full",
                              num_gpu_batches=None if n is None else gpus * n, progress=False,
                              weight_reads=gpus)
         except ConfigError:

@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 
 from flexgen_infinigen import OffloadedLM
-from flexgen_infinigen.infinigen.skew import DEFAULT_CALIBRATION, key_gram, projection, query_gram
-from flexgen_infinigen.kv.selection import Budget, select
-from flexgen_infinigen.kv.spec_keys import SpeculationKeys, bytes_per_key
-from flexgen_infinigen.kv.spec_pages import PAGE_KINDS, SpeculationPages
-from flexgen_infinigen.runtime.attention import attend, mask_bias
+from flexgen_infinigen.kv.infinigen.skew import (DEFAULT_CALIBRATION, key_gram, projection,
+                                                 query_gram)
+from flexgen_infinigen.kv.selection_rules import Budget, select
+from flexgen_infinigen.kv.infinigen.spec_keys import SpeculationKeys, bytes_per_key
+from flexgen_infinigen.kv.infinigen.spec_pages import PAGE_KINDS, SpeculationPages
+from flexgen_infinigen.kernels.attention import attend, mask_bias
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -92,7 +93,7 @@ class Recorder:
     def __init__(self, lm):
         self.lm, self.cfg, self.engine = lm, lm.cfg, lm.engine
         self.fam = self.engine.family
-        self.weights = [self.engine._load_weights(j) for j in range(len(self.engine.stages))]
+        self.weights = [self.engine.reads.load(j) for j in range(len(self.engine.stages))]
 
     @torch.no_grad()
     def __call__(self, ids: list[int]):

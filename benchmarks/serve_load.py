@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE))
 import artifacts  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen import OffloadedLM, Placement  # noqa: E402
 
 OUT = HERE / "results" / "serve_load"
 MODEL = "smollm2-135m"
@@ -433,7 +433,7 @@ def main() -> int:
         a.gen_len, a.rounds = 12, 2
     a.sweep = [] if a.no_sweep else [(1, 1, 0), (8, 2, 0), (8, 2, 50), (8, 2, 500)]
     lm = OffloadedLM.load(model=MODEL, progress=False,
-                          policy=Policy(gpu_batch_size=a.block[0], num_gpu_batches=a.block[1]))
+                          policy=Placement(gpu_batch_size=a.block[0], num_gpu_batches=a.block[1]))
     run = {"meta": artifacts.run_meta(["benchmarks/serve_load.py", *sys.argv[1:]],
                                       machine_info=machine_info()),
            "settings": {"model": MODEL, "block": list(a.block), "max_wait_ms": a.max_wait_ms,

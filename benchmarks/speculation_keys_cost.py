@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from flexgen_infinigen.kv.spec_keys import SpeculationKeys
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen.kv.infinigen.spec_keys import SpeculationKeys
+from flexgen_infinigen.memory.tiers import Tiers
 
 OUT = (Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations"
        / "speculation_keys_cost")

@@ -34,17 +34,17 @@ from artifacts import append_run, load, run_meta  # noqa: E402
 from machine import Retry, machine_info, repeat_until_quiet  # noqa: E402
 from throughput_report import write_outputs  # noqa: E402
 
-from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen import OffloadedLM, Placement  # noqa: E402
 from flexgen_infinigen.cli.report import build_report  # noqa: E402
 from flexgen_infinigen.config import get_config  # noqa: E402
 from flexgen_infinigen.run import synthesize_prompts  # noqa: E402
-from flexgen_infinigen.runtime.loading import find_weights  # noqa: E402
-from flexgen_infinigen.runtime.tiers import KINDS, LINKS, TIERS  # noqa: E402
+from flexgen_infinigen.engine.loading import find_weights  # noqa: E402
+from flexgen_infinigen.memory.tiers import KINDS, LINKS, TIERS  # noqa: E402
 from flexgen_infinigen.text.tokenizer import load_tokenizer  # noqa: E402
 
 DEFAULT_OUT = HERE / "results" / "throughput_cpu.json"
 
-# name -> (percent WG WC CG CC HG HC, extra Policy switches)
+# name -> (percent WG WC CG CC HG HC, extra Placement switches)
 POLICIES = {
     "all on device": ([100, 0, 100, 0, 100, 0], {}),
     "weights in CPU memory": ([0, 100, 100, 0, 100, 0], {}),
@@ -71,7 +71,7 @@ def run_policy(model: str, name: str, prompt_len: int, gen_len: int, batch: int,
                warmup_gen_len: int, retry: Retry, seed: int) -> dict:
     """Load, warm up, then the measured generations; the fastest quiet one is reported."""
     percent, switches = POLICIES[name]
-    policy = Policy.from_percent(percent, gpu_batch_size=batch, num_gpu_batches=1, **switches)
+    policy = Placement.from_percent(percent, gpu_batch_size=batch, num_gpu_batches=1, **switches)
     lm = OffloadedLM.load(policy=policy, seed=seed, progress=False,
                           max_len_hint=(prompt_len, gen_len), **MODELS[model]["load"])
     with lm:

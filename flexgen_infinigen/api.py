@@ -1,7 +1,7 @@
-"""Python API: load a model under a policy, generate from a list of prompts.
+"""Python API: load a model under a placement, generate from a list of prompts.
 
-    from flexgen_infinigen import OffloadedLM, Policy
-    lm = OffloadedLM.load(policy=Policy(w_gpu_percent=50, w_cpu_percent=50))
+    from flexgen_infinigen import OffloadedLM, Placement
+    lm = OffloadedLM.load(policy=Placement(w_gpu_percent=50, w_cpu_percent=50))
     out = lm.generate(["The capital of France is"], gen_len=16)
     print(out.texts[0])
 """
@@ -11,41 +11,29 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
-from dataclasses import dataclass, field
 
 import torch
 
 from .config import ConfigError, ModelConfig
 from .kv import KVPolicy, make_kv_policy
-from .policy import Policy
-from .runtime import memory_plan
-from .runtime.engine import Engine
-from .runtime.guards import raise_if_interrupted
-from .runtime.loading import (find_weights, place_weights, resolve_device, resolve_dtype,
-                              weight_layouts)
-from .runtime.prefill_cache import PrefillCache, Prefilled
-from .runtime.routing_profile import expert_order
-from .runtime.stages import LayerSlice
-from .runtime.tiers import TIERS, Tiers
+from .kv.base import PolicyContext, PromptRecorder
+from .placement import Placement
+from .engine import memory_plan
+from .engine.schedule import Engine
+from .guards import raise_if_interrupted
+from .engine.loading import (
+    find_weights,
+    place_weights,
+    resolve_device,
+    resolve_dtype,
+    weight_layouts,
+)
+from .engine.prefill_cache import PrefillCache, Prefilled
+from .engine.routing_profile import expert_order
+from .engine.stages import LayerSlice
+from .generation import BlockResult, BlockRun, Generation, check_lengths, link_totals
+from .memory.tiers import TIERS, Tiers
 from .sampling import ForcedTokens, RepetitionPenalty, Sampler, SamplingConfig
-
-
-@dataclass
-class Generation:
-    token_ids: list[list[int]]  # generated ids, one list per prompt (stop token included)
-    texts: list[str]
-    prefill_latency_s: float
-    decode_latency_s: float
-    num_prompts: int
-    prompt_tokens: int
-    generated_tokens: int  # per prompt: steps run (the longest block), or projected
-    projected: bool = False  # decode latency extrapolated from --cut-gen-len steps
-    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [steps, vocab]
-    step_times: list[float] = field(default_factory=list)  # wall time of every iteration
-    prompt_texts: list[str] = field(default_factory=list)
-    decode_tokens: int | None = None  # tokens the decode steps made (rows x steps actually run)
-    prefill_link_bytes: dict[str, int] = field(default_factory=dict)  # per link, prefill steps
-    prefills_reused: int = 0  # blocks that started from a kept prefill (``prefill_cache``)
 
 
 class OffloadedLM:
@@ -60,7 +48,7 @@ class OffloadedLM:
 
     @classmethod
     def load(cls, model: str | None = None, path: str | None = None, dummy: bool = False,
-             policy: Policy | None = None, device: str = "auto", dtype: str | None = None,
+             policy: Placement | None = None, device: str = "auto", dtype: str | None = None,
              kv_policy: str | KVPolicy = "full", kv_options: dict | None = None,
              offload_dir: str | None = None, seed: int = 0, progress: bool = True,
              max_len_hint: tuple[int, int] | None = None, part: LayerSlice | None = None,
@@ -73,11 +61,11 @@ class OffloadedLM:
         lets the memory check include the KV cache. ``part`` and ``make_engine``: one rank
         of a pipeline loads and runs only its layers, with an engine that talks to the other
         ranks (:func:`.pipeline.engine.rank_engine`; this module knows nothing of them).
-        ``expert_profile``: a routing profile (:mod:`.runtime.routing_profile`) whose
+        ``expert_profile``: a routing profile (:mod:`.engine.routing_profile`) whose
         most-read experts take the fastest tiers of the policy's expert split.
         """
         start = time.perf_counter()
-        policy = (policy or Policy()).validate()
+        policy = (policy or Placement()).validate()
         dev = resolve_device(device)
         if policy.overlap is None:
             policy = dataclasses.replace(policy, overlap=dev.type == "cuda" or policy.uses_disk)
@@ -136,9 +124,24 @@ class OffloadedLM:
         checked, it takes what it needs from the model (InfiniGen: its skew), and the byte
         ledger restarts, so that it counts generation, not set-up."""
         kv.check_placement(self.policy.cpu_cache_compute)
-        kv.prepare(self)
+        kv.prepare(self.policy_context())
         self.engine.kv_policy = kv
         self.tiers.reset_counters()
+
+    def policy_context(self) -> PolicyContext:
+        """What a KV policy may take from this model when it prepares: never the model or its
+        engine, but what they hold, and a prompt pass that records instead of caching."""
+        engine = self.engine
+
+        def run_prompt(ids: torch.Tensor, valid: torch.Tensor, record: PromptRecorder) -> None:
+            for _ in engine.generate_block([(ids, valid)], 1, Sampler(SamplingConfig()),
+                                           record=record):
+                pass
+        return PolicyContext(
+            cfg=self.cfg, placement=self.policy, tiers=self.tiers, dtype=engine.dtype,
+            family=engine.family, weights=engine.weights, layers=engine.part.layers,
+            store_path=self.store_path, tokenizer=self.tokenizer, run_prompt=run_prompt,
+            any_rank=engine.any_rank)
 
     @property
     def stop_token_ids(self) -> set[int]:
@@ -148,7 +151,12 @@ class OffloadedLM:
         return {self.cfg.eos_token_id, *extra}
 
     @property
-    def policy(self) -> Policy:
+    def dtype(self) -> torch.dtype:
+        """The runtime dtype (what a kept prefill's key holds)."""
+        return self.engine.dtype
+
+    @property
+    def policy(self) -> Placement:
         return self.engine.policy
 
     def close(self) -> None:
@@ -188,7 +196,7 @@ class OffloadedLM:
         back instead of the sampled ones (the logits still score them).
         ``prefill_cache``: keep each block's prefill there, and start from a kept one when the
         same prompts come again (any KV policy that needs no prompt queries; see
-        :mod:`.prefill_cache`).
+        :mod:`flexgen_infinigen.engine.prefill_cache`).
         ``on_tokens(first, tokens)``: called at every step with the new token of each prompt
         of the block that starts at prompt ``first`` (None for a prompt that has ended):
         streaming (see also :meth:`stream`).
@@ -203,89 +211,88 @@ class OffloadedLM:
         if cut_gen_len is not None and cut_gen_len < 1:
             raise ConfigError(f"--cut-gen-len must be at least 1 (got {cut_gen_len})")
         check_lengths(self.cfg, max(map(len, ids)), gen_len)
-        stops = self.stop_token_ids if stop_token_id == -1 else \
-            set() if stop_token_id is None else {stop_token_id}
         steps = min(gen_len, cut_gen_len) if cut_gen_len else gen_len
         sampler = Sampler(sampling)
         self.engine.kv_policy.reset_stats()
         self.engine.reset_counters()
         self.tiers.reset_peak()  # the run's peaks, not loading's or calibration's
-        block = self.policy.block_size
-        outputs: list[list[int]] = []
-        logits: list[torch.Tensor] = []
-        prefill = decode = 0.0
-        step_times: list[float] = []
-        ran = decode_tokens = 0  # iterations run (a block stops early when every row ended)
-        reused = 0  # blocks started from a kept prefill
-        prefill_links: dict[str, int] = {}
         from tqdm.auto import tqdm
         bar = tqdm(total=len(ids) * steps, desc="generating", unit="tok", disable=not progress)
-        for start in range(0, len(ids), block):
-            chunk = ids[start:start + block]
-            real = len(chunk)
-            size, count = self._block_shape(real)
-            chunk = chunk + [chunk[0]] * (size * count - real)  # equal GPU batches: dummy rows
-            batches = self._pad_batches(chunk, size)
-            rows = [[] for _ in chunk]
-            done = [False] * len(chunk)
-            ran_before = len(step_times)
-            moved_before = _link_totals(self.tiers)
-
-            chooser = sampler
-            if sampling.repetition_penalty != 1.0:
-                chooser = RepetitionPenalty(sampler, chunk, size, sampling.repetition_penalty)
-            if forced is not None:
-                rows_forced = [list(forced[start + r]) for r in range(real)]
-                rows_forced += [rows_forced[0]] * (len(chunk) - real)
-                if any(len(f) < steps for f in rows_forced):
-                    raise ConfigError(f"forced tokens must have at least {steps} per prompt")
-                chooser = ForcedTokens(torch.tensor([f[:steps] for f in rows_forced]), size)
-            block_logits = []
-            prefilled, capture, key = self._kept_prefill(prefill_cache, batches)
-            reused += prefilled is not None
-            with closing(self.engine.generate_block(batches, steps, chooser, keep_logits,
-                                                    prefilled=prefilled,
-                                                    capture=capture)) as block_steps:
-                for step in block_steps:
-                    step_times.append(step.seconds)
-                    if step.index == 0:
-                        if capture is not None:
-                            prefill_cache.put(key, capture)
-                        for link, n in _link_totals(self.tiers).items():
-                            prefill_links[link] = prefill_links.get(link, 0) + n \
-                                - moved_before[link]
-                    if keep_logits:
-                        block_logits.append(torch.cat(step.logits))
-                    new = torch.cat(step.tokens).tolist()[:real]
-                    if on_tokens is not None:
-                        on_tokens(start, [None if d else t for d, t in zip(done, new)])
-                    for r, t in enumerate(new):
-                        if not done[r]:
-                            rows[r].append(t)
-                            done[r] = t in stops
-                    bar.update(real)
-                    raise_if_interrupted()
-                    if all(done[:real]) and self.engine.stops_early:
-                        break  # every real row has ended: the block stops here
-            ran_here = len(step_times) - ran_before
-            ran = max(ran, ran_here)
-            decode_tokens += real * (ran_here - 1)
-            prefill += step_times[ran_before]
-            decode += sum(step_times[ran_before + 1:])
-            outputs += rows[:real]
-            if keep_logits:
-                stacked = torch.stack(block_logits, dim=1)  # [block, steps, vocab]
-                logits += list(stacked[:real])
+        run = BlockRun(steps, sampler, self._stops(stop_token_id), keep_logits, forced,
+                   prefill_cache, on_tokens, bar)
+        block = self.policy.block_size
+        blocks = [self._block(run, start, ids[start:start + block])
+                  for start in range(0, len(ids), block)]
         bar.close()
+        prefill = decode = 0.0
+        links: dict[str, int] = {}
+        for b in blocks:
+            prefill += b.times[0]
+            decode += sum(b.times[1:])
+            for link, n in b.link_bytes.items():
+                links[link] = links.get(link, 0) + n
         projected = bool(cut_gen_len and cut_gen_len < gen_len)
         if projected and steps > 1:
             decode = decode / (steps - 1) * (gen_len - 1)
-        texts = [self.tokenizer.decode(o) if self.tokenizer else "" for o in outputs]
-        prompt_texts = [self.tokenizer.decode(p) if self.tokenizer else "" for p in ids]
-        return Generation(outputs, texts, prefill, decode, len(ids), max(map(len, ids)),
-                          gen_len if projected else ran, projected, logits, step_times,
-                          prompt_texts, None if projected else decode_tokens, prefill_links,
-                          reused)
+        outputs = [row for b in blocks for row in b.rows]
+        ran = max(len(b.times) for b in blocks)  # a block stops early when every row ended
+        decode_tokens = sum(len(b.rows) * (len(b.times) - 1) for b in blocks)
+        text = self.tokenizer.decode if self.tokenizer else (lambda _: "")
+        return Generation(
+            token_ids=outputs, texts=[text(o) for o in outputs], prefill_latency_s=prefill,
+            decode_latency_s=decode, num_prompts=len(ids), prompt_tokens=max(map(len, ids)),
+            generated_tokens=gen_len if projected else ran, projected=projected,
+            logits=[x for b in blocks for x in b.logits],
+            step_times=[t for b in blocks for t in b.times],
+            prompt_texts=[text(p) for p in ids],
+            decode_tokens=None if projected else decode_tokens, prefill_link_bytes=links,
+            prefills_reused=sum(b.reused for b in blocks))
+
+    def _block(self, run: BlockRun, start: int, chunk: list[list[int]]) -> BlockResult:
+        """Generate for one block of prompts, ``chunk``, the first being prompt ``start``."""
+        real = len(chunk)
+        size, count = self._block_shape(real)
+        chunk = chunk + [chunk[0]] * (size * count - real)  # equal GPU batches: dummy rows
+        batches = self._pad_batches(chunk, size)
+        rows: list[list[int]] = [[] for _ in chunk]
+        done = [False] * len(chunk)
+        moved_before = link_totals(self.tiers)
+        chooser, penalty = run.sampler, run.sampler.config.repetition_penalty
+        if penalty != 1.0:
+            chooser = RepetitionPenalty(run.sampler, chunk, size, penalty)
+        if run.forced is not None:
+            rows_forced = [list(run.forced[start + r]) for r in range(real)]
+            rows_forced += [rows_forced[0]] * (len(chunk) - real)
+            if any(len(f) < run.steps for f in rows_forced):
+                raise ConfigError(f"forced tokens must have at least {run.steps} per prompt")
+            chooser = ForcedTokens(torch.tensor([f[:run.steps] for f in rows_forced]), size)
+        logits, times, links = [], [], {}
+        prefilled, capture, key = self._kept_prefill(run.prefill_cache, batches)
+        with closing(self.engine.generate_block(batches, run.steps, chooser, run.keep_logits,
+                                                prefilled=prefilled,
+                                                capture=capture)) as block_steps:
+            for step in block_steps:
+                times.append(step.seconds)
+                if step.index == 0:
+                    if capture is not None:
+                        run.prefill_cache.put(key, capture)
+                    links = {link: n - moved_before[link]
+                             for link, n in link_totals(self.tiers).items()}
+                if run.keep_logits:
+                    logits.append(torch.cat(step.logits))
+                new = torch.cat(step.tokens).tolist()[:real]
+                if run.on_tokens is not None:
+                    run.on_tokens(start, [None if d else t for d, t in zip(done, new)])
+                for r, t in enumerate(new):
+                    if not done[r]:
+                        rows[r].append(t)
+                        done[r] = t in run.stops
+                run.bar.update(real)
+                raise_if_interrupted()
+                if all(done[:real]) and self.engine.stops_early:
+                    break  # every real row has ended: the block stops here
+        kept = list(torch.stack(logits, dim=1)[:real]) if run.keep_logits else []
+        return BlockResult(rows[:real], kept, times, links, prefilled is not None)
 
     def stream(self, prompt, gen_len: int = 32, sampling: SamplingConfig | None = None,
                stop_token_id: int | None = -1) -> Iterator[str]:
@@ -301,8 +308,7 @@ class OffloadedLM:
         if gen_len < 1:
             raise ConfigError(f"--gen-len must be at least 1 (got {gen_len})")
         check_lengths(self.cfg, len(ids[0]), gen_len)
-        stops = self.stop_token_ids if stop_token_id == -1 else \
-            set() if stop_token_id is None else {stop_token_id}
+        stops = self._stops(stop_token_id)
         chooser = Sampler(sampling)
         if sampling.repetition_penalty != 1.0:
             chooser = RepetitionPenalty(chooser, ids, 1, sampling.repetition_penalty)
@@ -319,6 +325,11 @@ class OffloadedLM:
                 raise_if_interrupted()
         if piece := text.finish():
             yield piece
+
+    def _stops(self, stop_token_id: int | None) -> set[int]:
+        """What ends a row: -1 the model's stop tokens, None nothing, else that token."""
+        return self.stop_token_ids if stop_token_id == -1 else \
+            set() if stop_token_id is None else {stop_token_id}
 
     def _kept_prefill(self, cache: PrefillCache | None, batches):
         """(prefill to start from, or None; where to keep this one's, or None; its key)."""
@@ -356,17 +367,3 @@ class OffloadedLM:
             for t, n in tensor.bytes_by_tier().items():
                 out[t] += n
         return out
-
-
-def _link_totals(tiers: Tiers) -> dict[str, int]:
-    return {link: sum(kinds.values()) for link, kinds in tiers.bytes_moved.items()}
-
-
-def check_lengths(cfg: ModelConfig, prompt_len: int, gen_len: int) -> None:
-    if prompt_len < 1 or gen_len < 1:
-        raise ConfigError(f"prompt length and --gen-len must be at least 1 "
-                          f"(got {prompt_len} and {gen_len})")
-    if prompt_len + gen_len > cfg.max_positions:
-        raise ConfigError(
-            f"prompt ({prompt_len} tokens) plus --gen-len ({gen_len}) is {prompt_len + gen_len}, "
-            f"over {cfg.name}'s maximum of {cfg.max_positions} positions; shorten one of them")

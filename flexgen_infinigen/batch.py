@@ -42,7 +42,7 @@ from .cli.batch_file import FAILED, INVALID, done_ids, error_line, read_requests
 from .cli.batch_file import same_file
 from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
-from .runtime.guards import check_output_path, run_command
+from .guards import check_output_path, run_command
 from .sampling import SamplingConfig, generation_defaults
 
 __all__ = ["done_ids", "main", "read_requests"]
@@ -66,7 +66,7 @@ def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> li
 def planned(a, model: str, todo: list[dict]):
     """``--percent auto``: the optimizer's policy for the longest request (its text tokens
     plus a margin for a chat template) and the longest generation."""
-    from .runtime.loading import find_weights
+    from .engine.loading import find_weights
     from .text.tokenizer import load_tokenizer
 
     cfg, _, store = find_weights(model, a.path, a.dummy, a.seed, progress=True)

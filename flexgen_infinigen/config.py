@@ -5,6 +5,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from . import switches
 
 
 @dataclass(frozen=True)
@@ -198,15 +199,14 @@ def get_config(name: str) -> ModelConfig:
     return KNOWN_MODELS[key]
 
 
-CACHE_ENV = "FLEXGEN_INFINIGEN_CACHE"
+CACHE_ENV = switches.CACHE.name
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache folder: the argument, else ``$FLEXGEN_INFINIGEN_CACHE``, else ~/.cache/..."""
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "flexgen_infinigen"
+    return switches.CACHE.get() or Path.home() / ".cache" / "flexgen_infinigen"
 
 
 def writable_folder(folder: str | os.PathLike) -> Path:
@@ -215,7 +215,7 @@ def writable_folder(folder: str | os.PathLike) -> Path:
     permission."""
     folder = Path(folder)
     fix = (f"point ${CACHE_ENV} at a writable folder (it is "
-           f"{os.environ.get(CACHE_ENV) or 'unset: ~/.cache/flexgen_infinigen'})")
+           f"{switches.CACHE.raw() or 'unset: ~/.cache/flexgen_infinigen'})")
     for above in (folder, *folder.parents):
         if above.exists():
             if not above.is_dir():

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError
-from .runtime.guards import run_command
+from .guards import run_command
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ from .cli.args import add_model_args, add_policy_args, policy_from_args, write_j
 from .config import DEFAULT_MODEL, ConfigError, get_config, read_text
 from .evals.metrics import teacher_forced_nll
 from .kv import kv_policy_from_args
-from .runtime.guards import check_output_path, run_command
+from .guards import check_output_path, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:

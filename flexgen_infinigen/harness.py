@@ -21,7 +21,7 @@ windows of ``max_length`` the same way (each token predicted once, the first fro
 EOS token). ``generate_until`` generates greedily (or samples, if asked) and cuts at the first
 stop string. Requests are sorted by length and run in blocks of the policy's block size;
 a context prefilled once is reused by the requests that share it (a multiple-choice
-question's choices) through an in-memory :class:`~.prefill_cache.PrefillCache`.
+question's choices) through an in-memory :class:`~.engine.prefill_cache.PrefillCache`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from .config import DEFAULT_MODEL, ConfigError
-from .runtime.prefill_cache import PrefillCache
+from .engine.prefill_cache import PrefillCache
 
 NAME = "flexgen_infinigen"
 DEFAULT_MAX_LENGTH = 2048

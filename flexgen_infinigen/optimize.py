@@ -22,10 +22,10 @@ from .planner.auto import (
     summary,
 )
 from .planner.hardware import BUILTIN
-from .policy import Policy
-from .runtime.guards import check_output_path
-from .runtime.guards import run_command as run_guarded
-from .runtime.loading import model_config
+from .placement import Placement
+from .guards import check_output_path
+from .guards import run_command as run_guarded
+from .engine.loading import model_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def _main(argv=None) -> int:
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)
     hw = profile_for(a.hw, a.gpu_mem, a.cpu_mem, a.disk_mem, a.offload_dir)
-    base = Policy(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
+    base = Placement(compress_weight=a.compress_weight, compress_cache=a.compress_cache,
                   cpu_cache_compute=a.cpu_cache_compute)
     fraction = a.kv_fraction if a.kv_fraction is not None else \
         default_kv_fraction(a.kv_policy)

@@ -7,8 +7,8 @@ import sys
 from .cli.args import write_json
 from .planner.hardware import BUILTIN, GB, OPTIONAL_RATES, RATES, HardwareProfile
 from .planner.measure import cache_path, measure_hardware, save_to_cache
-from .runtime.guards import check_output_path, run_command
-from .runtime.loading import resolve_device
+from .guards import check_output_path, run_command
+from .engine.loading import resolve_device
 
 
 def _size(n: int) -> str:

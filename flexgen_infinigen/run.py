@@ -19,9 +19,9 @@ from .cli.report import build_report, print_report
 from .config import DEFAULT_MODEL, ConfigError, read_text
 from .kv import kv_policy_from_args
 from .pipeline.args import add_pipeline_args, check_pipeline_args
-from .policy import Policy
-from .runtime.guards import check_output_path, run_command
-from .runtime.loading import model_config
+from .placement import Placement
+from .guards import check_output_path, run_command
+from .engine.loading import model_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +105,7 @@ def check_args(a) -> list[str]:
 
 
 def _print_verbose(lm: OffloadedLM, gen) -> None:
-    from .runtime import memory_plan
+    from .engine import memory_plan
     need = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, gen.prompt_tokens,
                             gen.generated_tokens, kv=lm.engine.kv_policy,
                             device=lm.engine.tiers.device, layouts=lm.weight_layouts)
@@ -132,9 +132,9 @@ class _StreamPrinter:
         print(self.text.finish(), flush=True)
 
 
-def planned_policy(a, model: str, texts: list[str]) -> tuple[Policy, dict]:
+def planned_policy(a, model: str, texts: list[str]) -> tuple[Placement, dict]:
     """Run the optimizer for ``--percent auto`` / ``--gpu-batch-size auto`` before loading."""
-    from .runtime.loading import find_weights
+    from .engine.loading import find_weights
 
     cfg, _, store = find_weights(model, a.path, a.dummy, a.seed, progress=True)
     prompt_len = a.prompt_len
@@ -183,7 +183,7 @@ def _main(argv=None) -> int:
         if printer is not None:
             printer.finish()
         if a.record_routing:
-            from .runtime.routing_profile import save
+            from .engine.routing_profile import save
             save(a.record_routing, lm.cfg, lm.engine.routing_counts)
         report = build_report(lm, gen, str(lm.tiers.device),
                               {"auto_plan": plan} if plan else None)

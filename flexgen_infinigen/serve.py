@@ -13,13 +13,13 @@ taken, and exits. See docs/usage/serving.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .switches import API_KEY
 from .cli.args import add_model_args, add_policy_args, check_policy_args, policy_from_args
 from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
-from .runtime.guards import Terminated, run_command
+from .guards import Terminated, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the "
                         "model's name)")
-    g.add_argument("--api-key", default=os.environ.get("FLEXGEN_INFINIGEN_API_KEY"),
+    g.add_argument("--api-key", default=API_KEY.get(),
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: the FLEXGEN_INFINIGEN_API_KEY environment variable; "
                         "none: open)")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import memory_plan
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.engine import memory_plan
 
 GB = 1e9
 WARM_UP_STEPS = 3  # decode steps run once, not measured: pinned staging, allocator, autotuning
@@ -20,7 +20,7 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _load(a, model: str, policy: Policy, kv: str = "full", dtype: str | None = None,
+def _load(a, model: str, policy: Placement, kv: str = "full", dtype: str | None = None,
           kv_options: dict | None = None) -> OffloadedLM:
     return OffloadedLM.load(model=model, dummy=True, policy=policy, device=str(a.device),
                             kv_policy=kv, kv_options=kv_options, dtype=dtype,
@@ -113,7 +113,7 @@ def step_overlap(a) -> dict:
     """Share of host-to-device copy time that runs while a compute kernel runs."""
     from torch.profiler import ProfilerActivity, profile
     model, b, prompt, steps = ("opt-125m", 2, 32, 3) if a.dry_run else ("opt-1.3b", 8, 512, 8)
-    policy = Policy.from_percent([0, 100, 100, 0, 100, 0], gpu_batch_size=b)
+    policy = Placement.from_percent([0, 100, 100, 0, 100, 0], gpu_batch_size=b)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.cuda else [])
     with _load(a, model, policy) as lm:
         prompts = _prompts(lm, b, prompt)
@@ -149,7 +149,7 @@ def step_memory(a) -> dict:
     for name, percent, kv in [("all on GPU, full", [100, 0, 100, 0, 100, 0], "full"),
                               ("weights + cache on CPU, full", [0, 100, 0, 100, 100, 0], "full"),
                               ("cache on CPU, InfiniGen", [100, 0, 0, 100, 100, 0], "infinigen")]:
-        policy = Policy.from_percent(percent, gpu_batch_size=b)
+        policy = Placement.from_percent(percent, gpu_batch_size=b)
         with _load(a, model, policy, kv) as lm:
             planned = memory_plan.plan(lm.cfg, lm.policy, lm.engine.dtype, prompt, gen,
                                        kv=lm.engine.kv_policy)
@@ -169,7 +169,7 @@ def _paper_run(a, kv: str, percent: list[int]) -> dict:
     of them run); one load per call, so that each fits a 10-minute call."""
     model, b, prompt, gen, cut = (("opt-125m", 2, 64, 32, 3) if a.dry_run
                                   else ("opt-13b", 20, 1920, 128, a.cut_gen_len))
-    policy = Policy.from_percent(percent, gpu_batch_size=b)
+    policy = Placement.from_percent(percent, gpu_batch_size=b)
     with _load(a, model, policy, kv) as lm:
         _, row = _measured(lm, _prompts(lm, b, prompt), gen, cut)
         report = lm.engine.kv_policy.report()
@@ -201,7 +201,7 @@ def long_context(kv: str):
         model, b, prompt, gen, cut = (("smollm2-135m", 1, 256, 8, 3) if a.dry_run
                                       else ("llama-3.1-8b", 1, 32768, 16, 6))
         dtype = "float32" if a.dry_run else "bfloat16"
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
         options = {"max_kv_fraction": 0.18, "first_layer": 2} if kv == "infinigen" else None
         with _load(a, model, policy, kv, dtype=dtype, kv_options=options) as lm:
             _, row = _measured(lm, _prompts(lm, b, prompt), gen, cut)
@@ -249,7 +249,7 @@ def step_moe(a) -> dict:
         for where, experts, on_cpu in (("gpu", (100, 0), False),
                                        ("cpu-fetched", (0, 100), False),
                                        ("cpu-computed", (0, 100), True)):
-            policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=b,
+            policy = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=b,
                                          expert_gpu_percent=experts[0],
                                          expert_cpu_percent=experts[1],
                                          cpu_expert_compute=on_cpu)
@@ -272,7 +272,7 @@ def step_profile(a) -> dict:
     from torch.profiler import ProfilerActivity, profile
     model, b, prompt = ("opt-125m", 2, 64) if a.dry_run else ("opt-1.3b", 8, 2048)
     steps = 3
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.cuda else [])
     with _load(a, model, policy, "infinigen") as lm:
         prompts = _prompts(lm, b, prompt)

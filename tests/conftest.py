@@ -147,7 +147,7 @@ os.environ.setdefault("FLEXGEN_INFINIGEN_SELECT_FROM_MB", "0")
 
 
 def portable_kernels(tmp_path_factory, source: str):
-    """``runtime/kernels/<source>`` built for a plain x86-64 (no AVX, so no AVX2 and no
+    """``kernels/c/<source>`` built for a plain x86-64 (no AVX, so no AVX2 and no
     F16C): the kernels' portable paths, loaded with ctypes. Skips without a C compiler or
     off x86-64."""
     import ctypes
@@ -156,12 +156,12 @@ def portable_kernels(tmp_path_factory, source: str):
     import subprocess
     from pathlib import Path
 
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
 
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None or platform.machine() != "x86_64":
         pytest.skip("the portable build is tested on x86-64 with a C compiler")
-    folder = Path(cpu_kernels.__file__).with_name("kernels")
+    folder = Path(cpu_kernels.__file__).with_name("c")
     out = tmp_path_factory.mktemp("portable") / f"{Path(source).stem}.so"
     subprocess.run([cc, "-O2", "-march=x86-64", "-mno-avx", "-fopenmp", "-fPIC", "-shared",
                     "-Wno-psabi", "-I", str(folder), str(folder / source), "-o", str(out),

@@ -15,15 +15,15 @@ def main(spec_path: str, out_dir: str) -> None:
     from flexgen_infinigen.pipeline import Link, plan_slices
     from flexgen_infinigen.pipeline.engine import rank_engine
     from flexgen_infinigen.planner.hardware import BUILTIN
-    from flexgen_infinigen.policy import Policy
+    from flexgen_infinigen.placement import Placement
     from flexgen_infinigen.sampling import SamplingConfig
 
     spec = json.load(open(spec_path))
     link = Link(torch.device("cpu"), timeout_s=120)
     for model in spec["models"]:
-        policy = Policy.from_percent(model["percent"], gpu_batch_size=model["batch"],
+        policy = Placement.from_percent(model["percent"], gpu_batch_size=model["batch"],
                                      num_gpu_batches=model["gpu_batches"])
-        from flexgen_infinigen.runtime.loading import find_weights
+        from flexgen_infinigen.engine.loading import find_weights
         cfg = find_weights(model["model"], model["path"], model["dummy"], progress=False)[0]
         part = plan_slices(cfg, link.world, policy, model["prompt_len"], model["gen_len"], 4,
                            BUILTIN["t4-pcie3"])[link.rank]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from flexgen_infinigen.runtime import attention
-from flexgen_infinigen.runtime.attention import attend, mask_bias
+from flexgen_infinigen.kernels import attention
+from flexgen_infinigen.kernels.attention import attend, mask_bias
 
 
 def _inputs(b=2, s=37, heads=6, kv=2, d=16):
@@ -40,7 +40,7 @@ def test_masked_gqa_prompt_chunks_with_k_v_repeated_once_equal_the_broadcast(mon
     """Padded prompts of a GQA model: the masked chunks attend over K and V repeated once per
     layer (what CUDA does, so that a fused kernel takes them) and give what the GQA broadcast
     and an independent softmax reference give."""
-    from flexgen_infinigen.runtime.attention import attend_prompt
+    from flexgen_infinigen.kernels.attention import attend_prompt
 
     q, k, v, bias = _inputs(s=45)
     valid = bias[:, 0, -1] == 0  # the last query sees every real key

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flexgen_infinigen import api, run
-from flexgen_infinigen.runtime import loading
+from flexgen_infinigen.engine import loading
 from flexgen_infinigen.weights import embedded
 
 FAST_S = 2.0  # a bad input must be reported well before any long work

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy, api, batch
+from flexgen_infinigen import OffloadedLM, Placement, api, batch
 from flexgen_infinigen.sampling import SamplingConfig
 
 SMOL_VOCAB = 49152
@@ -216,7 +216,7 @@ def test_our_format_honours_seed(tiny_opt, tmp_path, capsys):
                             "--output", tmp_path / "out.jsonl"])
     assert rc == 0, err
     got = {r["id"]: r["token_ids"] for r in _lines(tmp_path / "out.jsonl")}
-    with OffloadedLM.load(path=tiny_opt[1], policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(path=tiny_opt[1], policy=Placement(), progress=False) as lm:
         for seed in (7, 8):
             ref = lm.generate([prompt], 8, SamplingConfig(temperature=1.0, seed=seed))
             assert got[f"s{seed}"] == ref.token_ids[0]

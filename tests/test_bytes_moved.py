@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 PROMPT = [2, 11, 12, 13, 14, 15, 16]
 STEPS = 5
@@ -27,7 +27,7 @@ def test_host_tier(tiny_opt, overlap):
     """The cache in CPU memory copied every step as over a GPU's link (``host_in_place``
     off, which is how a CPU-only machine exercises that path)."""
     model, store = tiny_opt
-    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap, host_in_place=False)
+    policy = Placement.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap, host_in_place=False)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         lm.generate([PROMPT], STEPS, stop_token_id=None)
         moved = lm.tiers.bytes_moved
@@ -47,7 +47,7 @@ def test_host_cache_read_in_place_on_a_cpu(tiny_opt, kv):
     model, store = tiny_opt
     outs = []
     for in_place in (True, False):
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=in_place)
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=in_place)
         # one query both ways (auto takes own only where the cache is read in place)
         opts = {"speculation_query": "input"} if kv == "infinigen" else None
         with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=opts,
@@ -69,7 +69,7 @@ def test_host_cache_read_in_place_on_a_cpu(tiny_opt, kv):
 
 def test_disk_tier(tiny_opt):
     model, store = tiny_opt
-    policy = Policy.from_percent([0, 0, 0, 0, 100, 0])
+    policy = Placement.from_percent([0, 0, 0, 0, 100, 0])
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         lm.generate([PROMPT], STEPS, stop_token_id=None)
         moved = lm.tiers.bytes_moved
@@ -91,7 +91,7 @@ def test_everything_on_device_moves_nothing(tiny_opt):
 
 def test_cpu_cache_compute_moves_activations_not_cache(tiny_opt):
     model, store = tiny_opt
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         lm.generate([PROMPT], STEPS, stop_token_id=None)
         moved = lm.tiers.bytes_moved
@@ -108,7 +108,7 @@ def test_weight_split_follows_percent_finely(tiny_opt):
     _, store = tiny_opt
     shares = []
     for pct in (20, 25, 30):
-        with OffloadedLM.load(path=store, policy=Policy.from_percent([pct, 100 - pct, 100, 0,
+        with OffloadedLM.load(path=store, policy=Placement.from_percent([pct, 100 - pct, 100, 0,
                                                                       100, 0]),
                               progress=False) as lm:
             placed = lm.weight_bytes_by_tier()
@@ -126,7 +126,7 @@ def test_a_short_block_runs_only_the_rows_it_needs(tiny_opt, batch, batches, pro
     are its own run's."""
     model, store = tiny_opt
     ids = [[2, 11 + i, 12, 13 + 2 * i, 14, 15, 16] for i in range(prompts)]
-    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=batch,
+    policy = Placement.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=batch,
                                  num_gpu_batches=batches, host_in_place=False)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         out = lm.generate(ids, STEPS, stop_token_id=None)
@@ -134,7 +134,7 @@ def test_a_short_block_runs_only_the_rows_it_needs(tiny_opt, batch, batches, pro
     weights, kv_read, kv_written = _expected(model, len(PROMPT), STEPS, batch=rows)
     assert moved["host->device"]["kv_cache"] == kv_read
     assert moved["device->host"]["kv_cache"] == kv_written
-    alone = Policy.from_percent([0, 100, 0, 100, 100, 0], host_in_place=False)
+    alone = Placement.from_percent([0, 100, 0, 100, 100, 0], host_in_place=False)
     with OffloadedLM.load(path=store, policy=alone, progress=False) as lm:
         assert out.token_ids == [lm.generate([p], STEPS, stop_token_id=None).token_ids[0]
                                  for p in ids]

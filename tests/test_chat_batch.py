@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.sampling import SamplingConfig
 
 
@@ -48,14 +48,14 @@ def test_chat_template_renders_like_transformers(smollm2_store):
 def test_repetition_penalty_matches_transformers(tiny_llama):
     model, store = tiny_llama
     prompt = [1, 5, 9, 5, 9, 5, 9, 33, 44]
-    with OffloadedLM.load(path=store, policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(path=store, policy=Placement(), progress=False) as lm:
         out = lm.generate([prompt], 12, SamplingConfig(repetition_penalty=1.8),
                           stop_token_id=None)
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                              do_sample=False, repetition_penalty=1.8, pad_token_id=0)
     assert out.token_ids[0] == ref[0, len(prompt):].tolist()
-    with OffloadedLM.load(path=store, policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(path=store, policy=Placement(), progress=False) as lm:
         plain = lm.generate([prompt], 12, stop_token_id=None)
     assert plain.token_ids != out.token_ids  # the penalty changed something
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime.attention import attend, attend_prompt, mask_bias, prompt_key_mass
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kernels.attention import attend, attend_prompt, mask_bias, prompt_key_mass
 
 PROMPTS = [[1, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 3, 9],
            [1, 40, 41, 42, 43, 44, 45, 46, 400, 2, 77]]
@@ -86,7 +86,7 @@ def _snapshot(cache, length: int) -> dict:
 
 
 def _run(store, kv, chunk, **kw):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
                                  prefill_chunk=chunk)
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv, kv_options=kw or None,
                           progress=False) as lm:
@@ -140,9 +140,9 @@ def test_plan_holds_nothing_prompt_by_prompt():
     """The device working set grows linearly with the prompt: doubling a 16K prompt adds
     about as much as the first 16K did (a [q, k] mask would quadruple)."""
     from flexgen_infinigen.config import get_config
-    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.engine import memory_plan
 
-    cfg, policy = get_config("qwen2.5-7b"), Policy()
+    cfg, policy = get_config("qwen2.5-7b"), Placement()
     work = [memory_plan.plan(cfg, policy, torch.float32, p, 1)["working_set_device"]
             for p in (8192, 16384, 32768)]
     assert work[2] - work[1] < 2.2 * (work[1] - work[0])

@@ -225,7 +225,7 @@ def test_a_damaged_store_names_the_fix(tiny_opt, tmp_path, capsys):
 
 
 def test_a_damaged_store_in_the_cache_is_rebuilt(tiny_opt, tmp_path, capsys, monkeypatch):
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
 
     cpu_kernels.library()  # from the usual cache: not compiled again into this test's
     cache = tmp_path / "cache"

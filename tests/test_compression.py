@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
-from flexgen_infinigen.runtime.compression import GROUP_SIZE, compress, decompress
+from flexgen_infinigen.memory.codes import GROUP_SIZE, compress, decompress
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -60,7 +60,7 @@ def _score(store, policy, ids):
 
 @pytest.fixture(scope="module")
 def full_score(smollm2_store, wikitext_ids):
-    return _score(smollm2_store, Policy(), wikitext_ids)
+    return _score(smollm2_store, Placement(), wikitext_ids)
 
 
 # Measured on SmolLM2-135M (wikitext-2, 128 scored tokens): full ~24-27, compressed cache
@@ -68,8 +68,8 @@ def full_score(smollm2_store, wikitext_ids):
 @pytest.mark.parametrize("what, max_ratio", [("cache", 1.3), ("weights", 2.0)])
 def test_compressed_model_stays_close(smollm2_store, wikitext_ids, full_score, what, max_ratio):
     kw = {"compress_cache": True} if what == "cache" else {"compress_weight": True}
-    ppl, tokens, logits = _score(smollm2_store, Policy.from_percent([100, 0, 0, 100, 100, 0], **kw),
-                                 wikitext_ids)
+    placement = Placement.from_percent([100, 0, 0, 100, 100, 0], **kw)
+    ppl, tokens, logits = _score(smollm2_store, placement, wikitext_ids)
     full_ppl, full_tokens, full_logits = full_score
     assert full_ppl < ppl < max_ratio * full_ppl  # compression costs something, boundedly
     assert tokens[:4] == full_tokens[:4]  # " Paris.\n\n" survives
@@ -82,7 +82,7 @@ def test_compressed_model_stays_close(smollm2_store, wikitext_ids, full_score, w
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_chunked_decompression_equals_the_plain_formula(dtype, monkeypatch):
     """Decompression in row chunks gives exactly codes * scale + minimum, element by element."""
-    from flexgen_infinigen.runtime import compression
+    from flexgen_infinigen.memory import codes as compression
 
     x = (torch.randn(37, 3, 128, generator=torch.Generator().manual_seed(1))).to(dtype)
     packed = compression.compress(x)
@@ -98,7 +98,7 @@ def test_chunked_compression_equals_the_plain_formula(dtype, monkeypatch):
     """Compression in row chunks (what keeps placing a large table in 4 bits from holding
     full-size float temporaries) gives the codes, scales and minima of the formula applied
     to the whole tensor at once, a constant group among them."""
-    from flexgen_infinigen.runtime import compression
+    from flexgen_infinigen.memory import codes as compression
 
     x = (torch.randn(37, 3, 128, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     x[5, 1, :64] = 0.25
@@ -125,8 +125,8 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
     and the perplexity to 45.50, and turned " Paris" into " the" in
     test_compressed_model_stays_close: a group holding an outlier (SmolLM2's inputs reach
     60x their mean) left its small entries a few levels; these bounds fail on that."""
-    from flexgen_infinigen.runtime import cpu_layers
-    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.kernels import layers as cpu_layers
+    from flexgen_infinigen.memory.codes import PackedWeight
 
     calls = []
     real = cpu_layers.linear_q4
@@ -136,7 +136,7 @@ def test_weights_multiplied_as_stored_equal_their_expansion(smollm2_store, wikit
         return real(*a)
 
     monkeypatch.setattr(cpu_layers, "linear_q4", counted)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
     with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
         assert isinstance(lm.engine.weights["layers.0.q_proj.weight"].read_for_compute(),
                           PackedWeight)
@@ -156,13 +156,13 @@ def test_a_split_or_disk_weight_comes_to_a_cpu_as_its_codes(tmp_path, fractions)
     """A 4-bit weight split over the tiers (or held on disk) reaches a CPU's math as its
     codes in one buffer, not expanded to floats every step: the same values as expanding
     each segment, and each link counts the codes' bytes of the segments that crossed it."""
-    from flexgen_infinigen.runtime.compression import PackedWeight
-    from flexgen_infinigen.runtime.tiered import TieredTensor
-    from flexgen_infinigen.runtime.tiers import Tiers
+    from flexgen_infinigen.memory.codes import PackedWeight
+    from flexgen_infinigen.memory.split_tensor import SplitTensor
+    from flexgen_infinigen.memory.tiers import Tiers
 
     tiers = Tiers(torch.device("cpu"), str(tmp_path))
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(0))
-    w = TieredTensor(tiers, tuple(x.shape), torch.float32, fractions, "weights", compress=True)
+    w = SplitTensor(tiers, tuple(x.shape), torch.float32, fractions, "weights", compress=True)
     w.write(x)
     before = {link: by_kind["weights"] for link, by_kind in tiers.bytes_moved.items()}
     got = w.read_for_compute()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.kv import spec_keys
-from flexgen_infinigen.kv.spec_keys import SpeculationKeys
-from flexgen_infinigen.runtime import cpu_kernels as kernels
-from flexgen_infinigen.runtime import cpu_layers as layers
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kv.infinigen import spec_keys
+from flexgen_infinigen.kv.infinigen.spec_keys import SpeculationKeys
+from flexgen_infinigen.kernels import cpu_kernels as kernels
+from flexgen_infinigen.kernels import layers as layers
+from flexgen_infinigen.memory.tiers import Tiers
 
 if kernels.library() is None:
     pytest.skip("no C compiler here: the kernel falls back to torch", allow_module_level=True)
@@ -69,7 +69,7 @@ def test_kernel_scores_equal_torch(kind, length, cols, group, width):
 def test_fused_speculation_selects_what_scores_and_select_select(b, kv, group, length, width):
     """Scoring and the mass rule in one pass (``speculate_mass``) choose the tokens that the
     kernel's scores followed by :func:`select` choose, padding never chosen."""
-    from flexgen_infinigen.kv.selection import Budget, select
+    from flexgen_infinigen.kv.selection_rules import Budget, select
 
     torch.manual_seed(length)
     keys = SpeculationKeys("int4", length + 3, b * kv, width, torch.float32, Tiers("cpu"))
@@ -127,7 +127,7 @@ def test_generation_with_the_kernel_equals_without(tiny_llama, monkeypatch):
             monkeypatch.setattr(spec_keys, "speculate_mass", lambda *a: None)
             monkeypatch.setattr(SpeculationKeys, "scores",
                                 _scores_rounded_as_the_kernel(SpeculationKeys.scores))
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
         with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                               kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4},
                               progress=False) as lm:
@@ -145,7 +145,7 @@ def test_byte_products_change_few_selections_on_a_real_model(smollm2_store, monk
     with and without the kernels: the rows each KV head selects agree (measured: 98.8% on
     average, 95.4% at worst over layers and steps), and the logits barely move (0.17)."""
     from flexgen_infinigen.cli.prompts import synthesize_prompts
-    from flexgen_infinigen.kv import infinigen
+    from flexgen_infinigen.kv.infinigen import policy as infinigen
 
     chosen = []
     real_rank = infinigen.InfiniGenCache._rank
@@ -164,7 +164,7 @@ def test_byte_products_change_few_selections_on_a_real_model(smollm2_store, monk
             monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)
             monkeypatch.setattr(spec_keys, "speculate_mass", lambda *a: None)
         chosen.append([])
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
         with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",
                               kv_options={"speculation_query": "input"},  # speculation ranks
                               progress=False) as lm:
@@ -204,7 +204,7 @@ def test_4bit_linear_kernel_equals_expanding_the_weights(rows, out_f, in_f, with
     was off by several percent here). And each row of x gives, bit for bit, what it gives
     alone: one row goes through byte products, several through 16-bit ones, with the same
     integer sums in the same lanes."""
-    from flexgen_infinigen.runtime.compression import PackedWeight, compress, decompress
+    from flexgen_infinigen.memory.codes import PackedWeight, compress, decompress
 
     gen = torch.Generator().manual_seed(rows * out_f + in_f)
     w = PackedWeight(compress(torch.randn(out_f, in_f, generator=gen) * 0.05))
@@ -286,7 +286,7 @@ def test_prefill_products_do_not_depend_on_the_thread_count(rows, out_f, in_f):
 def test_attention_kernel_equals_torch(b, kv, group, length, d):
     """Decode attention over token-major rows, padding masked, against the two torch
     products (``return_key_mass`` keeps the torch path); rows must be contiguous."""
-    from flexgen_infinigen.runtime.attention import attend_rows
+    from flexgen_infinigen.kernels.attention import attend_rows
 
     torch.manual_seed(length)
     k, v = torch.randn(length, b * kv, d), torch.randn(length, b * kv, d)
@@ -308,7 +308,7 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
                                                                         monkeypatch):
     """Selected rows attended where the cache lives (``attend_indexed``) give the tokens,
     logits and fetched fractions of gathering them into a buffer first."""
-    from flexgen_infinigen.kv import infinigen
+    from flexgen_infinigen.kv.infinigen import policy as infinigen
 
     prompts = [[1] + list(range(7, 70)), [1] + list(range(100, 130))]
     real_init = infinigen.InfiniGenCache.__init__
@@ -332,7 +332,7 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
         if not in_place:
             assert calls and all(calls), "the first run did not read the selected rows in place"
             monkeypatch.setattr(infinigen.InfiniGenCache, "__init__", gathering)
-        policy = Policy.from_percent(percent, gpu_batch_size=2)
+        policy = Placement.from_percent(percent, gpu_batch_size=2)
         with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                               kv_options={"max_kv_fraction": 0.25, "min_num_kv": 4},
                               progress=False) as lm:
@@ -349,7 +349,7 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
 def test_fused_mass_selection_chooses_what_select_chooses(b, kv, group, length):
     """The compiled ``mass`` rule picks the same tokens per KV head as :func:`select` (order
     within the choice aside), padding never chosen, counts equal to the budget's caps."""
-    from flexgen_infinigen.kv.selection import Budget, select
+    from flexgen_infinigen.kv.selection_rules import Budget, select
 
     torch.manual_seed(length)
     scores = torch.randn(b, kv, group, length) * 4
@@ -390,7 +390,7 @@ def test_a_4bit_cache_read_in_place_equals_expanding_it(smollm2_store, batch, mo
     """A 4-bit KV cache in CPU memory is attended over where it is (``attend_rows_q4``:
     codes expanded a block of rows at a time), head-major: the same tokens and logits (to
     rounding) as expanding the whole cache into floats first, with left padding."""
-    from flexgen_infinigen.runtime import cpu_kernels as ck
+    from flexgen_infinigen.kernels import cpu_kernels as ck
 
     # the per-operation path, where this bound was set: with the fused decode call around
     # the policy's attention, expanding differs from reading in place by up to 3.6e-3 at
@@ -408,7 +408,7 @@ def test_a_4bit_cache_read_in_place_equals_expanding_it(smollm2_store, batch, mo
     runs = []
     for in_place in (True, False):
         monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
                                      compress_cache=True)
         with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
             runs.append(lm.generate(prompts, 4, stop_token_id=None, keep_logits=True))
@@ -424,8 +424,8 @@ def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, m
     """Under ``select_from_mb`` InfiniGen reads a 4-bit layer whole: over the codes where they
     are (``attend_rows_q4``), never expanding the cache; the full 4-bit cache's tokens and
     logits."""
-    from flexgen_infinigen.kv.infinigen import InfiniGenOptions
-    from flexgen_infinigen.runtime import cpu_kernels as ck
+    from flexgen_infinigen.kv import InfiniGenOptions
+    from flexgen_infinigen.kernels import cpu_kernels as ck
 
     prompts = [[1] + list(range(7, 7 + 1500))]
     calls = []
@@ -437,7 +437,7 @@ def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, m
         return out
 
     monkeypatch.setattr(ck, "attend_rows_q4", counted)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
     runs = []
     for kv, kw in (("full", None), ("infinigen", {"options": InfiniGenOptions(
             select_from_mb=1e6)})):
@@ -463,8 +463,8 @@ def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monk
     near-tied token of a column's ~250 at a later step (seen at step 3: one token in one
     column of layer 9, the logits then 0.0065 apart), so later steps get a looser bound;
     a wrong kernel moves them by far more."""
-    from flexgen_infinigen.kv.infinigen import InfiniGenOptions
-    from flexgen_infinigen.runtime import cpu_kernels as ck
+    from flexgen_infinigen.kv import InfiniGenOptions
+    from flexgen_infinigen.kernels import cpu_kernels as ck
 
     prompts = [[1] + list(range(7, 7 + 1200 + 70 * i)) for i in range(2)]
     options = InfiniGenOptions(select_from_mb=0.0, max_kv_fraction=0.2, min_num_kv=4,
@@ -479,7 +479,7 @@ def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monk
 
     for in_place in (True, False):
         monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
-        policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
                                      compress_cache=True)
         with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",
                               kv_options={"options": options}, progress=False) as lm:

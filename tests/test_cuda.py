@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 pytestmark = pytest.mark.cuda
 
@@ -13,11 +13,11 @@ PROMPT = [2, 5, 17, 99, 45, 8, 200, 31, 7, 300]
 STEPS = 12
 
 POLICIES = {
-    "all-on-gpu": Policy(),
-    "weights-cpu-cache-cpu-overlap": Policy.from_percent([0, 100, 0, 100, 100, 0]),
-    "mixed-disk-three-batches": Policy.from_percent([30, 30, 20, 50, 50, 30], num_gpu_batches=3),
-    "cpu-cache-compute": Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True),
-    "no-overlap": Policy.from_percent([0, 100, 0, 100, 100, 0], overlap=False),
+    "all-on-gpu": Placement(),
+    "weights-cpu-cache-cpu-overlap": Placement.from_percent([0, 100, 0, 100, 100, 0]),
+    "mixed-disk-three-batches": Placement.from_percent([30, 30, 20, 50, 50, 30], num_gpu_batches=3),
+    "cpu-cache-compute": Placement.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True),
+    "no-overlap": Placement.from_percent([0, 100, 0, 100, 100, 0], overlap=False),
 }
 
 
@@ -36,7 +36,8 @@ def test_cuda_fp16_overlap_equals_no_overlap(tiny_opt):
     _, store = tiny_opt
     outs = []
     for overlap in (True, False):
-        policy = Policy.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap, num_gpu_batches=2)
+        policy = Placement.from_percent([0, 100, 0, 100, 100, 0], overlap=overlap,
+                                        num_gpu_batches=2)
         with OffloadedLM.load(path=store, device="cuda", policy=policy, progress=False) as lm:
             outs.append(lm.generate([PROMPT, PROMPT[:5]], STEPS, stop_token_id=None,
                                     keep_logits=True))
@@ -68,7 +69,7 @@ class _Delayed:
 
 
 def _run(store, percent, kv, dtype, compress, overlap, delay=False, batches=2):
-    policy = Policy.from_percent(percent, overlap=overlap, compress_cache=compress,
+    policy = Placement.from_percent(percent, overlap=overlap, compress_cache=compress,
                                  gpu_batch_size=2, num_gpu_batches=batches)
     with OffloadedLM.load(path=store, device="cuda", dtype=dtype, policy=policy, kv_policy=kv,
                           kv_options=KV[kv], progress=False) as lm:
@@ -100,7 +101,7 @@ def test_decode_step_syncs_are_the_counted_ones(tiny_llama, kv):
     than the engine counts (sampling, one index read per selecting layer)."""
     import warnings
     _, store = tiny_llama
-    policy = Policy.from_percent(CACHE_PLACES["cpu"], gpu_batch_size=2)
+    policy = Placement.from_percent(CACHE_PLACES["cpu"], gpu_batch_size=2)
     with OffloadedLM.load(path=store, device="cuda", dtype="float16", policy=policy,
                           kv_policy=kv, kv_options=KV[kv], progress=False) as lm:
         lm.generate([PROMPT * 3, PROMPT * 3], 3, stop_token_id=None)  # warm-up
@@ -119,9 +120,9 @@ def test_decode_step_syncs_are_the_counted_ones(tiny_llama, kv):
 
 
 def test_host_tier_is_pinned_at_its_exact_size(tiny_opt):
-    from flexgen_infinigen.runtime.tiers import EXACT_PIN_BYTES
+    from flexgen_infinigen.memory.tiers import EXACT_PIN_BYTES
     _, store = tiny_opt
-    policy = Policy.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=64)
+    policy = Placement.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=64)
     with OffloadedLM.load(path=store, device="cuda", policy=policy, progress=False) as lm:
         big = lm.tiers.empty("host", (EXACT_PIN_BYTES * 3 + 5,), torch.uint8)
         assert big.is_pinned()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.kv import InfiniGenOptions
 
 pytestmark = pytest.mark.cuda
@@ -26,7 +26,7 @@ def test_llama_gqa_matches_transformers_fp32(tiny_llama, percent):
     model, store = tiny_llama
     ref_tokens, ref_logits = hf_greedy(model, PROMPT, STEPS)
     with OffloadedLM.load(path=store, device="cuda", dtype="float32",
-                          policy=Policy.from_percent(percent), progress=False) as lm:
+                          policy=Placement.from_percent(percent), progress=False) as lm:
         out = lm.generate([PROMPT], STEPS, stop_token_id=None, keep_logits=True)
     assert out.token_ids[0] == ref_tokens
     assert (out.logits[0] - ref_logits).abs().max().item() < 1e-3  # TF32 may be on
@@ -45,7 +45,7 @@ def test_llama_gqa_matches_transformers_bf16(tiny_llama):
         model.float().cpu()
     ref = ref[len(PROMPT) - 1:]
     with OffloadedLM.load(path=store, device="cuda", dtype="bfloat16",
-                          policy=Policy.from_percent(CACHE_ON_CPU), progress=False) as lm:
+                          policy=Placement.from_percent(CACHE_ON_CPU), progress=False) as lm:
         out = lm.generate([PROMPT], STEPS, stop_token_id=None, keep_logits=True,
                           forced=[ref_tokens])
     scale = ref.abs().max().item()
@@ -56,7 +56,7 @@ def test_llama_gqa_matches_transformers_bf16(tiny_llama):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_infinigen_keeping_everything_equals_full_with_mapped_rows(request, family, overlap):
     _, store = request.getfixturevalue(family)
-    policy = Policy.from_percent(CACHE_ON_CPU, overlap=overlap, gpu_batch_size=2)
+    policy = Placement.from_percent(CACHE_ON_CPU, overlap=overlap, gpu_batch_size=2)
     prompts = [PROMPT * 3, PROMPT[:5] * 2]
     outs = []
     for kv, opts in (("full", None), ("infinigen", {"options": InfiniGenOptions(
@@ -76,7 +76,7 @@ def test_infinigen_keeping_everything_equals_full_with_mapped_rows(request, fami
 def test_gpu_and_cpu_selections_agree(tiny_llama, monkeypatch):
     """The same prompts in fp32 on the GPU and on the CPU: the rows each selecting layer
     chooses overlap almost wholly (ties and TF32 rounding may swap a few)."""
-    from flexgen_infinigen.kv import infinigen_cache
+    from flexgen_infinigen.kv.infinigen import cache as infinigen_cache
     _, store = tiny_llama
     real = infinigen_cache.InfiniGenCache._rank
     chosen: dict[str, list] = {}
@@ -94,7 +94,7 @@ def test_gpu_and_cpu_selections_agree(tiny_llama, monkeypatch):
     for device in ("cuda", "cpu"):
         chosen[device] = []
         with OffloadedLM.load(path=store, device=device, dtype="float32",
-                              policy=Policy.from_percent(CACHE_ON_CPU), kv_policy="infinigen",
+                              policy=Placement.from_percent(CACHE_ON_CPU), kv_policy="infinigen",
                               kv_options=opts, progress=False) as lm:
             lm.generate([PROMPT * 4], STEPS, stop_token_id=None)
     assert len(chosen["cuda"]) == len(chosen["cpu"]) > 0
@@ -109,7 +109,7 @@ def test_gpu_and_cpu_selections_agree(tiny_llama, monkeypatch):
 def test_mapped_row_read_from_pinned_memory(dtype):
     """The Triton kernel reads rows of a pinned host tensor by device indices; rows past a
     column's count are zeros."""
-    from flexgen_infinigen.runtime import mapped_rows
+    from flexgen_infinigen.memory import mapped_rows
     assert mapped_rows.kernel_available()
     src = torch.randn(1000, 128).to(dtype).pin_memory()
     cols, n = 4, 6

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import cpu_kernels
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kernels import cpu_kernels
 
 MAX_RATIO = 1.5
 
@@ -45,7 +45,7 @@ def gqa_store(tmp_path_factory):
 
 def _ops_per_step(store, kv: str) -> collections.Counter:
     """The ops of one decode step: a generation with one more step, minus one without."""
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = ({"max_kv_fraction": 0.2, "min_num_kv": 4, "select_from_mb": 0.0}
                if kv == "infinigen" else None)
     prompts = [list(range(3, 300))]  # batch 1: the long-context case

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import disk_io
-from flexgen_infinigen.runtime.disk_io import OffloadIOError
-from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST, Tiers
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.memory import disk_io
+from flexgen_infinigen.memory.disk_io import OffloadIOError
+from flexgen_infinigen.memory.tiers import DEVICE, DISK, HOST, Tiers
 
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])
@@ -109,7 +109,7 @@ def test_weights_and_cache_on_disk_equal_the_run_in_memory(tiny_opt, tmp_path, d
     placements = (([0, 100, 0, 100, 100, 0], False), ([0, 0, 0, 0, 100, 0], direct_io),
                   ([10, 30, 20, 30, 0, 50], direct_io))
     for percent, direct in placements:
-        policy = Policy.from_percent(percent, gpu_batch_size=2, direct_io=direct)
+        policy = Placement.from_percent(percent, gpu_batch_size=2, direct_io=direct)
         with OffloadedLM.load(path=tiny_opt[1], policy=policy, dtype="float32", progress=False,
                               offload_dir=str(tmp_path)) as lm:
             out = lm.generate(prompts, 6, stop_token_id=None, keep_logits=True)
@@ -129,7 +129,7 @@ def test_a_block_that_fails_to_start_leaves_the_engine_usable(tiny_opt, tmp_path
     runs (the engine is not left marked as running a block)."""
     from flexgen_infinigen.config import ConfigError
 
-    policy = Policy.from_percent([100, 0, 0, 0, 100, 0])
+    policy = Placement.from_percent([100, 0, 0, 0, 100, 0])
     with OffloadedLM.load(path=tiny_opt[1], policy=policy, dtype="float32", progress=False,
                           offload_dir=str(tmp_path)) as lm:
         real = lm.tiers.disk.allocate

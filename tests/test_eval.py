@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen import eval as evaluation
 from flexgen_infinigen.evals.metrics import perplexity, teacher_forced_nll
 
@@ -21,7 +21,7 @@ def test_decode_path_perplexity_equals_a_single_forward(tiny_opt):
         logits = model(torch.tensor([window])).logits[0].float()
     logp = torch.log_softmax(logits, -1)
     ref = -logp[torch.arange(prefill - 1, len(window) - 1), torch.tensor(window[prefill:])]
-    policy = Policy.from_percent([50, 50, 0, 100, 100, 0])
+    policy = Placement.from_percent([50, 50, 0, 100, 100, 0])
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         nll = teacher_forced_nll(lm, [window[:prefill]], [window[prefill:]])[0]
     assert (nll - ref).abs().max().item() < 1e-4

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.kv import InfiniGenOptions
 
 STEPS = 16
@@ -34,10 +34,10 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=48)),
 }
 PLACEMENTS = {
-    "all-on-device": Policy(),
-    "weights-and-cache-in-cpu-memory": Policy.from_percent([0, 100, 0, 100, 100, 0],
+    "all-on-device": Placement(),
+    "weights-and-cache-in-cpu-memory": Placement.from_percent([0, 100, 0, 100, 100, 0],
                                                            overlap=True),
-    "mixed-with-disk-two-batches": Policy.from_percent([30, 40, 30, 40, 100, 0],
+    "mixed-with-disk-two-batches": Placement.from_percent([30, 40, 30, 40, 100, 0],
                                                        num_gpu_batches=2, overlap=True),
 }
 KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
@@ -86,7 +86,7 @@ def test_matches_transformers(family, placement):
 
 def test_infinigen_keeping_everything_equals_full(family):
     name, _, store = family
-    full, _ = _run(store, Policy())
+    full, _ = _run(store, Placement())
     ours, report = _run(store, PLACEMENTS["weights-and-cache-in-cpu-memory"], "infinigen",
                         {"options": KEEP_ALL})
     assert ours.token_ids == full.token_ids, name
@@ -107,7 +107,7 @@ def test_store_keeps_bf16(family):
 def test_h2o_keeping_everything_equals_full(family):
     """H2O with a budget of the whole context: evicts only what the window hides."""
     name, _, store = family
-    full, _ = _run(store, Policy())
+    full, _ = _run(store, Placement())
     ours, _ = _run(store, PLACEMENTS["weights-and-cache-in-cpu-memory"], "h2o",
                    {"hh_ratio": 0.5, "recent_ratio": 0.5})
     assert ours.token_ids == full.token_ids, name
@@ -129,8 +129,8 @@ def test_sliding_window_changes_the_output(family, tmp_path):
     assert manifest["config"]["sliding_window"] == 12
     manifest["config"]["sliding_window"] = 0
     (plain / "manifest.json").write_text(json.dumps(manifest))
-    windowed, _ = _run(store, Policy())
-    unwindowed, _ = _run(plain, Policy())
+    windowed, _ = _run(store, Placement())
+    unwindowed, _ = _run(plain, Placement())
     assert (windowed.logits[0] - unwindowed.logits[0]).abs().max().item() > 1e-2
 
 
@@ -138,7 +138,7 @@ def test_oracle_keeping_everything_equals_full(family):
     from flexgen_infinigen.kv.options import SelectionOptions
 
     name, _, store = family
-    full, _ = _run(store, Policy())
+    full, _ = _run(store, Placement())
     ours, _ = _run(store, PLACEMENTS["weights-and-cache-in-cpu-memory"], "oracle",
                    {"options": SelectionOptions(max_kv_fraction=1.0, first_layer=1)})
     assert ours.token_ids == full.token_ids, name

@@ -77,7 +77,7 @@ def test_full_disk_is_one_clear_error_not_a_bus_error(tmp_path):
     import torch
 
     from flexgen_infinigen.config import ConfigError
-    from flexgen_infinigen.runtime.tiers import Tiers
+    from flexgen_infinigen.memory.tiers import Tiers
 
     mount = tmp_path / "small"
     mount.mkdir()
@@ -106,7 +106,7 @@ def test_a_signal_dropped_inside_a_finalizer_still_stops_the_command(capsys):
     import gc
     import weakref
 
-    from flexgen_infinigen.runtime.guards import raise_if_interrupted, run_command
+    from flexgen_infinigen.guards import raise_if_interrupted, run_command
 
     def main(argv):
         class Held:

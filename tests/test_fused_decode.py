@@ -1,4 +1,4 @@
-"""The fused CPU decode step (``kernels/decode_layer.c`` through ``runtime/fused_decode.py``)
+"""The fused CPU decode step (``kernels/decode_layer.c`` through ``engine/stage_plan.py``)
 against the per-operation path it replaces: the same tokens and the same logits to float
 rounding, for the full cache and InfiniGen (attention over its chosen rows and the next
 layer's speculation inside the call: ``tests/test_fused_select.py`` tests its fallbacks), and
@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import cpu_kernels, fused_decode, fused_select
-from flexgen_infinigen.runtime.cpu_kernels import library
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kernels import cpu_kernels
+from flexgen_infinigen.engine import stage_plan as fused_decode
+from flexgen_infinigen.kernels.layer_call import ATTEND, LayerCall
+from flexgen_infinigen.kv.infinigen import fused_select
+from flexgen_infinigen.kernels.cpu_kernels import library
 
 needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
 
@@ -18,12 +21,12 @@ needs_kernels = pytest.mark.skipif(library() is None, reason="no C compiler for 
 def _calls(monkeypatch) -> list:
     """Record the mode of every fused call (the test then knows which path ran)."""
     modes = []
-    real = fused_decode.LayerPlan._call
+    real = LayerCall.run
 
-    def recorded(self, mode):
-        modes.append((self.kind, self.whole, mode))
+    def recorded(self, mode):  # whole: the full cache's attention in the call (no InfiniGen)
+        modes.append((self.kind, bool(mode & ATTEND) and not self.args.sel, mode))
         return real(self, mode)
-    monkeypatch.setattr(fused_decode.LayerPlan, "_call", recorded)
+    monkeypatch.setattr(LayerCall, "run", recorded)
     return modes
 
 
@@ -34,7 +37,7 @@ def _generate(path, prompts, kv, monkeypatch, fused: bool, steps: int = 8, **pol
     monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
     monkeypatch.setattr(cpu_kernels, "MIN_ATTEND_ROWS", 0 if not fused else
                         cpu_kernels.MIN_ATTEND_ROWS)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts),
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts),
                                  **policy_kw)
     # the paper's rehearsal (the next layer's speculation in the call; own: test_speculation_query)
     options = ({"max_kv_fraction": 0.3, "min_num_kv": 4, "speculation_query": "input"}
@@ -75,7 +78,7 @@ def test_fused_step_equals_the_per_operation_path(tiny_llama, kv, batch, compres
         assert len(modes) == layers * (2 if sep else 1)
     else:  # InfiniGen's layers in one call too: the chosen rows (or every row, in the
         # layers before the first that selects) and the next layer's speculation
-        attending = fused_decode.ATTEND | fused_select.CHOSEN
+        attending = ATTEND | fused_select.CHOSEN
         assert all(m & attending for kind, w, m in modes if kind != "mlp")
         assert any(m & fused_select.CHOSEN for _, _, m in modes)
         assert any(m & fused_select.SPECULATE for _, _, m in modes)
@@ -200,17 +203,17 @@ def test_models_the_call_does_not_compute_take_the_per_operation_path(monkeypatc
     # q/k norms over all heads at once, and experts (their MLPs stay per-operation)
     assert fused_decode.supports(get_config("olmoe-1b-7b"), torch.float32, False)
     monkeypatch.setenv(fused_decode.ENV, "0")
-    assert fused_decode.FusedDecode.for_model(llama, torch.float32, False) is None
+    assert fused_decode.StagePlans(llama, torch.float32, False).fused is None
     monkeypatch.setenv(fused_decode.ENV, "1")
     monkeypatch.setattr(fused_decode, "library", lambda: None)  # no compiler
-    assert fused_decode.FusedDecode.for_model(llama, torch.float32, False) is None
+    assert fused_decode.StagePlans(llama, torch.float32, False).fused is None
 
 
 @needs_kernels
 def test_weights_in_a_form_the_call_does_not_read_fall_back(tiny_llama, monkeypatch):
     """A packed weight in a form ``kernel_ready`` refuses gives no
     plan for its stage, and that stage runs the per-operation path with the same result."""
-    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.memory.codes import PackedWeight
 
     real = PackedWeight.__post_init__
 
@@ -234,7 +237,7 @@ def test_sep_layer_resolves_to_one_stage_a_layer_only_where_nothing_loads(tiny_l
     _, store = tiny_llama
 
     def kinds(path, percent=(100, 0, 0, 100, 100, 0), **kw):
-        with OffloadedLM.load(path=path, policy=Policy.from_percent(list(percent), **kw),
+        with OffloadedLM.load(path=path, policy=Placement.from_percent(list(percent), **kw),
                               progress=False) as lm:
             out = lm.generate([[1] + list(range(7, 40))], 4, stop_token_id=None)
             return {s.kind for s in lm.engine.stages}, lm.engine.policy.sep_layer, out.token_ids

@@ -1,4 +1,4 @@
-"""A decode step's MoE MLP stage in one compiled call (``runtime/fused_moe.py``,
+"""A decode step's MoE MLP stage in one compiled call (``engine/fused_moe.py``,
 ``kernels/moe_layer.c``): against the per-operation path it
 replaces (``models/llama.py``'s ``mlp``: torch's softmax and top-k, the experts call) on
 the same weights, with the top-k renormalised and not, on router ties, for one token and
@@ -14,7 +14,8 @@ from test_half_scales import _weights
 
 from flexgen_infinigen.config import get_config
 from flexgen_infinigen.models import llama, moe
-from flexgen_infinigen.runtime import cpu_kernels, fused_moe, stage_compute
+from flexgen_infinigen.kernels import cpu_kernels
+from flexgen_infinigen.engine import fused_moe, stage_plan
 
 H, FF, E = 256, 256, 12  # hidden, expert width (whole K-quant blocks), experts
 
@@ -97,7 +98,7 @@ def test_decode_with_and_without_the_call(tmp_path, monkeypatch, family, extra):
     largest logit)."""
     import test_moe_gguf as moe_files
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.weights.gguf_convert import convert_gguf
 
     base = moe_files.FAMILIES[family]
@@ -109,15 +110,15 @@ def test_decode_with_and_without_the_call(tmp_path, monkeypatch, family, extra):
     path = tmp_path / "q4_0.gguf"
     moe_files.write_moe_gguf(model, name, path, "Q4_0")
     store = convert_gguf(path, tmp_path / "store", progress=False)
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0])
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0])
 
     def run():
         with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
             out = lm.generate(moe_files.PROMPTS[:2], moe_files.STEPS, stop_token_id=None,
                               keep_logits=True)
-            return out, sum(p is not None for p in lm.engine._moe_plans.values())
+            return out, sum(p.moe is not None for p in lm.engine.plans.moe.values())
     fused, planned = run()
-    monkeypatch.setattr(stage_compute, "moe_plan", lambda cfg, w: None)
+    monkeypatch.setattr(stage_plan, "moe_plan", lambda cfg, w: None)
     apart, none = run()
     assert planned == model.config.num_hidden_layers - len(extra.get("mlp_only_layers", []))
     assert none == 0

@@ -1,4 +1,4 @@
-"""InfiniGen inside the fused decode call (``runtime/fused_select.py``,
+"""InfiniGen inside the fused decode call (``kv/infinigen/fused_select.py``,
 ``kernels/decode_select.c``) against the per-operation path (``FLEXGEN_INFINIGEN_FUSED=0``):
 the same tokens, the same rows read, logits to float rounding, for each way a step can go:
 the chosen rows and the next layer's speculation in the call; steps that read a layer whole
@@ -10,27 +10,34 @@ from __future__ import annotations
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import cpu_kernels, fused_decode, fused_select
-from flexgen_infinigen.runtime.cpu_kernels import library
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.kernels import cpu_kernels
+from flexgen_infinigen.engine import stage_plan as fused_decode
+from flexgen_infinigen.kernels.layer_call import ATTEND, IN, LayerCall
+from flexgen_infinigen.kv.infinigen import fused_select
+from flexgen_infinigen.kernels.cpu_kernels import library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler for the kernels")
 
 PROMPTS = [[1] + list(range(7, 60)), [1] + list(range(100, 140))]
-ATTENDING = fused_decode.ATTEND | fused_select.CHOSEN
+ATTENDING = ATTEND | fused_select.CHOSEN
 
 
 def _calls(monkeypatch) -> list:
     """(whether the layer selects, mode) of every fused call of a stage with a KV cache."""
-    calls = []
-    real = fused_decode.LayerPlan._call
+    calls, selecting = [], {}  # selecting: id of a call -> whether its InfiniGen layer selects
+    real, real_layer = LayerCall.run, fused_select.SelectPlan.layer
+
+    def layer(self, h, state, loaded):
+        selecting[id(self.call)] = self.cache.selecting
+        return real_layer(self, h, state, loaded)
 
     def recorded(self, mode):
         if self.kind != "mlp":
-            select = self.select
-            calls.append((None if select is None else select.cache.selecting, mode))
+            calls.append((selecting.get(id(self)), mode))
         return real(self, mode)
-    monkeypatch.setattr(fused_decode.LayerPlan, "_call", recorded)
+    monkeypatch.setattr(fused_select.SelectPlan, "layer", layer)
+    monkeypatch.setattr(LayerCall, "run", recorded)
     return calls
 
 
@@ -39,7 +46,7 @@ def _generate(path, monkeypatch, fused: bool, options: dict, steps: int = 10):
     # the per-operation path through the attention kernel at every length, as the call
     monkeypatch.setattr(cpu_kernels, "MIN_ATTEND_ROWS", 0 if not fused else
                         cpu_kernels.MIN_ATTEND_ROWS)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(PROMPTS))
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(PROMPTS))
     with OffloadedLM.load(path=path, policy=policy, kv_policy="infinigen",
                           kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4,
                                       # the rehearsal's speculation unless said
@@ -97,7 +104,7 @@ def test_partial_keys_keep_two_calls(tiny_llama, monkeypatch):
     """Speculation keys the call does not write (the paper's partial columns): the
     selecting layers run the input call, the policy's attention, the output call."""
     calls = _assert_same(tiny_llama[1], monkeypatch, {"speculation_keys": "partial"})
-    assert any(m == fused_decode.IN for _, m in calls)
+    assert any(m == IN for _, m in calls)
     assert not any(m & fused_select.CHOSEN for _, m in calls)
 
 
@@ -106,7 +113,7 @@ def test_no_kernels_runs_the_torch_path(tiny_llama, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_lib", None)  # as library() leaves it without one
     monkeypatch.setattr(cpu_kernels, "_tried", True)
     monkeypatch.setenv(fused_decode.ENV, "1")
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                           progress=False) as lm:
         assert lm.engine.fused is None

@@ -10,10 +10,10 @@ import torch
 from conftest import hf_greedy
 from gguf_header import add_model_metadata
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
-from flexgen_infinigen.runtime import cpu_layers
-from flexgen_infinigen.runtime.compression import Packed, PackedWeight, decompress
+from flexgen_infinigen.kernels import layers as cpu_layers
+from flexgen_infinigen.memory.codes import Packed, PackedWeight, decompress
 from flexgen_infinigen.weights import gguf_codes
 
 gguf = pytest.importorskip("gguf")
@@ -175,7 +175,7 @@ def test_quantized_gguf_runs_from_its_codes(arch, percent, tmp_path):
     blocks (each tensor's file the size of its bytes in the GGUF), places them as codes
     whose bytes the memory plan counts, and gives transformers' greedy tokens on the
     dequantized weights, with the weights on the device or split over the three tiers."""
-    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.engine import memory_plan
     from flexgen_infinigen.weights.gguf_convert import convert_gguf
     from flexgen_infinigen.weights.store import WeightStore
 
@@ -193,7 +193,7 @@ def test_quantized_gguf_runs_from_its_codes(arch, percent, tmp_path):
         size = (store / f"{stored[0]}.npy").stat().st_size
         assert t.n_bytes <= size <= t.n_bytes + 256
     assert ws.format("layers.0.v_proj.weight") == "Q6_K"
-    policy = Policy.from_percent([*percent, 100, 0, 100, 0])
+    policy = Placement.from_percent([*percent, 100, 0, 100, 0])
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         assert lm.cfg.qk_norm == (arch == "qwen3")
         placed = sum(lm.weight_bytes_by_tier().values())
@@ -223,7 +223,7 @@ def test_compress_weight_on_codes_changes_nothing(tmp_path):
     store = convert_gguf(path, tmp_path / "store", progress=False)
     runs = []
     for compress in (False, True):
-        with OffloadedLM.load(path=store, policy=Policy(compress_weight=compress),
+        with OffloadedLM.load(path=store, policy=Placement(compress_weight=compress),
                               progress=False) as lm:
             out = lm.generate([PROMPT], 3, stop_token_id=None, keep_logits=True)
             report = build_report(lm, out, "cpu")

@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy
 from gguf_header import add_model_metadata
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 gguf = pytest.importorskip("gguf")
 
@@ -70,7 +70,7 @@ def test_gguf_matches_transformers(arch, tmp_path):
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(model, arch, path, vocab_model="llama")
     store = convert_gguf(path, tmp_path / "store", progress=False)
-    with OffloadedLM.load(path=store, policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(path=store, policy=Placement(), progress=False) as lm:
         assert lm.tokenizer is not None and lm.cfg.architecture == arch
         assert lm.cfg.qkv_bias == (arch == "qwen2")
         out = lm.generate([PROMPT], STEPS, stop_token_id=None, keep_logits=True)

@@ -239,7 +239,7 @@ def test_real_qwen25_equals_transformers():
     ours = tokenizer_from_gguf(reader)
     ref = _reference(path)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    engine = Path(__file__).resolve().parents[1] / "flexgen_infinigen" / "runtime" / "engine.py"
+    engine = Path(__file__).resolve().parents[1] / "flexgen_infinigen" / "engine" / "schedule.py"
     code = engine.read_text()
     texts = [readme, code, TEXT, "def fibonacci(n):"]
     wiki = SHARED / "data" / "wikitext2_test.txt"
@@ -272,7 +272,7 @@ def test_real_smollm2_equals_its_reference():
         [pre_tokenizers.Digits(individual_digits=True), ref.pre_tokenizer])
     root = Path(__file__).resolve().parents[1]
     texts = [(root / "README.md").read_text(encoding="utf-8"), TEXT,
-             (root / "flexgen_infinigen" / "runtime" / "engine.py").read_text(encoding="utf-8")]
+             (root / "flexgen_infinigen" / "engine" / "schedule.py").read_text(encoding="utf-8")]
     wiki = SHARED / "data" / "wikitext2_test.txt"
     if wiki.is_file():
         texts.append(wiki.read_text(encoding="utf-8")[:50_000])

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
@@ -22,10 +22,10 @@ def _run(store, policy, kv="full", **kw):
         return out, lm.engine.kv_policy.report(), caches
 
 
-@pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2),
-                                    Policy.from_percent([50, 50, 0, 100, 100, 0],
+@pytest.mark.parametrize("policy", [Placement(gpu_batch_size=2),
+                                    Placement.from_percent([50, 50, 0, 100, 100, 0],
                                                         num_gpu_batches=2, overlap=True),
-                                    Policy.from_percent([100, 0, 0, 0, 100, 0], sep_layer=False,
+                                    Placement.from_percent([100, 0, 0, 0, 100, 0], sep_layer=False,
                                                         num_gpu_batches=2)])
 def test_budget_one_equals_full(tiny_opt, policy):
     full = _run(tiny_opt[1], policy)[0]
@@ -46,7 +46,7 @@ def test_keeps_exactly_the_budget_after_the_prompt(tiny_opt, monkeypatch):
         kept.append((self.alive[:, :k.shape[1]].sum(-1).tolist(), valid.sum(-1).tolist()))
 
     monkeypatch.setattr(h2o.H2OCache, "store_prompt", spy)
-    _run(tiny_opt[1], Policy(gpu_batch_size=2), "h2o", hh_ratio=0.25, recent_ratio=0.25)
+    _run(tiny_opt[1], Placement(gpu_batch_size=2), "h2o", hh_ratio=0.25, recent_ratio=0.25)
     heads = 4
     for per_column, n_valid in kept:
         expected = [math.ceil(n * 0.5) for n in n_valid for _ in range(heads)]
@@ -54,7 +54,7 @@ def test_keeps_exactly_the_budget_after_the_prompt(tiny_opt, monkeypatch):
 
 
 def test_small_budget_moves_less_and_changes_output(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
     full = _run(tiny_opt[1], policy)[0]
     out, report, _ = _run(tiny_opt[1], policy, "h2o", hh_ratio=0.1, recent_ratio=0.1)
     assert report["kv_fetch_fraction"] < 0.35

@@ -13,8 +13,8 @@ import torch
 from conftest import portable_kernels
 from test_gguf_codes import random_blocks
 
-from flexgen_infinigen.runtime import cpu_kernels, cpu_layers
-from flexgen_infinigen.runtime.compression import Packed, PackedWeight, decompress
+from flexgen_infinigen.kernels import cpu_kernels, layers as cpu_layers
+from flexgen_infinigen.memory.codes import Packed, PackedWeight, decompress
 from flexgen_infinigen.weights import gguf_codes
 
 gguf = pytest.importorskip("gguf")

@@ -19,7 +19,7 @@ import torch
 from conftest import hf_greedy
 from hub_server import HubServer, Repo
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import default_cache_dir
 from flexgen_infinigen.weights.store import MANIFEST
 
@@ -109,7 +109,7 @@ def hub(tiny, tiny_gguf, tmp_path, monkeypatch):
 
 
 def _tokens(model: str, steps: int = 5):
-    with OffloadedLM.load(model=model, policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(model=model, policy=Placement(), progress=False) as lm:
         out = lm.generate([PROMPT], steps, stop_token_id=None)
         return lm.encode([PROMPT])[0], out.token_ids[0]
 
@@ -186,7 +186,7 @@ def test_gguf_by_quantization_file_and_split(hub, tiny_gguf, capsys):
 
     reference = hf_greedy(model, IDS, 4)[0]
     for name in ("org/tiny-GGUF:Q4_K_M", "org/tiny-GGUF/tiny-q4_k_m.gguf", "org/tiny-GGUF:q8_0"):
-        with OffloadedLM.load(model=name, policy=Policy(), progress=False) as lm:
+        with OffloadedLM.load(model=name, policy=Placement(), progress=False) as lm:
             assert lm.generate([IDS], 4, stop_token_id=None).token_ids[0] == reference, name
     fetched = {r[1].rsplit("/", 1)[-1] for r in hub.requests if r[0] == "GET"}
     assert {"tiny-Q8_0-00001-of-00002.gguf", "tiny-Q8_0-00002-of-00002.gguf"} <= fetched
@@ -268,7 +268,7 @@ def test_names_that_need_only_shapes(hub, tiny):
     """A registry alias with --dummy or in planning stays the registry's (no request); a Hub
     checkpoint that only needs shapes sends for its config.json and nothing else."""
     from flexgen_infinigen import run
-    from flexgen_infinigen.runtime.loading import find_weights, model_config
+    from flexgen_infinigen.engine.loading import find_weights, model_config
 
     assert model_config("facebook/opt-13b", shapes_only=True).name == "opt-13b"
     assert find_weights("facebook/opt-125m", None, True)[0].name == "opt-125m"
@@ -286,7 +286,7 @@ def test_every_command_takes_a_hub_name(hub, tiny, tmp_path, monkeypatch, capsys
     name is resolved in one place below the commands."""
     import json
 
-    from flexgen_infinigen import batch, eval as eval_cmd, skew
+    from flexgen_infinigen import batch, eval as eval_cmd, calibrate as skew
 
     assert _run("--model", "org/tiny") == 0
     seen = len(hub.requests)

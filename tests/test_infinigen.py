@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kv import InfiniGenOptions
 
@@ -18,14 +18,14 @@ STEPS = 10
 KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
 
 SCHEDULES = {
-    "all-on-device": Policy(),
-    "cache-on-cpu": Policy.from_percent([100, 0, 0, 100, 100, 0]),
-    "cache-on-disk-weights-split": Policy.from_percent([30, 40, 0, 0, 100, 0]),
-    "mixed-no-overlap": Policy.from_percent([50, 50, 20, 50, 100, 0], overlap=False),
-    "fused-layers-one-batch-overlap": Policy.from_percent([0, 100, 0, 100, 100, 0],
+    "all-on-device": Placement(),
+    "cache-on-cpu": Placement.from_percent([100, 0, 0, 100, 100, 0]),
+    "cache-on-disk-weights-split": Placement.from_percent([30, 40, 0, 0, 100, 0]),
+    "mixed-no-overlap": Placement.from_percent([50, 50, 20, 50, 100, 0], overlap=False),
+    "fused-layers-one-batch-overlap": Placement.from_percent([0, 100, 0, 100, 100, 0],
                                                           sep_layer=False),
-    "three-gpu-batches": Policy.from_percent([0, 100, 0, 100, 100, 0], num_gpu_batches=3),
-    "two-by-two-fused": Policy.from_percent([100, 0, 30, 70, 100, 0], gpu_batch_size=2,
+    "three-gpu-batches": Placement.from_percent([0, 100, 0, 100, 100, 0], num_gpu_batches=3),
+    "two-by-two-fused": Placement.from_percent([100, 0, 30, 70, 100, 0], gpu_batch_size=2,
                                             num_gpu_batches=2, sep_layer=False),
 }
 # the overlapped loop is off by default on a CPU-only machine: ask for it where not said
@@ -43,7 +43,7 @@ def _run(store, policy, kv="full", options=None, prompts=PROMPTS):
 
 @pytest.fixture(scope="module")
 def full_outputs(tiny_opt):
-    return _run(tiny_opt[1], Policy())[0]
+    return _run(tiny_opt[1], Placement())[0]
 
 
 def _assert_same(out, ref, tol=1e-4):
@@ -62,32 +62,32 @@ def test_keep_everything_equals_full(tiny_opt, full_outputs, name):
 
 def test_skew_alone_leaves_opt_logits_unchanged(tiny_opt, full_outputs):
     """first_layer past the last layer: skewed W_Q/W_K, full attention everywhere."""
-    out, report, _ = _run(tiny_opt[1], Policy(), "infinigen", InfiniGenOptions(first_layer=99))
+    out, report, _ = _run(tiny_opt[1], Placement(), "infinigen", InfiniGenOptions(first_layer=99))
     _assert_same(out, full_outputs)
     assert report["kv_fetch_fraction"] == 1.0
 
 
 def test_skew_alone_leaves_llama_logits_unchanged(smollm2_store):
     prompts = [[1, 504, 3458, 282, 4649, 314]]
-    full = _run(smollm2_store, Policy(), prompts=prompts)[0]
-    out = _run(smollm2_store, Policy(), "infinigen", InfiniGenOptions(first_layer=99),
+    full = _run(smollm2_store, Placement(), prompts=prompts)[0]
+    out = _run(smollm2_store, Placement(), "infinigen", InfiniGenOptions(first_layer=99),
                prompts=prompts)[0]
     _assert_same(out, full, tol=2e-3)
 
 
 def test_each_sequence_gets_what_it_gets_alone(tiny_opt):
     options = InfiniGenOptions(alpha=1.0, max_kv_fraction=0.5, min_num_kv=4, first_layer=1)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=3)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=3)
     batch = _run(tiny_opt[1], policy, "infinigen", options)[0]
     for row, prompt in enumerate(PROMPTS):
-        alone = _run(tiny_opt[1], Policy.from_percent([100, 0, 0, 100, 100, 0]), "infinigen",
+        alone = _run(tiny_opt[1], Placement.from_percent([100, 0, 0, 100, 100, 0]), "infinigen",
                      options, prompts=[prompt])[0]
         assert batch.token_ids[row] == alone.token_ids[0]
         assert (batch.logits[row] - alone.logits[0]).abs().max().item() < 1e-4
 
 
 def test_selection_moves_fewer_bytes_and_reports_them(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
     _, full_report, full_moved = _run(tiny_opt[1], policy)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options)
@@ -103,7 +103,7 @@ def test_selection_moves_fewer_bytes_and_reports_them(tiny_opt):
 
 
 def test_compressed_cache_fetches_compressed_rows(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True,
                                  host_in_place=False)
     full = _run(tiny_opt[1], policy)
     keep_all = _run(tiny_opt[1], policy, "infinigen", KEEP_ALL)
@@ -135,7 +135,7 @@ def test_bad_options(kw, flag):
 
 
 def test_cpu_cache_compute_is_refused(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True)
     with pytest.raises(ConfigError, match="cpu-cache-compute"):
         OffloadedLM.load(path=tiny_opt[1], policy=policy, kv_policy="infinigen", progress=False)
 
@@ -144,7 +144,7 @@ def test_cpu_cache_compute_is_refused(tiny_opt):
 def test_pool_keeps_at_most_its_capacity(eviction):
     import torch
 
-    from flexgen_infinigen.kv.pool import KVPool
+    from flexgen_infinigen.kv.infinigen.pool import KVPool
 
     pool = KVPool(0.5, eviction, columns=3, max_len=64, device=torch.device("cpu"), window=4)
     valid = torch.ones(3, 40, dtype=torch.bool)
@@ -163,7 +163,7 @@ def test_pool_keeps_at_most_its_capacity(eviction):
 def test_pool_runs_in_the_decode_path(tiny_opt):
     options = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1,
                                kv_pool_capacity=0.5, eviction="lru")
-    out, report, _ = _run(tiny_opt[1], Policy.from_percent([100, 0, 0, 100, 100, 0]),
+    out, report, _ = _run(tiny_opt[1], Placement.from_percent([100, 0, 0, 100, 100, 0]),
                           "infinigen", options, prompts=[PROMPTS[0]])
     assert report["kv_pool_evicted_tokens"] > 0
     # with half the tokens gone, even "keep all" reads about half of the context
@@ -171,7 +171,7 @@ def test_pool_runs_in_the_decode_path(tiny_opt):
 
 
 def test_report_counts_bytes_against_full_fetching(tiny_opt):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(alpha=2.0, max_kv_fraction=0.25, min_num_kv=1, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
     _, _, full_moved = _run(tiny_opt[1], policy, prompts=[PROMPTS[0]])
@@ -195,7 +195,7 @@ def test_defaults_on_smollm2_with_a_long_natural_prompt(smollm2_store):
     with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
         ids = lm.tokenizer.encode(path.read_text(encoding="utf-8"))[:1500]
         full = lm.generate([ids], 64, stop_token_id=None, keep_logits=True)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0])
     with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",
                           progress=False) as lm:
         forced = lm.generate([ids], 64, stop_token_id=None, keep_logits=True,
@@ -283,7 +283,7 @@ def test_oracle_and_infinigen_keep_llama_exact_at_full_budget(smollm2_store):
     from flexgen_infinigen.kv import SelectionOptions
 
     prompts = [[1, 504, 3458, 282, 4649, 314, 2114, 30, 1848, 7]]
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0])
     full = _run(smollm2_store, policy, prompts=prompts)[0]
     oracle = _run(smollm2_store, policy, "oracle", SelectionOptions(max_kv_fraction=1.0),
                   prompts=prompts)[0]
@@ -296,7 +296,7 @@ def test_oracle_and_infinigen_keep_llama_exact_at_full_budget(smollm2_store):
 def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
     """Bytes host->device for the KV cache = layers that read everything + exactly the rows
     the selection chose (counted here from the selection itself, not from the report)."""
-    from flexgen_infinigen.kv import infinigen as module
+    from flexgen_infinigen.kv.infinigen import policy as module
 
     chosen = []
     real_rank = module.InfiniGenCache._rank
@@ -307,7 +307,7 @@ def test_only_the_selected_rows_cross_the_link(tiny_opt, monkeypatch):
         return order, counts
 
     monkeypatch.setattr(module.InfiniGenCache, "_rank", recording_rank)
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False)
     options = InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
     _, report, moved = _run(tiny_opt[1], policy, "infinigen", options, prompts=[PROMPTS[0]])
     d, kv, item = 32, 4, 4  # tiny OPT: head_dim 32, 4 heads, float32
@@ -325,7 +325,7 @@ def test_a_layer_too_small_to_choose_from_is_read_whole(tiny_opt, full_outputs, 
     """Under ``select_from_mb`` a layer's KV is read whole (choosing would cost more than it
     spares): the full cache's tokens and logits, every row counted as read, no speculation;
     over it the same options select."""
-    policy = Policy.from_percent(percent, host_in_place=host_in_place)
+    policy = Placement.from_percent(percent, host_in_place=host_in_place)
     options = InfiniGenOptions(max_kv_fraction=0.25, min_num_kv=1, first_layer=1,
                                select_from_mb=1.0)  # the tiny model's KV is a few KB
     out, report, _ = _run(tiny_opt[1], policy, "infinigen", options)
@@ -339,10 +339,10 @@ def test_a_layer_too_small_to_choose_from_is_read_whole(tiny_opt, full_outputs, 
 
 def test_the_read_whole_default_is_the_device_s(tiny_opt, monkeypatch):
     """Unset, ``select_from_mb`` is 12 on a CPU (the tests' environment sets 0; unset here)."""
-    from flexgen_infinigen.kv import infinigen
+    from flexgen_infinigen.kv.infinigen import policy as infinigen
 
     monkeypatch.delenv(infinigen.SELECT_FROM_ENV, raising=False)
-    with OffloadedLM.load(path=tiny_opt[1], policy=Policy(), kv_policy="infinigen",
+    with OffloadedLM.load(path=tiny_opt[1], policy=Placement(), kv_policy="infinigen",
                           progress=False) as lm:
         assert lm.engine.kv_policy.options.select_from_mb == infinigen.SELECT_FROM_MB["cpu"]
 
@@ -354,7 +354,7 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
     to selecting mid-generation; against writing each key at its step (``PENDING_KEYS = 1``)
     the keys every selecting step scores hold the same codes (their minima and scales to
     rounding) and the tokens and logits are the same."""
-    from flexgen_infinigen.kv import infinigen_cache
+    from flexgen_infinigen.kv.infinigen import cache as infinigen_cache
 
     real_rank = infinigen_cache.InfiniGenCache._rank
     scored = []
@@ -379,7 +379,7 @@ def test_keys_of_steps_that_read_whole_wait_and_change_nothing(tiny_llama, monke
     for pending in (infinigen_cache.PENDING_KEYS, 1):
         monkeypatch.setattr(infinigen_cache, "PENDING_KEYS", pending)
         scored.append([])
-        with OffloadedLM.load(path=tiny_llama[1], policy=Policy(), kv_policy="infinigen",
+        with OffloadedLM.load(path=tiny_llama[1], policy=Placement(), kv_policy="infinigen",
                               kv_options={"options": options}, progress=False) as lm:
             out = lm.generate(prompts, 30, stop_token_id=None, keep_logits=True)
             runs.append((out, lm.engine.kv_policy.report()))
@@ -403,9 +403,9 @@ def test_rehearsal_multiplies_4bit_query_weights_where_they_are(tiny_llama):
     the bytes read each step); its projected query equals the one from W_Q expanded to
     floats (the kernel rounds the input to 16 bits per group of 64: far below the 4-bit
     weights' own error)."""
-    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.memory.codes import PackedWeight
 
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], compress_weight=True)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",
                           kv_options={"max_kv_fraction": 0.3, "min_num_kv": 4,
                                       "speculation_query": "input"},
@@ -436,8 +436,8 @@ def test_projection_per_head_equals_the_einsum(b, shared, kernel, monkeypatch):
     strides of the rows, as the rehearsal's transposed query has), else by one product per
     head where the projection is shared over the batch or there is one sequence, by an
     einsum otherwise."""
-    from flexgen_infinigen.infinigen.skew import project_per_head
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kv.infinigen.skew import project_per_head
+    from flexgen_infinigen.kernels import cpu_kernels
 
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "project_heads", lambda *a: None)
@@ -483,8 +483,8 @@ def test_a_run_keeps_its_calibration_for_the_next_run_like_it(tiny_llama, monkey
                                                                tmp_path):
     import shutil
 
-    from flexgen_infinigen.infinigen import rehearsal
-    from flexgen_infinigen.infinigen.skew import KEPT_DIR
+    from flexgen_infinigen.kv.infinigen import rehearsal
+    from flexgen_infinigen.kv.infinigen.skew import KEPT_DIR
 
     store = tmp_path / "store"
     shutil.copytree(tiny_llama[1], store)  # a store of its own, with nothing kept in it yet
@@ -501,7 +501,7 @@ def test_a_run_keeps_its_calibration_for_the_next_run_like_it(tiny_llama, monkey
             kv = lm.engine.kv_policy
             return out, kv.rehearsal.skew, kv.report()
 
-    cpu = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    cpu = Placement.from_percent([100, 0, 0, 100, 100, 0])
     first, skew1, report1 = run(cpu)
     assert len(calls) == 1 and len(list((store / KEPT_DIR).iterdir())) == 1
     assert not report1["skew_calibration"]["kept_from_an_earlier_run"]

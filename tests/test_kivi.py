@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kv import KiviPolicy
 from flexgen_infinigen.kv.base import CacheSpec
-from flexgen_infinigen.runtime.attention import attend, mask_bias, visible
-from flexgen_infinigen.runtime.compression import compress, decompress
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen.kernels.attention import attend, mask_bias, visible
+from flexgen_infinigen.memory.codes import compress, decompress
+from flexgen_infinigen.memory.tiers import Tiers
 
 B, KV, H, D = 2, 2, 4, 64
 GROUP, WINDOW, PROMPT, STEPS = 8, 12, 45, 14  # the steps cross two key groups' boundaries
@@ -137,7 +137,7 @@ PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19
 
 
 def _generate(store, kv, **options):
-    with OffloadedLM.load(path=store, policy=Policy(gpu_batch_size=2), kv_policy=kv,
+    with OffloadedLM.load(path=store, policy=Placement(gpu_batch_size=2), kv_policy=kv,
                           kv_options=options or None, progress=False) as lm:
         out = lm.generate(PROMPTS, 8, stop_token_id=None, keep_logits=True)
         return out, lm.engine.kv_policy.report()

@@ -11,10 +11,10 @@ import torch
 
 from flexgen_infinigen.kv import POLICIES, FullPolicy, H2OPolicy, InfiniGenPolicy, OraclePolicy
 from flexgen_infinigen.kv.base import CacheSpec
-from flexgen_infinigen.kv.options import InfiniGenOptions, SelectionOptions
-from flexgen_infinigen.runtime.attention import attend, mask_bias, visible
-from flexgen_infinigen.runtime.compression import compress, decompress
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen.kv import InfiniGenOptions, SelectionOptions
+from flexgen_infinigen.kernels.attention import attend, mask_bias, visible
+from flexgen_infinigen.memory.codes import compress, decompress
+from flexgen_infinigen.memory.tiers import Tiers
 
 B, KV, H, D, PROMPT, STEPS = 2, 2, 4, 64, 12, 4
 PAD = 3  # left padding of the second sequence
@@ -223,7 +223,7 @@ class NewestOnlyPolicy(FullPolicy):
 
 
 def test_a_new_policy_is_one_class_and_one_registry_line(tiny_opt, monkeypatch):
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.kv import kv_policy_from_args
     from flexgen_infinigen.run import build_parser
 
@@ -232,7 +232,7 @@ def test_a_new_policy_is_one_class_and_one_registry_line(tiny_opt, monkeypatch):
         ["--kv-policy", "toy", "--toy-label", "mine"]))
     outs = []
     for kv in (policy, "full"):
-        with OffloadedLM.load(path=tiny_opt[1], policy=Policy(), kv_policy=kv,
+        with OffloadedLM.load(path=tiny_opt[1], policy=Placement(), kv_policy=kv,
                               progress=False) as lm:
             outs.append(lm.generate([[2, 5, 17, 99, 45]], 6, stop_token_id=None).token_ids)
             if kv is policy:

@@ -3,7 +3,17 @@
 
 Every module of the package is on a floor; a module may import its own floor and the floors
 below, never above, and no chain of imports comes back to where it started. Imports inside
-functions count (a lazy import is still a dependency); ``if TYPE_CHECKING:`` ones do not.
+functions count (a lazy import is still a dependency), and so do ``if TYPE_CHECKING:`` ones:
+an annotation that names an upper floor's class is the module knowing that floor (a change up
+there breaks the type check down here), and it is how an object of an upper floor comes to be
+passed down and called into. ``importlib.import_module("flexgen_infinigen....")`` with a
+literal name counts too.
+
+What no import shows is checked by the names the code uses: below a floor, no parameter
+receives that floor's object (``lm``: the library's ``OffloadedLM``; ``engine``: the
+engine's ``Engine``), no annotation names its class, and no attribute chain goes through
+``.engine.`` (``lm.engine.generate_block`` was such a call: ``PolicyContext`` carries what a
+policy needs instead).
 """
 from __future__ import annotations
 
@@ -14,28 +24,25 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flexgen_infinigen"
 
 # bottom to top: (floor, module prefixes on it)
 FLOORS = [
-    ("foundations", ["config", "flags", "policy", "sampling", "text"]),
-    ("kernels and files", ["runtime", "runtime.compression", "runtime.cpu_kernels",
-                           "runtime.huge_pages", "runtime.disk_io", "runtime.offload_dir",
-                           "runtime.streams",
-                           "runtime.guards", "runtime.mapped_rows"]),
-    ("tiers", ["runtime.tiers", "runtime.tiered", "runtime.attention",
-               "runtime.prefill_cache", "runtime.expert_homes"]),
+    ("foundations", ["config", "flags", "switches", "guards", "placement", "sampling", "text"]),
+    ("memory", ["memory"]),
+    ("kernels", ["kernels"]),
     ("model families", ["models"]),
     ("weights", ["weights"]),
-    ("KV policies", ["kv", "infinigen"]),
-    ("engine", ["runtime.stages", "runtime.memory_plan", "runtime.fused_args",
-                "runtime.fused_decode", "runtime.fused_select", "runtime.fused_moe",
-                "runtime.routing_profile",
-                "runtime.stage_compute", "runtime.engine", "runtime.loading"]),
-    ("library", ["api"]),
+    ("KV policies", ["kv"]),
+    ("engine", ["engine"]),
+    ("library", ["api", "generation"]),
     ("planner", ["planner"]),
     ("pipeline", ["pipeline", "pipeline.engine", "pipeline.link", "pipeline.partition"]),
     ("command-line helpers", ["cli", "evals", "pipeline.args", "pipeline.launch",
                               "pipeline.report", "serving"]),
-    ("commands", ["run", "batch", "eval", "optimize", "profile", "convert", "skew",
+    ("commands", ["run", "batch", "eval", "optimize", "profile", "convert", "calibrate", "skew",
                   "harness", "serve"]),
 ]
+
+# an upper floor's object, by the names code below it would use for it: (the module that
+# defines it, its class, the parameter name it travels under)
+UPPER_OBJECTS = [("api", "OffloadedLM", "lm"), ("engine.schedule", "Engine", "engine")]
 
 
 def _modules() -> dict[str, Path]:
@@ -58,24 +65,16 @@ def _floor(module: str) -> int | None:
     return None if best is None else best[0]
 
 
-def _type_checking_lines(tree) -> set[int]:
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in ast.walk(node):
-                lines.add(getattr(child, "lineno", -1))
-    return lines
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def _imports(module: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that ``module`` imports (submodule names resolved)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = _type_checking_lines(tree)
+    """The package's modules that ``module`` imports (submodule names resolved), wherever
+    the import stands: at the top, in a function, under ``if TYPE_CHECKING:``."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
-    for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".") if package else []
@@ -92,6 +91,10 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
             for alias in node.names:
                 if alias.name.startswith("flexgen_infinigen."):
                     out.add(alias.name[len("flexgen_infinigen."):])
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and str(node.args[0].value).startswith("flexgen_infinigen.")):
+            out.add(str(node.args[0].value)[len("flexgen_infinigen."):])
     return {m for m in out if m in known and m != module}
 
 
@@ -140,6 +143,88 @@ def test_no_import_circle():
         if m not in state:
             visit(m)
     assert not circles, "\n".join(circles)
+
+
+def _annotation_names(node) -> set[str]:
+    """The names an annotation mentions, quoted ones included."""
+    if node is None:
+        return set()
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        try:
+            node = ast.parse(node.value, mode="eval")
+        except SyntaxError:
+            return set()
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n is not node:
+            names |= _annotation_names(n)
+    return names
+
+
+def _annotations(tree) -> list[tuple[int, ast.AST]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arguments):
+            found += [(a.lineno, a.annotation) for a in
+                      [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
+                      if a is not None and a.annotation is not None]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            found.append((node.lineno, node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            found.append((node.lineno, node.annotation))
+    return found
+
+
+def _parameters(tree) -> list[tuple[int, str]]:
+    return [(a.lineno, a.arg) for node in ast.walk(tree) if isinstance(node, ast.arguments)
+            for a in [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
+            if a is not None]
+
+
+def test_no_module_receives_an_upper_floors_object():
+    """Below the library no function takes the model (``lm``), below the engine none takes
+    the engine; no annotation names their classes. A policy that needs something of the loaded
+    model gets a ``PolicyContext`` (kv/base.py), made by the API; fix a finding by passing the
+    values the function reads, or a context object declared on its own floor."""
+    wrong = []
+    for module, path in _modules().items():
+        if not module:
+            continue
+        tree = _tree(path)
+        params, names = _parameters(tree), _annotations(tree)
+        for owner, cls, param in UPPER_OBJECTS:
+            if _floor(module) >= _floor(owner):
+                continue
+            where = f"{module} ({FLOORS[_floor(module)][0]})"
+            wrong += [f"{where}:{line} takes a parameter `{param}` ({cls}, {owner})"
+                      for line, name in params if name == param]
+            wrong += [f"{where}:{line} annotates with {cls} ({owner})"
+                      for line, note in names if cls in _annotation_names(note)]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_nothing_below_the_engine_reaches_through_an_engine():
+    """``x.engine.y`` (or ``getattr(x, "engine")``) below the engine floor is a call up that no
+    import shows: the object came down from above. Hand down the value or the callable
+    instead (``PolicyContext.run_prompt`` runs a prompt pass for a KV policy)."""
+    wrong = []
+    for module, path in _modules().items():
+        if not module or _floor(module) >= _floor("engine"):
+            continue
+        for node in ast.walk(_tree(path)):
+            through = (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                       and node.value.attr == "engine")
+            through |= (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "getattr" and len(node.args) >= 2
+                        and isinstance(node.args[1], ast.Constant)
+                        and node.args[1].value == "engine")
+            if through:
+                wrong.append(f"{module}:{node.lineno} `{ast.unparse(node)}`")
+    assert not wrong, "\n".join(sorted(wrong))
 
 
 def test_the_planner_names_no_kv_policy():

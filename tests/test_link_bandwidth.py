@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.cli.report import build_report, print_report
 from flexgen_infinigen.planner import measure
 from flexgen_infinigen.planner.hardware import BUILTIN, GB
 from flexgen_infinigen.planner.measure import cache_path, save_to_cache
-from flexgen_infinigen.runtime.tiers import LINKS
-from flexgen_infinigen.weights.embedded import CACHE_ENV
+from flexgen_infinigen.memory.tiers import LINKS
+from flexgen_infinigen.config import CACHE_ENV
 
 PROMPT = [2, 11, 12, 13, 14, 15, 16]
 HOST_TIER = [0, 100, 0, 100, 100, 0]  # weights and KV cache in host memory
@@ -44,7 +44,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _run(store, percent, gen_len=5, **generate):
-    policy = Policy.from_percent(percent, overlap=False)
+    policy = Placement.from_percent(percent, overlap=False)
     with OffloadedLM.load(path=store, policy=policy, device="cpu", progress=False) as lm:
         gen = lm.generate([PROMPT], gen_len, stop_token_id=None, **generate)
         report = build_report(lm, gen, "cpu")

@@ -6,17 +6,17 @@ import dataclasses
 import pytest
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 STEPS = 32
 TEXTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
 
 POLICIES = {
-    "all-on-device": Policy(),
-    "weights-split-cache-on-disk": Policy.from_percent([30, 40, 0, 0, 100, 0]),
-    "cpu-cache-compute-fused-layers": Policy.from_percent(
+    "all-on-device": Placement(),
+    "weights-split-cache-on-disk": Placement.from_percent([30, 40, 0, 0, 100, 0]),
+    "cpu-cache-compute-fused-layers": Placement.from_percent(
         [0, 100, 0, 100, 100, 0], cpu_cache_compute=True, sep_layer=False, overlap=False),
-    "mixed-three-batches": Policy.from_percent([50, 50, 30, 40, 100, 0], num_gpu_batches=3),
+    "mixed-three-batches": Placement.from_percent([50, 50, 30, 40, 100, 0], num_gpu_batches=3),
 }
 # the overlapped loop is off by default on a CPU-only machine: ask for it where not said
 POLICIES = {k: p if p.overlap is not None else dataclasses.replace(p, overlap=True)

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.kv import InfiniGenOptions
-from flexgen_infinigen.runtime import mapped_rows
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen.memory import mapped_rows
+from flexgen_infinigen.memory.tiers import Tiers
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17] * 2,
            [2, 40, 41, 42, 43, 44, 9, 8, 7, 6] * 2]
@@ -23,7 +23,7 @@ OPTIONS = {"options": InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_
 
 
 def _run(store, kv="infinigen", overlap=True):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False, overlap=overlap,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], host_in_place=False, overlap=overlap,
                                  gpu_batch_size=2)
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv,
                           kv_options=OPTIONS if kv == "infinigen" else None,
@@ -59,7 +59,7 @@ def test_no_host_wait_between_speculation_and_the_row_load(tiny_llama, monkeypat
         log("row load")
         return real_gather(self, *args, **kwargs)
     monkeypatch.setattr(Tiers, "gather_mapped", gather)
-    from flexgen_infinigen.kv import infinigen_cache
+    from flexgen_infinigen.kv.infinigen import cache as infinigen_cache
     real_rank = infinigen_cache.InfiniGenCache._rank
 
     def rank(self, *args, **kwargs):

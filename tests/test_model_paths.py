@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy
 from test_gguf_families import COMMON, PROMPT, _write_gguf
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.weights import local_model
 from flexgen_infinigen.weights.store import MANIFEST, StoreWriter
@@ -37,7 +37,7 @@ def tiny_qwen2(tmp_path_factory):
 
 
 def _generate(model_arg, steps=6):
-    with OffloadedLM.load(model=str(model_arg), policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(model=str(model_arg), policy=Placement(), progress=False) as lm:
         out = lm.generate([PROMPT], steps, stop_token_id=None, keep_logits=True)
         return lm, out
 
@@ -127,7 +127,7 @@ def test_a_turn_end_token_stops_generation(cache, tiny_qwen2):
     ends a sequence, not only the config's EOS: the token greedy decoding makes first is
     made a stop token, and generation ends right after it."""
     _, path = tiny_qwen2
-    with OffloadedLM.load(model=str(path), policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(model=str(path), policy=Placement(), progress=False) as lm:
         free = lm.generate([PROMPT], 5, stop_token_id=None).token_ids[0]
         assert free[0] != lm.cfg.eos_token_id
         lm.tokenizer.stop_token_ids.add(free[0])

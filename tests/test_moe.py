@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.kv import InfiniGenOptions
 
 STEPS = 6
@@ -40,15 +40,15 @@ FAMILIES = {
               dict(num_experts=8, intermediate_size=32, norm_topk_prob=False), ()),
 }
 PLACEMENTS = {
-    "all-on-device": Policy(),
-    "weights-and-cache-in-cpu-memory": Policy.from_percent([0, 100, 0, 100, 100, 0],
+    "all-on-device": Placement(),
+    "weights-and-cache-in-cpu-memory": Placement.from_percent([0, 100, 0, 100, 100, 0],
                                                            overlap=True),
-    "weights-on-disk": Policy.from_percent([0, 0, 100, 0, 100, 0]),
-    "mixed-with-disk-two-batches": Policy.from_percent([30, 40, 30, 40, 100, 0],
+    "weights-on-disk": Placement.from_percent([0, 0, 100, 0, 100, 0]),
+    "mixed-with-disk-two-batches": Placement.from_percent([30, 40, 30, 40, 100, 0],
                                                        num_gpu_batches=2, overlap=True),
     # hidden states kept off the device between stages: a decode step's MoE MLP reads every
     # GPU batch's back for the block's one pass and keeps each one's result apart again
-    "activations-offloaded-two-batches": Policy.from_percent([100, 0, 100, 0, 0, 100],
+    "activations-offloaded-two-batches": Placement.from_percent([100, 0, 100, 0, 0, 100],
                                                              num_gpu_batches=2),
 }
 KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
@@ -107,7 +107,7 @@ def test_matches_transformers(family, placement):
 
 def test_infinigen_keeping_everything_equals_full(family):
     name, _, store = family
-    full, _, _, _ = _run(store, Policy())
+    full, _, _, _ = _run(store, Placement())
     ours, report, _, _ = _run(store, PLACEMENTS["weights-and-cache-in-cpu-memory"],
                               "infinigen", {"options": KEEP_ALL})
     assert ours.token_ids == full.token_ids, name
@@ -179,7 +179,7 @@ def test_expert_bytes_equal_the_routers_choices(family, tier):
     name, ref, store = family
     prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
     percent = [0, 100, 0, 100, 100, 0] if tier == "cpu-memory" else [0, 0, 0, 100, 100, 0]
-    policy = Policy.from_percent(percent, num_gpu_batches=2, overlap=True)
+    policy = Placement.from_percent(percent, num_gpu_batches=2, overlap=True)
     out, _, moved, cfg = _run(store, policy, prompts=prompts)
     used = expert_reads(ref, prompts, out.token_ids, STEPS)
     per_expert = 3 * cfg.expert_intermediate_size * cfg.hidden_size * 4  # float32
@@ -204,7 +204,7 @@ def test_experts_multiplied_in_cpu_memory(family, on_device):
     expert in CPU memory, the block's rows and their routing there and the sum back."""
     name, ref, store = family
     prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
                                  expert_gpu_percent=on_device, expert_cpu_percent=100 - on_device,
                                  host_in_place=False, cpu_expert_compute=True)
     out, _, moved, cfg = _run(store, policy, prompts=prompts)
@@ -233,7 +233,7 @@ def test_packed_experts_multiplied_in_cpu_memory(family):
     _, _, store = family
     runs = []
     for on_host in (False, True):
-        policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+        policy = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                                      expert_cpu_percent=100, host_in_place=False,
                                      compress_weight=True, cpu_expert_compute=on_host)
         runs.append(_run(store, policy, steps=1)[2]["host->device"]["experts"])
@@ -254,13 +254,13 @@ def test_routing_profile_counts_and_places_the_most_read_experts(family, tmp_pat
     the fastest tier (here a quarter on the device, the rest on disk), with the same output;
     a profile of another model is one error before loading."""
     from flexgen_infinigen.config import ConfigError
-    from flexgen_infinigen.runtime import routing_profile
-    from flexgen_infinigen.runtime.expert_homes import expert_of
-    from flexgen_infinigen.runtime.tiers import DEVICE, DISK
+    from flexgen_infinigen.engine import routing_profile
+    from flexgen_infinigen.engine.expert_homes import expert_of
+    from flexgen_infinigen.memory.tiers import DEVICE, DISK
 
     name, ref, store = family
     prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
-    one_block = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2)
+    one_block = Placement.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2)
     with OffloadedLM.load(path=store, policy=one_block, progress=False) as lm:
         lm.engine.routing_counts = {}
         out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
@@ -270,7 +270,7 @@ def test_routing_profile_counts_and_places_the_most_read_experts(family, tmp_pat
     assert counts == expert_read_counts(ref, prompts, out.token_ids, STEPS)
     order = routing_profile.expert_order(profile, cfg)
     assert set(order) == set(_routers(ref))
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
                                  expert_gpu_percent=25, expert_cpu_percent=0)
     with OffloadedLM.load(path=store, policy=policy, progress=False,
                           expert_profile=str(profile)) as lm:
@@ -359,7 +359,7 @@ def test_refused_by_name(tmp_path):
                         "num_experts_per_tok": 3}, "x")
 
 
-EXPERTS_IN_CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+EXPERTS_IN_CPU_MEMORY = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                                             expert_cpu_percent=100)
 
 
@@ -368,10 +368,10 @@ EXPERTS_IN_CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu
 def test_experts_placed_apart(family, experts):
     """--experts-percent: the routed experts live where it says, everything else where
     --percent says (here on the device: nothing but experts moves); the same output."""
-    from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST
+    from flexgen_infinigen.memory.tiers import DEVICE, DISK, HOST
 
     name, ref, store = family
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=experts[0],
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=experts[0],
                                  expert_cpu_percent=experts[1])
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
@@ -406,7 +406,7 @@ def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypa
     from flexgen_infinigen.config import ConfigError
     from flexgen_infinigen.models import family_of
     from flexgen_infinigen.models.moe import is_expert_weight
-    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.engine import memory_plan
     from flexgen_infinigen.weights.hf_config import config_from_hf
     from flexgen_infinigen.weights.store import WeightStore
 
@@ -427,7 +427,7 @@ def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypa
     memory_plan.check_fit(memory_plan.plan(big, EXPERTS_IN_CPU_MEMORY, torch.float16, 512,
                                            64), have, gpu)
     with pytest.raises(ConfigError, match="experts-percent"):
-        memory_plan.check_fit(memory_plan.plan(big, Policy(), torch.float16, 512, 64), have,
+        memory_plan.check_fit(memory_plan.plan(big, Placement(), torch.float16, 512, 64), have,
                               gpu)
     # through the loader: refused before placing (this machine's memory made that small)
     monkeypatch.setattr(memory_plan, "available",
@@ -435,7 +435,7 @@ def test_memory_plan_places_experts_and_refuses_what_cannot_fit(family, monkeypa
                                         "disk": 1 << 40})
     monkeypatch.setattr(api, "place_weights", lambda *a, **k: pytest.fail("placed"))
     with pytest.raises(ConfigError, match="needs"):
-        OffloadedLM.load(path=store, policy=Policy(), progress=False)
+        OffloadedLM.load(path=store, policy=Placement(), progress=False)
 
 
 def test_cpu_plan_counts_expert_codes_as_read():
@@ -446,8 +446,8 @@ def test_cpu_plan_counts_expert_codes_as_read():
     tier are whole experts'."""
     from flexgen_infinigen.models import family_of
     from flexgen_infinigen.models.moe import is_expert_weight
-    from flexgen_infinigen.runtime import memory_plan
-    from flexgen_infinigen.runtime.compression import CodeLayout, stored_bytes
+    from flexgen_infinigen.engine import memory_plan
+    from flexgen_infinigen.memory.codes import CodeLayout, stored_bytes
     from flexgen_infinigen.weights.hf_config import config_from_hf
 
     big = config_from_hf(QWEN3_30B_A3B, "qwen3-30b-a3b")
@@ -459,7 +459,7 @@ def test_cpu_plan_counts_expert_codes_as_read():
     cpu = torch.device("cpu")
 
     def plan(gpu: int, host: int) -> dict:
-        policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=gpu,
+        policy = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=gpu,
                                      expert_cpu_percent=host)
         return memory_plan.plan(big, policy, torch.float32, 4096, 32, device=cpu,
                                 layouts=layouts)

@@ -17,7 +17,7 @@ import torch
 from conftest import hf_greedy
 from gguf_header import add_model_metadata
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kv import InfiniGenOptions
 
@@ -59,9 +59,9 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp"}
-CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+CPU_MEMORY = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                                  expert_cpu_percent=100)
-ON_DISK = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+ON_DISK = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                               expert_cpu_percent=0)
 KEEP_ALL = InfiniGenOptions(alpha=math.inf, max_kv_fraction=1.0, first_layer=1)
 
@@ -246,7 +246,7 @@ def test_expert_bytes_equal_the_routers_choices(family, fmt):
     name, built = family
     model, _, store = built[fmt]
     prompts = [p[:10] for p in PROMPTS]  # equal lengths: no padding tokens to route
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], num_gpu_batches=2,
                                  expert_gpu_percent=0, expert_cpu_percent=0)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         out = lm.generate(prompts, STEPS, stop_token_id=None, keep_logits=True)
@@ -270,14 +270,14 @@ def test_experts_placed_whole_across_tiers(family):
     plan's expert bytes per tier are what the loaded experts hold; experts on disk come to
     the CPU as their codes (multiplied as read, never expanded to floats); greedy tokens and
     logits equal transformers'."""
-    from flexgen_infinigen.runtime import memory_plan
-    from flexgen_infinigen.runtime.compression import PackedWeight
-    from flexgen_infinigen.runtime.expert_homes import expert_of
-    from flexgen_infinigen.runtime.tiers import DEVICE, DISK, HOST, TIERS
+    from flexgen_infinigen.engine import memory_plan
+    from flexgen_infinigen.memory.codes import PackedWeight
+    from flexgen_infinigen.engine.expert_homes import expert_of
+    from flexgen_infinigen.memory.tiers import DEVICE, DISK, HOST, TIERS
 
     name, built = family
     model, _, store = built["quantized"]
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=25,
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=25,
                                  expert_cpu_percent=50)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from conftest import portable_kernels
 from test_half_scales import _weights
 
-from flexgen_infinigen.runtime import cpu_kernels, cpu_layers, fused_moe
+from flexgen_infinigen.kernels import cpu_kernels, layers as cpu_layers
+from flexgen_infinigen.engine import fused_moe
 
 H, FF = 512, 256  # hidden and expert widths: whole K-quant blocks, unequal (a swapped shape fails)
 
@@ -163,7 +164,7 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
     import test_moe_gguf as moe_files
     from conftest import hf_greedy
 
-    from flexgen_infinigen import OffloadedLM, Policy
+    from flexgen_infinigen import OffloadedLM, Placement
     from flexgen_infinigen.models import moe
     from flexgen_infinigen.weights.gguf_convert import convert_gguf
 
@@ -190,7 +191,7 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
     monkeypatch.setattr(fused_moe.MoePlan, "__call__", counted_stage)
     prompts = moe_files.PROMPTS[:per_batch * batches]
     steps = moe_files.STEPS
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=per_batch,
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=per_batch,
                                  num_gpu_batches=batches, expert_gpu_percent=0,
                                  expert_cpu_percent=100)
 
@@ -215,7 +216,7 @@ def test_decode_matches_transformers(tmp_path, monkeypatch, per_batch, batches):
     moe_layers = model.config.num_hidden_layers - 1
     assert all(ok for ok, _ in taken + whole)
     # one call per MoE layer and decode step, with every sequence's token (the whole stage:
-    # runtime/fused_moe.py); the experts calls are prompt passes (a GPU batch's prompts,
+    # engine/fused_moe.py); the experts calls are prompt passes (a GPU batch's prompts,
     # padded to the longest: more rows)
     assert [rows for _, rows in whole] == [len(prompts)] * (moe_layers * (steps - 1))
     assert not [rows for _, rows in taken if rows <= len(prompts)]

@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError, get_config
 from flexgen_infinigen.planner import cost, workload
 from flexgen_infinigen.planner.auto import run_command, search
 from flexgen_infinigen.planner.hardware import BUILTIN
 from flexgen_infinigen.planner.workload import Sizes, Workload, expert_coverage
-from flexgen_infinigen.runtime import memory_plan
-from flexgen_infinigen.runtime.tiers import TIERS
+from flexgen_infinigen.engine import memory_plan
+from flexgen_infinigen.memory.tiers import TIERS
 
-EXPERTS_IN_CPU_MEMORY = Policy.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
+EXPERTS_IN_CPU_MEMORY = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                                             expert_cpu_percent=100, overlap=False)
 
 
@@ -130,8 +130,8 @@ def test_optimizer_places_experts_apart_and_plans_their_bytes():
     and writes --experts-percent into the command."""
     hw = BUILTIN["a6000-pcie3"].with_memory(gpu_gb=24, cpu_gb=200)
     work = Workload(QWEN3, 512, 16)
-    assert not cost.predict(work, Policy(), hw)["fits"]
-    best, plans = search(QWEN3, 512, 16, hw, Policy(), gpu_batch_size=1, num_gpu_batches=1,
+    assert not cost.predict(work, Placement(), hw)["fits"]
+    best, plans = search(QWEN3, 512, 16, hw, Placement(), gpu_batch_size=1, num_gpu_batches=1,
                          progress=False)
     pred = best.prediction
     assert pred["fits"] and pred["memory_bytes"]["device"] <= hw.gpu_mem
@@ -139,11 +139,11 @@ def test_optimizer_places_experts_apart_and_plans_their_bytes():
     sz = Sizes.of(work, best.policy)
     assert pred["experts"]["bytes_per_step"] == pytest.approx(48 * 8 * sz.expert_bytes)
     assert "--experts-percent" in run_command(best, "qwen3-30b-a3b", 512, 16, "full")
-    given = Policy(expert_gpu_percent=0, expert_cpu_percent=100)  # --experts-percent 0 100
+    given = Placement(expert_gpu_percent=0, expert_cpu_percent=100)  # --experts-percent 0 100
     kept, _ = search(QWEN3, 512, 16, hw, given, gpu_batch_size=1, num_gpu_batches=1,
                      progress=False)
     assert kept.experts_percent() == [0, 100] and kept.prediction["fits"]
-    block = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=4, num_gpu_batches=3,
+    block = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=4, num_gpu_batches=3,
                                 expert_gpu_percent=0, expert_cpu_percent=100)
     e = cost.predict(work, block, hw)["experts"]
     assert e["coverage_per_step"] == pytest.approx(128 * (1 - (1 - 8 / 128) ** 12))
@@ -156,9 +156,9 @@ def test_expert_bytes_count_toward_what_cannot_fit():
     before any search, with the memory that would fit."""
     hw = BUILTIN["a6000-pcie3"].with_memory(gpu_gb=8, cpu_gb=20, disk_gb=10)
     with pytest.raises(ConfigError, match="does not fit"):
-        search(QWEN3, 512, 16, hw, Policy(), gpu_batch_size=1, num_gpu_batches=1,
+        search(QWEN3, 512, 16, hw, Placement(), gpu_batch_size=1, num_gpu_batches=1,
                progress=False)
-    assert cost.predict(Workload(QWEN3, 512, 16), Policy.from_percent(
+    assert cost.predict(Workload(QWEN3, 512, 16), Placement.from_percent(
         [100, 0, 100, 0, 100, 0], expert_gpu_percent=0, expert_cpu_percent=0),
         BUILTIN["a6000-pcie3"].with_memory(disk_gb=70))["fits"]
 
@@ -184,7 +184,7 @@ def test_cpu_expert_compute_priced_against_fetching():
     on = dataclasses.replace(EXPERTS_IN_CPU_MEMORY, cpu_expert_compute=True)
     assert (cost.predict(work, on, hw)["decode_step_s"]
             < cost.predict(work, EXPERTS_IN_CPU_MEMORY, hw)["decode_step_s"])
-    given = Policy(expert_gpu_percent=0, expert_cpu_percent=100)
+    given = Placement(expert_gpu_percent=0, expert_cpu_percent=100)
     best, _ = search(QWEN3, 512, 16, hw, given, gpu_batch_size=1, num_gpu_batches=1,
                      progress=False)
     assert best.policy.cpu_expert_compute

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300],
            [2, 40, 41, 42],
@@ -15,20 +15,20 @@ PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300],
 STEPS = 12
 
 POLICIES = {
-    "all-on-device": Policy(),
-    "weights-on-cpu": Policy.from_percent([0, 100, 100, 0, 100, 0]),
-    "weights-on-disk": Policy.from_percent([0, 0, 100, 0, 100, 0]),
-    "cache-on-cpu": Policy.from_percent([100, 0, 0, 100, 100, 0]),
-    "cache-on-disk": Policy.from_percent([100, 0, 0, 0, 100, 0]),
-    "mixed-split": Policy.from_percent([30, 30, 20, 50, 50, 30]),
-    "mixed-no-overlap": Policy.from_percent([30, 30, 20, 50, 50, 30], overlap=False),
-    "no-sep-layer": Policy.from_percent([20, 40, 0, 100, 100, 0], sep_layer=False),
-    "cpu-cache-compute": Policy.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True),
-    "cpu-compute-disk-cache": Policy.from_percent([0, 100, 0, 60, 100, 0],
+    "all-on-device": Placement(),
+    "weights-on-cpu": Placement.from_percent([0, 100, 100, 0, 100, 0]),
+    "weights-on-disk": Placement.from_percent([0, 0, 100, 0, 100, 0]),
+    "cache-on-cpu": Placement.from_percent([100, 0, 0, 100, 100, 0]),
+    "cache-on-disk": Placement.from_percent([100, 0, 0, 0, 100, 0]),
+    "mixed-split": Placement.from_percent([30, 30, 20, 50, 50, 30]),
+    "mixed-no-overlap": Placement.from_percent([30, 30, 20, 50, 50, 30], overlap=False),
+    "no-sep-layer": Placement.from_percent([20, 40, 0, 100, 100, 0], sep_layer=False),
+    "cpu-cache-compute": Placement.from_percent([100, 0, 0, 100, 100, 0], cpu_cache_compute=True),
+    "cpu-compute-disk-cache": Placement.from_percent([0, 100, 0, 60, 100, 0],
                                                   cpu_cache_compute=True, overlap=False),
-    "activations-offloaded": Policy.from_percent([100, 0, 100, 0, 0, 50]),
-    "three-gpu-batches": Policy.from_percent([0, 100, 0, 100, 100, 0], num_gpu_batches=3),
-    "three-gpu-batches-no-overlap": Policy.from_percent([50, 50, 50, 50, 100, 0],
+    "activations-offloaded": Placement.from_percent([100, 0, 100, 0, 0, 50]),
+    "three-gpu-batches": Placement.from_percent([0, 100, 0, 100, 100, 0], num_gpu_batches=3),
+    "three-gpu-batches-no-overlap": Placement.from_percent([50, 50, 50, 50, 100, 0],
                                                         num_gpu_batches=3, overlap=False),
 }
 # the overlapped loop is off by default on a CPU-only machine: ask for it where not said
@@ -56,7 +56,7 @@ def test_matches_transformers(tiny_opt, references, name):
 def test_batch_of_different_lengths_equals_each_alone(tiny_opt, references):
     """Left padding and masks: every row of a mixed batch equals the prompt run alone."""
     _, store = tiny_opt
-    policy = Policy.from_percent([50, 50, 0, 100, 100, 0], gpu_batch_size=2, num_gpu_batches=2)
+    policy = Placement.from_percent([50, 50, 0, 100, 100, 0], gpu_batch_size=2, num_gpu_batches=2)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         # 3 prompts in a block of 4: the last block is padded, not refused
         out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
@@ -67,7 +67,7 @@ def test_batch_of_different_lengths_equals_each_alone(tiny_opt, references):
 
 def test_more_prompts_than_one_block(tiny_opt, references):
     _, store = tiny_opt
-    policy = Policy(gpu_batch_size=2)
+    policy = Placement(gpu_batch_size=2)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         out = lm.generate(PROMPTS * 2, STEPS, stop_token_id=None)
     assert out.token_ids == [r[0] for r in references] * 2
@@ -89,7 +89,7 @@ def test_stop_token_ends_a_row(tiny_opt, references):
 def test_fp16_close_to_fp32(tiny_opt, references):
     _, store = tiny_opt
     with OffloadedLM.load(path=store, dtype="bfloat16", progress=False,
-                          policy=Policy.from_percent([50, 50, 0, 100, 100, 0])) as lm:
+                          policy=Placement.from_percent([50, 50, 0, 100, 100, 0])) as lm:
         out = lm.generate([PROMPTS[0]], STEPS, stop_token_id=None, keep_logits=True)
     ref_logits = references[0][1]
     err = (out.logits[0] - ref_logits).abs().max().item()
@@ -100,7 +100,7 @@ def test_fp16_close_to_fp32(tiny_opt, references):
 def test_prefill_attention_in_query_chunks_matches_transformers(tiny_opt, references,
                                                                  monkeypatch):
     """Long prompts score attention a few query rows at a time; the output must not change."""
-    from flexgen_infinigen.runtime import attention
+    from flexgen_infinigen.kernels import attention
 
     _, store = tiny_opt
     # 3 query rows per chunk for these shapes (4 heads, 10 keys): every prompt is chunked

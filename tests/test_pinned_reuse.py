@@ -7,8 +7,8 @@ import gc
 
 import torch
 
-from flexgen_infinigen.runtime import tiers as tiers_module
-from flexgen_infinigen.runtime.tiers import EXACT_PIN_BYTES, Tiers
+from flexgen_infinigen.memory import tiers as tiers_module
+from flexgen_infinigen.memory.tiers import EXACT_PIN_BYTES, Tiers
 
 
 class FakeCudart:

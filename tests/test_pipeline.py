@@ -21,7 +21,7 @@ import torch
 from flexgen_infinigen import run
 from flexgen_infinigen.api import OffloadedLM
 from flexgen_infinigen.kv import make_kv_policy
-from flexgen_infinigen.policy import Policy
+from flexgen_infinigen.placement import Placement
 from flexgen_infinigen.sampling import SamplingConfig
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -95,7 +95,7 @@ def cases(smollm2_store, calibration, tmp_path_factory):
         m.update(percent=PERCENT, batch=2, gpu_batches=3, prompt_len=10, gen_len=4,
                  prompts=prompts(m["vocab"]), kv_policies=kvs, micro_batches=[1, 2, 3],
                  offload_dir=str(tmp_path_factory.mktemp("offload")))
-        policy = Policy.from_percent(PERCENT, gpu_batch_size=2, num_gpu_batches=3)
+        policy = Placement.from_percent(PERCENT, gpu_batch_size=2, num_gpu_batches=3)
         with OffloadedLM.load(m["model"], m["path"], m["dummy"], policy, device="cpu",
                               offload_dir=m["offload_dir"], progress=False) as lm:
             for kv in kvs:

@@ -12,9 +12,9 @@ from flexgen_infinigen.config import ConfigError, get_config
 from flexgen_infinigen.models import family_of
 from flexgen_infinigen.pipeline.partition import plan_slices, split_layers
 from flexgen_infinigen.planner.hardware import BUILTIN
-from flexgen_infinigen.policy import Policy
-from flexgen_infinigen.runtime import memory_plan
-from flexgen_infinigen.runtime.stages import LayerSlice, build_stages
+from flexgen_infinigen.placement import Placement
+from flexgen_infinigen.engine import memory_plan
+from flexgen_infinigen.engine.stages import LayerSlice, build_stages
 
 
 def brute_force(layers, stages, per_layer, embed, head) -> float:
@@ -54,7 +54,7 @@ def test_split_is_contiguous_and_as_balanced_as_any_split():
 
 def test_heavy_ends_take_layers_away_from_the_end_ranks():
     cfg = get_config("smollm2-135m")
-    parts = plan_slices(cfg, 3, Policy.from_percent([30, 70, 20, 80, 100, 0]), 40, 8, 4,
+    parts = plan_slices(cfg, 3, Placement.from_percent([30, 70, 20, 80, 100, 0]), 40, 8, 4,
                         BUILTIN["t4-pcie3"])
     sizes = [len(p.layers) for p in parts]
     assert sum(sizes) == cfg.num_layers and sizes[1] > max(sizes[0], sizes[2])
@@ -62,7 +62,7 @@ def test_heavy_ends_take_layers_away_from_the_end_ranks():
 
 def test_a_slower_machine_gets_fewer_layers():
     cfg = get_config("opt-1.3b")
-    policy = Policy.from_percent([0, 100, 0, 100, 100, 0])
+    policy = Placement.from_percent([0, 100, 0, 100, 100, 0])
     fast, slow = BUILTIN["a100-pcie4"], BUILTIN["t4-pcie3"]
     parts = plan_slices(cfg, 2, policy, 64, 16, 2, [slow, fast])
     assert len(parts[0].layers) < len(parts[1].layers)
@@ -85,7 +85,7 @@ def test_stages_cover_every_weight_once_except_the_tied_embedding():
 
 def test_each_rank_plans_its_own_weights_and_cache():
     cfg = get_config("opt-125m")
-    policy = Policy.from_percent([40, 30, 50, 50, 100, 0], num_gpu_batches=2)
+    policy = Placement.from_percent([40, 30, 50, 50, 100, 0], num_gpu_batches=2)
     whole = memory_plan.plan(cfg, policy, torch.float32, 64, 16)
     parts = split_layers(cfg.num_layers, 2)
     plans = [memory_plan.plan(cfg, policy, torch.float32, 64, 16, part=p) for p in parts]
@@ -111,7 +111,7 @@ def test_a_rank_that_rereads_weights_per_micro_batch_pays_for_it_and_plans_for_i
 
     cfg = dataclasses.replace(get_config("opt-30b"), num_layers=12)  # one rank's share
     hw = BUILTIN["t4-pcie3"]
-    policy = Policy.from_percent([20, 80, 0, 100, 100, 0], gpu_batch_size=8, num_gpu_batches=4)
+    policy = Placement.from_percent([20, 80, 0, 100, 100, 0], gpu_batch_size=8, num_gpu_batches=4)
     once, per_batch = (cost.predict(Workload(cfg, 256, 32, 2, weight_reads=r), policy, hw)
                        for r in (1, 4))
     offloaded = 0.8 * cost._weights_time(hw, Sizes.of(Workload(cfg, 256, 32, 2), policy))
@@ -121,7 +121,7 @@ def test_a_rank_that_rereads_weights_per_micro_batch_pays_for_it_and_plans_for_i
     # with the T4's 15.2 GB both plans are capped by memory (80% of the weights); with a
     # little more the single-read plan stops short of that, the rereading one does not
     roomy = dataclasses.replace(hw, gpu_mem=16e9)
-    plans = [search(cfg, 256, 32, roomy, Policy(), "full", None, 8, 4, 2, progress=False,
+    plans = [search(cfg, 256, 32, roomy, Placement(), "full", None, 8, 4, 2, progress=False,
                     weight_reads=r)[0] for r in (1, 4)]
     assert plans[1].policy.w_gpu_percent > plans[0].policy.w_gpu_percent
     assert plans[1].prediction["decode_step_s"] >= plans[0].prediction["decode_step_s"]

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError, get_config
 from flexgen_infinigen.planner import cost, lp, workload
 from flexgen_infinigen.planner.cost import predict
@@ -45,7 +45,7 @@ def cpu_profile(mem_gb: float = 20.0) -> HardwareProfile:
 def test_predicted_traffic_equals_the_ledger(tiny_opt, percent):
     _, store = tiny_opt
     steps, prompt = 6, [2, 11, 12, 13, 14, 15, 16, 17]
-    policy = Policy.from_percent(percent, overlap=False)
+    policy = Placement.from_percent(percent, overlap=False)
     with OffloadedLM.load(path=store, policy=policy, progress=False) as lm:
         lm.generate([prompt], steps, stop_token_id=None)
         moved = {link: sum(kinds.values()) for link, kinds in lm.tiers.bytes_moved.items()}
@@ -68,7 +68,7 @@ def test_predicted_traffic_equals_the_ledger(tiny_opt, percent):
 
 
 # ---- monotonicity -----------------------------------------------------------------------------
-POLICIES = [Policy.from_percent(p, gpu_batch_size=b) for p, b in [
+POLICIES = [Placement.from_percent(p, gpu_batch_size=b) for p, b in [
     ([100, 0, 100, 0, 100, 0], 4), ([0, 100, 0, 100, 100, 0], 8), ([50, 30, 0, 60, 100, 0], 16),
     ([20, 80, 0, 100, 0, 100], 32)]]
 
@@ -90,7 +90,7 @@ def test_more_bandwidth_never_predicts_slower(policy, rate):
 
 @pytest.mark.parametrize("kv", ["infinigen", "h2o"])
 def test_smaller_fetch_fraction_never_predicts_more_kv_traffic(kv):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=8)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=8)
     hw = unit_profile()
     traffic = []
     for fraction in (1.0, 0.5, 0.2, 0.1, 0.05):
@@ -112,7 +112,7 @@ def _objective(work, policy, hw, x):
 def test_lp_is_not_beaten_by_a_grid_and_respects_memory():
     cfg = get_config("opt-6.7b")
     work = Workload(cfg, 512, 32, 2)
-    policy = Policy(gpu_batch_size=8, overlap=False)
+    policy = Placement(gpu_batch_size=8, overlap=False)
     hw = dataclasses.replace(A6000, copies_overlap_compute=False, gpu_mem=10 * GB,
                              cpu_mem=12 * GB, disk_mem=100 * GB)
     frac = lp.solve_placement(work, policy, hw)
@@ -138,7 +138,7 @@ def test_lp_is_not_beaten_by_a_grid_and_respects_memory():
 
 @pytest.mark.parametrize("limits", [(10, 12, 100), (24, 64, 0), (6, 200, 0), (12, 8, 60)])
 def test_optimizer_pick_passes_the_runtime_memory_plan(limits):
-    from flexgen_infinigen.runtime import memory_plan
+    from flexgen_infinigen.engine import memory_plan
 
     gpu, cpu, disk = limits
     hw = A6000.with_memory(gpu, cpu, disk)
@@ -156,7 +156,7 @@ def test_optimizer_pick_passes_the_runtime_memory_plan(limits):
 def test_infeasible_request_names_the_memory_that_would_fit():
     hw = BUILTIN["t4-pcie3"].with_memory(disk_gb=100)
     work = Workload(get_config("opt-175b"), 512, 32, 2)
-    total, _ = lp.smallest_need(work, Policy())
+    total, _ = lp.smallest_need(work, Placement())
     with pytest.raises(ConfigError) as e:
         lp.optimize(work, hw)
     msg = str(e.value)
@@ -180,7 +180,7 @@ def test_paper_setting_full_and_infinigen_choose_differently():
         picks[kv] = (best.percent(), best.policy.cpu_cache_compute)
         assert best.prediction["fits"]
     assert picks["full"] != picks["infinigen"]
-    paper = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=20)
+    paper = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=20)
     full = predict(Workload(cfg, 1920, 128, 2), paper, A6000)
     ig = predict(Workload(cfg, 1920, 128, 2, "infinigen", 0.2), paper, A6000)
     assert ig["decode_step_s"] < full["decode_step_s"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kv import make_kv_policy
-from flexgen_infinigen.runtime.prefill_cache import PrefillCache
+from flexgen_infinigen.engine.prefill_cache import PrefillCache
 
 PROMPTS = [[1, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 3, 9],
            [1, 40, 41, 42, 43, 44, 45, 46, 400, 2, 77],
@@ -25,7 +25,7 @@ POLICIES = [("full", {}, False), ("full", {}, True),
 
 
 def _load(store, compress=False, batch=2):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
                                  num_gpu_batches=2, compress_cache=compress)
     return OffloadedLM.load(path=store, policy=policy, progress=False)
 
@@ -78,7 +78,7 @@ def test_the_key_is_everything_the_prefill_depends_on(tiny_llama, tiny_opt, tmp_
 def test_an_interrupted_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     """A prefill is written layer by layer to a temporary name: stopped half way (Ctrl-C while
     the third tensor is read back), nothing is left that a later run could find."""
-    from flexgen_infinigen.runtime.prefill_cache import Prefilled
+    from flexgen_infinigen.engine.prefill_cache import Prefilled
 
     _, store = tiny_llama
     cache = PrefillCache(tmp_path)
@@ -103,7 +103,7 @@ def test_a_kept_prefill_copies_nothing_while_the_block_runs(smollm2_store):
     """Kept from exact caches, a prefill holds functions that read each layer back when it
     is written (no copy of the whole prompt's keys and values beside the cache); a 4-bit
     cache is not exact, so its prompt's own keys and values are kept."""
-    from flexgen_infinigen.runtime.prefill_cache import Prefilled
+    from flexgen_infinigen.engine.prefill_cache import Prefilled
 
     seen = []
     real_put = PrefillCache.put

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 
 FILLER = ("The hills were quiet and the river ran slowly past the mill. Nothing much happened "
           "in the village that day. ")
@@ -25,7 +25,7 @@ def _prompt(key: str, repeats: int, where: float) -> str:
 
 
 def _answers(store, kv_policy: str, prompts: list[str], steps: int):
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts))
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=len(prompts))
     with OffloadedLM.load(path=store, policy=policy, kv_policy=kv_policy,
                           progress=False) as lm:
         ids = [lm.tokenizer.encode(p) for p in prompts]

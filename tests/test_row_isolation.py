@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.cli import request_checks as checks
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.sampling import Sampler, SamplingConfig
@@ -88,7 +88,7 @@ class _Loop:
 
 @pytest.fixture(scope="module")
 def engine_lm(smollm2_store):
-    policy = Policy(gpu_batch_size=2, num_gpu_batches=2)
+    policy = Placement(gpu_batch_size=2, num_gpu_batches=2)
     with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
         yield lm
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
-from flexgen_infinigen.runtime import memory_plan
-from flexgen_infinigen.runtime.attention import attend, attend_rows
+from flexgen_infinigen import OffloadedLM, Placement
+from flexgen_infinigen.engine import memory_plan
+from flexgen_infinigen.kernels.attention import attend, attend_rows
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 40] * 3, [9, 8, 7, 6, 5, 4, 3] * 4]
 STEPS = 6
@@ -21,7 +21,7 @@ CACHE_ON_HOST = [100, 0, 0, 100, 100, 0]
 def _load(store, percent=CACHE_ON_HOST, kv="full", kv_options=None, **policy):
     policy.setdefault("overlap", True)
     return OffloadedLM.load(path=store, dtype="float32", kv_policy=kv, kv_options=kv_options,
-                            policy=Policy.from_percent(percent, **policy), progress=False)
+                            policy=Placement.from_percent(percent, **policy), progress=False)
 
 
 class _Patched:
@@ -40,7 +40,8 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv, fused, monkeypatch
     """InfiniGen's load lane waits for a speculation: when compute fails it must not wait
     (it used to wait 600 s); the error itself reaches the caller, from the per-operation
     path's MLP or from the fused decode call."""
-    from flexgen_infinigen.runtime import fused_decode
+    from flexgen_infinigen.engine import stage_plan as fused_decode
+    from flexgen_infinigen.kernels.layer_call import LayerCall
 
     monkeypatch.setenv(fused_decode.ENV, "1" if fused else "0")
     _, store = tiny_llama
@@ -55,12 +56,12 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv, fused, monkeypatch
             raise MemoryError("simulated out of memory")
         return family.mlp(cfg, w, h)
 
-    real_call = fused_decode.LayerPlan._call
+    real_call = LayerCall.run
 
     def failing_call(self, mode):  # the fused path's first decode step
         raise MemoryError("simulated out of memory")
 
-    monkeypatch.setattr(fused_decode.LayerPlan, "_call", failing_call if fused else real_call)
+    monkeypatch.setattr(LayerCall, "run", failing_call if fused else real_call)
     lm.engine.family = _Patched(family, mlp=failing_mlp)
     outcome = {}
 
@@ -76,7 +77,7 @@ def test_an_error_mid_decode_surfaces_quickly(tiny_llama, kv, fused, monkeypatch
     assert not worker.is_alive(), "generation hung after an error in compute"
     assert "simulated" in str(outcome.get("error"))
     lm.engine.family = family  # the engine still works afterwards
-    monkeypatch.setattr(fused_decode.LayerPlan, "_call", real_call)
+    monkeypatch.setattr(LayerCall, "run", real_call)
     assert len(lm.generate([PROMPTS[0]], 2, stop_token_id=None).token_ids[0]) == 2
     lm.close()
 
@@ -95,7 +96,7 @@ def test_host_syncs_per_decode_step(tiny_llama, kv, percent, batches, per_layer,
     pool's eviction)."""
     _, store = tiny_llama
     if kv == "infinigen-host-gather":  # the fallback: rows gathered on the host
-        from flexgen_infinigen.runtime import mapped_rows
+        from flexgen_infinigen.memory import mapped_rows
         monkeypatch.setenv(mapped_rows.ENV, "0")
         kv = "infinigen"
     opts = {"kv_pool_capacity": 0.5} if kv == "infinigen" else None
@@ -116,7 +117,7 @@ def test_offloaded_activations_reuse_one_buffer_per_batch_and_shape(tiny_opt, tm
     _, store = tiny_opt
     outs = []
     for percent in ([100, 0, 100, 0, 100, 0], [100, 0, 100, 0, 0, 0]):
-        policy = Policy.from_percent(percent, gpu_batch_size=2, num_gpu_batches=2)
+        policy = Placement.from_percent(percent, gpu_batch_size=2, num_gpu_batches=2)
         with OffloadedLM.load(path=store, dtype="float32", policy=policy, progress=False,
                               offload_dir=str(tmp_path)) as lm:
             outs.append(lm.generate(PROMPTS * 2, STEPS, stop_token_id=None, keep_logits=True))
@@ -170,7 +171,7 @@ def test_device_plan_counts_the_unpacked_speculation_keys(tiny_llama, monkeypatc
     """Without the compiled kernel (no C compiler, or a GPU) 4-bit speculation keys are
     scored one code slot at a time, each slot's codes expanded in the runtime dtype; the
     plan's term bounds all slots together at the longest context."""
-    from flexgen_infinigen.kv import spec_keys
+    from flexgen_infinigen.kv.infinigen import spec_keys
 
     monkeypatch.setattr(spec_keys, "score_packed", lambda *a: None)  # the torch path
     monkeypatch.setattr(spec_keys, "speculate_mass", lambda *a: None)
@@ -191,7 +192,7 @@ def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama, monke
     of expanded weights, only the largest matrix a prefill product expands, and InfiniGen's
     rehearsal shares the layer's packed W_Q (no float copy); elsewhere (device unknown, as
     for the optimizer) it still counts two stages and the copy."""
-    from flexgen_infinigen.runtime.compression import PackedWeight
+    from flexgen_infinigen.memory.codes import PackedWeight
 
     _, store = tiny_llama
     b, prompt, gen = 2, 40, 8
@@ -212,7 +213,7 @@ def test_plan_of_4bit_weights_on_a_cpu_counts_what_is_expanded(tiny_llama, monke
     assert unknown["kv_policy_device"]["speculation_weights"] == \
         (cfg.num_layers - 2) * cfg.q_dim * cfg.hidden_size * 4
     widest = max(cfg.intermediate_size * cfg.hidden_size, cfg.q_dim * cfg.hidden_size) * 4
-    from flexgen_infinigen.runtime import cpu_kernels
+    from flexgen_infinigen.kernels import cpu_kernels
 
     if cpu_kernels.library() is not None and \
             torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
@@ -243,7 +244,7 @@ def test_device_plan_counts_attention_and_mlp_together_without_sep_layer(tiny_ll
     _, store = tiny_llama
     with _load(store) as lm:
         cfg = lm.cfg
-    plans = [memory_plan.plan(cfg, Policy.from_percent([0, 100, 100, 0, 100, 0], sep_layer=sep),
+    plans = [memory_plan.plan(cfg, Placement.from_percent([0, 100, 100, 0, 100, 0], sep_layer=sep),
                               torch.float16, 64, 8) for sep in (True, False)]
     h, kv_dim = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     attn = (2 * h * h + 2 * h * kv_dim + h) * 2  # q, o, k, v and the norm, in fp16
@@ -252,7 +253,7 @@ def test_device_plan_counts_attention_and_mlp_together_without_sep_layer(tiny_ll
     # two stages in flight, each now attention and MLP together
     assert plans[1]["working_set_device"] - plans[0]["working_set_device"] == 2 * attn
     # weights all on the device are read where they are: no stage in flight
-    resident = [memory_plan.plan(cfg, Policy(sep_layer=sep), torch.float16, 64, 8)
+    resident = [memory_plan.plan(cfg, Placement(sep_layer=sep), torch.float16, 64, 8)
                 for sep in (True, False)]
     assert resident[0]["working_set_device"] == resident[1]["working_set_device"]
     assert plans[0]["working_set_device"] - resident[0]["working_set_device"] == 2 * mlp

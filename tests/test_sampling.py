@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy, SamplingConfig
+from flexgen_infinigen import OffloadedLM, Placement, SamplingConfig
 from flexgen_infinigen.sampling import Sampler
 
 
@@ -26,7 +26,7 @@ def test_greedy_equals_argmax():
 
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_opt):
-    policy = Policy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=2, num_gpu_batches=2)
+    policy = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=2, num_gpu_batches=2)
     with OffloadedLM.load(path=str(tiny_opt[1]), policy=policy, progress=False) as lm:
         yield lm
 

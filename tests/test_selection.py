@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen.kv.selection import Budget, select
+from flexgen_infinigen.kv.selection_rules import Budget, select
 
 # one KV head whose group has two query heads, six cached tokens:
 # head 0 likes tokens 0, 2, 3 (close together); head 1 likes token 1 strongly, then token 4
@@ -82,8 +82,8 @@ def test_fetch_moves_exactly_the_selected_rows(tmp_path):
     the ledger counts one row per selected (token, head) pair."""
     from flexgen_infinigen.kv.base import CacheSpec
     from flexgen_infinigen.kv.full import FullCache
-    from flexgen_infinigen.kv.selective import fetch_selected
-    from flexgen_infinigen.runtime.tiers import Tiers
+    from flexgen_infinigen.kv.chosen_rows import fetch_selected
+    from flexgen_infinigen.memory.tiers import Tiers
 
     tiers = Tiers(torch.device("cpu"), str(tmp_path))
     b, kv, d, max_len = 2, 3, 4, 10
@@ -118,8 +118,8 @@ def test_fetch_moves_exactly_the_selected_rows(tmp_path):
 def test_speculation_keys_score_like_their_dequantized_keys(kind, width):
     """Scores from packed codes equal q . (codes * scale + min), and every dequantized value
     is within half a quantization step of the key written."""
-    from flexgen_infinigen.kv.spec_keys import KINDS, SpeculationKeys
-    from flexgen_infinigen.runtime.tiers import Tiers
+    from flexgen_infinigen.kv.infinigen.spec_keys import KINDS, SpeculationKeys
+    from flexgen_infinigen.memory.tiers import Tiers
 
     torch.manual_seed(0)
     keys = SpeculationKeys(kind, 50, 6, width, torch.float32, Tiers(torch.device("cpu")))
@@ -144,7 +144,7 @@ def test_default_budget_reads_a_share_with_a_floor_in_rows():
     counts (``fetch_fraction`` at a context)."""
     from flexgen_infinigen.config import get_config
     from flexgen_infinigen.kv import InfiniGenOptions
-    from flexgen_infinigen.kv.infinigen import InfiniGenPolicy
+    from flexgen_infinigen.kv.infinigen.policy import InfiniGenPolicy
 
     n = torch.tensor([100, 1000, 6400, 32000])
     caps = InfiniGenOptions().budget.caps(n).tolist()

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from flexgen_infinigen import OffloadedLM, Policy  # noqa: E402
+from flexgen_infinigen import OffloadedLM, Placement  # noqa: E402
 from flexgen_infinigen.sampling import SamplingConfig  # noqa: E402
 from flexgen_infinigen.text.chat import chat_prompt_ids, store_template  # noqa: E402
 from flexgen_infinigen.text.incremental import TextStream  # noqa: E402
@@ -87,7 +87,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def lm(smollm2_store):
-    with OffloadedLM.load(path=smollm2_store, policy=Policy(), progress=False) as lm:
+    with OffloadedLM.load(path=smollm2_store, policy=Placement(), progress=False) as lm:
         yield lm
 
 

@@ -1,6 +1,6 @@
-"""Page summaries for InfiniGen's speculation (kv/spec_pages.py): the bounds hold for every key
-of a page, padding widens no page, the compiled selection equals the torch one, and a run
-that keeps every page equals the full cache."""
+"""Page summaries for InfiniGen's speculation (kv/infinigen/spec_pages.py): the bounds hold
+for every key of a page, padding widens no page, the compiled selection equals the torch one,
+and a run that keeps every page equals the full cache."""
 from __future__ import annotations
 
 import math
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.kv import InfiniGenOptions
-from flexgen_infinigen.kv.spec_pages import SpeculationPages
-from flexgen_infinigen.runtime import cpu_kernels
-from flexgen_infinigen.runtime.tiers import Tiers
+from flexgen_infinigen.kv.infinigen.spec_pages import SpeculationPages
+from flexgen_infinigen.kernels import cpu_kernels
+from flexgen_infinigen.memory.tiers import Tiers
 
 
 def _pages(length=700, b=2, kv=3, w=64, pad=40, written_in=(300, 1, 399)):
@@ -67,7 +67,7 @@ def test_the_compiled_page_selection_chooses_what_torch_chooses(cap):
 
 def test_keeping_every_page_equals_the_full_cache(tiny_llama):
     prompts = [[1] + list(range(7, 90)), [1] + list(range(100, 140))]
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2)
     outs = []
     for kv, options in (("full", None), ("infinigen", {"options": InfiniGenOptions(
             speculation_keys="pages16", max_kv_fraction=1.0, alpha=math.inf,
@@ -82,7 +82,7 @@ def test_keeping_every_page_equals_the_full_cache(tiny_llama):
 
 def test_pages_select_and_read_fewer_rows(tiny_llama):
     prompts = [[1] + list(range(7, 200))]
-    policy = Policy.from_percent([100, 0, 0, 100, 100, 0])
+    policy = Placement.from_percent([100, 0, 0, 100, 100, 0])
     options = InfiniGenOptions(speculation_keys="pages16", max_kv_fraction=0.25, min_num_kv=4,
                                first_layer=1)
     with OffloadedLM.load(path=tiny_llama[1], policy=policy, kv_policy="infinigen",

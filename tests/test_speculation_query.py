@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from flexgen_infinigen import OffloadedLM, Policy
+from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kv import InfiniGenOptions
 
 PROMPTS = [[2, 5, 17, 99, 45, 8, 200, 31, 7, 300, 12, 13, 14, 15, 16, 17],
            [2, 40, 41, 42, 43, 44, 45, 46]]
-CPU_CACHE = Policy.from_percent([100, 0, 0, 100, 100, 0])
+CPU_CACHE = Placement.from_percent([100, 0, 0, 100, 100, 0])
 
 
 def _uneven_norms(model, bias: bool) -> None:
@@ -118,7 +118,7 @@ def test_keeping_everything_equals_full(stores, family, query):
         assert (a - b).abs().max().item() < 1e-4
 
 
-DISK_CACHE = Policy.from_percent([100, 0, 0, 0, 100, 0])
+DISK_CACHE = Placement.from_percent([100, 0, 0, 0, 100, 0])
 
 
 @pytest.mark.parametrize("family,policy,want", [
@@ -149,7 +149,7 @@ def test_bad_speculation_query():
 def test_renorm_refused_where_a_norm_zeroes_a_channel(stores, monkeypatch):
     """A zero in layer i's norm weight loses that channel of its attention input: refused
     with one line naming the option, not a division by zero."""
-    from flexgen_infinigen.infinigen import rehearsal as module
+    from flexgen_infinigen.kv.infinigen import rehearsal as module
 
     real = module.Rehearsal._renorm
 
@@ -170,7 +170,8 @@ def test_renorm_in_the_fused_call_equals_per_operation(stores, monkeypatch):
     """The fused decode call renorms the rehearsal's input itself (``decode_select.c``):
     the same tokens, rows and logits as the per-operation path, with the next layer's
     speculation inside the call."""
-    from flexgen_infinigen.runtime import cpu_kernels, fused_select
+    from flexgen_infinigen.kernels import cpu_kernels
+    from flexgen_infinigen.kv.infinigen import fused_select
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler for the kernels")
     import test_fused_select as fs
@@ -205,7 +206,7 @@ def test_own_query_refused_off_the_cpu_cache(stores):
     """A cache on disk is not read in place: ``own`` (which fetches nothing ahead) is
     refused by name when the caches are made, before any decode step."""
     with pytest.raises(ConfigError, match="--speculation-query own"):
-        with OffloadedLM.load(path=stores["llama"], policy=Policy.from_percent(
+        with OffloadedLM.load(path=stores["llama"], policy=Placement.from_percent(
                 [100, 0, 0, 0, 100, 0]), kv_policy="infinigen",
                 kv_options={"speculation_query": "own", "first_layer": 1},
                 progress=False) as lm:
@@ -218,7 +219,8 @@ def test_own_query_in_the_fused_call_equals_per_operation(stores, monkeypatch, f
     DL_OWN) before it attends: the same tokens, rows and logits as the per-operation path's
     choice in ``InfiniGenCache.attend``; with q/k norms too (Qwen3), which the rehearsal's
     query in the call does not take."""
-    from flexgen_infinigen.runtime import cpu_kernels, fused_select
+    from flexgen_infinigen.kernels import cpu_kernels
+    from flexgen_infinigen.kv.infinigen import fused_select
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler for the kernels")
     import test_fused_select as fs

@@ -22,7 +22,8 @@ import torch
 from test_half_scales import _weights
 from test_moe_kernel import _routing
 
-from flexgen_infinigen.runtime import compression, cpu_kernels, cpu_layers
+from flexgen_infinigen.memory import codes as compression
+from flexgen_infinigen.kernels import cpu_kernels, layers as cpu_layers
 
 
 def _has_vnni() -> bool:
@@ -43,7 +44,7 @@ def builds(tmp_path_factory):
     if not _has_vnni():
         pytest.skip("this CPU has no VNNI: the runtime's build is the AVX2 one already")
     cc = shutil.which("gcc") or shutil.which("cc")
-    folder = Path(cpu_kernels.__file__).with_name("kernels")
+    folder = Path(cpu_kernels.__file__).with_name("c")
     libs = {}
     for name, extra in (("vnni", []), ("avx2", ["-mno-avx512vnni", "-mno-avxvnni"])):
         out = tmp_path_factory.mktemp(name) / "kernels.so"

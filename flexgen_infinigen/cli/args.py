@@ -1,18 +1,18 @@
 """The flags every command shares (model, placement and schedule, KV policy) and what they
-turn into: a :class:`~..policy.Policy` (or the optimizer's, with ``auto``) and the checks that
+turn into: a :class:`~..placement.Placement` (or the optimizer's, with ``auto``) and the checks that
 need no weights; plus the ``--json FILE`` writer. Below the commands, above the runtime."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 
+from ..switches import HF_HUB_OFFLINE
 from ..config import DEFAULT_MODEL, ConfigError
 from ..flags import int_or_auto, str2bool
 from ..kv import add_kv_args, kv_policy_from_args
-from ..policy import Policy
-from ..runtime.offload_dir import offload_root
+from ..placement import Placement
+from ..memory.offload_dir import offload_root
 from ..sampling import SamplingConfig
 from .request_checks import SEED_MAX, SEED_MIN
 
@@ -108,7 +108,7 @@ class _Offline(argparse.Action):
     name is served from the cache, with no request."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        os.environ["HF_HUB_OFFLINE"] = "1"
+        HF_HUB_OFFLINE.set("1")
         setattr(namespace, self.dest, True)
 
 
@@ -144,7 +144,7 @@ def wants_plan(a) -> bool:
 
 
 def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
-                     weight_reads: int = 1) -> tuple[Policy, dict | None]:
+                     weight_reads: int = 1) -> tuple[Placement, dict | None]:
     """(policy, plan): the policy the flags give, or with ``auto`` anywhere the optimizer's
     choice for ``cfg`` at ``lengths`` = (prompt, generated) tokens and its prediction
     (``weight_reads``: see :func:`~.planner.auto.search`)."""
@@ -156,7 +156,7 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
                     prefill_chunk=a.prefill_chunk, host_in_place=a.host_in_place,
                     **expert_percent(a))
     if not wants_plan(a):
-        return Policy.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
+        return Placement.from_percent(percent, gpu_batch_size=a.gpu_batch_size,
                                    num_gpu_batches=1 if a.num_gpu_batches is None
                                    else a.num_gpu_batches, **switches), None
     if cfg is None or lengths is None:
@@ -164,7 +164,7 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
                           "`run`, or use `python -m flexgen_infinigen.optimize`")
     from ..kv import policy_class
     from ..planner.auto import check_possible, profile_for, search, summary
-    from ..runtime.loading import resolve_device, resolve_dtype
+    from ..engine.loading import resolve_device, resolve_dtype
 
     policy_class(a.kv_policy, plannable=True)  # before a minute of profiling
 
@@ -176,9 +176,9 @@ def policy_from_args(a, cfg=None, lengths: tuple[int, int] | None = None,
         check_possible(cfg, *lengths, item, a.offload_dir)
     hw = profile_for(a.hw, offload_dir=a.offload_dir)
     fraction = kv_policy_from_args(a).kv_fraction
-    base = Policy(**switches)
+    base = Placement(**switches)
     if percent is not None:
-        base = Policy.from_percent(percent, **switches)
+        base = Placement.from_percent(percent, **switches)
     best, _ = search(cfg, *lengths, hw, base, a.kv_policy, fraction, b, n, item,
                      fixed_placement=percent is not None, weight_reads=weight_reads)
     experts = best.experts_percent()
@@ -196,7 +196,7 @@ def check_policy_args(a) -> None:
     """Placement checks that need no weights (every command with policy flags runs them)."""
     parse_percent(a.percent)
     if expert_percent(a):
-        Policy(**expert_percent(a)).validate()
+        Placement(**expert_percent(a)).validate()
     if a.offload_dir:
         offload_root(a.offload_dir)  # created, and checked writable, before any loading
     kv_policy_from_args(a).check_placement(a.cpu_cache_compute)

@@ -12,10 +12,10 @@ from ..api import Generation, OffloadedLM
 from ..models import family_of
 from ..planner.hardware import HardwareProfile
 from ..planner.measure import saved_profile
-from ..runtime import memory_plan
-from ..runtime.compression import can_compress
-from ..runtime.stages import LayerSlice
-from ..runtime.tiers import DEVICE, DISK, HOST, LINKS, Tiers
+from ..engine import memory_plan
+from ..memory.codes import can_compress
+from ..engine.stages import LayerSlice
+from ..memory.tiers import DEVICE, DISK, HOST, LINKS, Tiers
 from .weight_formats import weight_formats
 
 GB = 1e9

@@ -12,9 +12,10 @@ from ..config import ConfigError
 from .base import CacheSpec, DecodeWork, KVCache, KVPolicy
 from .full import FullPolicy
 from .h2o import H2OPolicy
-from .infinigen import InfiniGenPolicy
+from .infinigen.policy import InfiniGenPolicy
 from .kivi import KiviPolicy
-from .options import InfiniGenOptions, SelectionOptions
+from .infinigen.options import InfiniGenOptions
+from .options import SelectionOptions
 from .oracle import OraclePolicy
 
 POLICIES: dict[str, type[KVPolicy]] = {

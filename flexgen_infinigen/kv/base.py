@@ -10,10 +10,15 @@ One :class:`KVCache` holds the keys and values of one layer for one GPU batch. I
 tensors only, never the engine. A decode step drives it in three calls, which the
 overlapped schedule may run on different lanes:
 
-* ``load(length)``: bring to the compute device what decode attention will read
-  (issued one schedule step ahead, overlapped with other compute);
+* ``load(length) -> Loaded``: bring to the compute device what decode attention will read
+  (issued one schedule step ahead, overlapped with other compute); the :class:`Loaded` says
+  how the rows were read (:class:`Read`) and holds the tensors;
 * ``attend(loaded, q, k_new, v_new, valid, bias)``: attention of the new token;
 * ``store_token(k_new, v_new, position)``: keep the new token's key and value.
+
+A cache may also offer its part of a fused decode layer (``fused_attention``): attention
+inside the layer's one compiled call (:mod:`..kernels.layer_call`). The engine asks every
+cache the same question and never asks which class it holds.
 
 ``store_prompt(q, k, v, valid)`` keeps the prompt's keys and values after prefill, and
 ``speculate(x, pos_enc, valid, visible)`` (InfiniGen) receives the previous layer's attention input
@@ -27,12 +32,21 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config import ConfigError
-from ..runtime.tiers import Tiers
+from ..config import ConfigError, ModelConfig
+from ..memory.split_tensor import SplitTensor
+from ..memory.tiers import Tiers
+from ..placement import Placement
+
+if TYPE_CHECKING:
+    from ..kernels.layer_call import LayerCall, StepState
 
 
 @dataclass(frozen=True)
@@ -69,16 +83,82 @@ class DecodeWork:
     overhead: str | None = None  # per layer: the profile's measured fixed cost of this name
 
 
+class Read(Enum):
+    """How a decode step's ``load`` read the rows attention will use (the status of a
+    :class:`Loaded`, as llama.cpp's memory context carries one)."""
+
+    LATER = "later"  # nothing ahead: attention reads every visible row itself
+    ROWS = "rows"  # every visible row brought: k, v
+    CHOSEN = "chosen"  # the chosen rows brought: k, v, counts, order
+    CHOSEN_IN_PLACE = "chosen in place"  # the chosen rows, read where they are: counts, order
+    CHOSEN_PACKED = "chosen packed"  # the chosen rows, as 4-bit codes where they are
+    CHOOSE_WHEN_ATTENDING = "choose when attending"  # the layer chooses with its own query
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What ``load`` gave ``attend``: how the rows were read, then the tensors that way has.
+
+    ``k``, ``v``: rows ``[t + 1, b * KV, d]`` (the last row is left for the new token);
+    ``counts`` ``[b, KV]``: rows each KV head uses; ``order`` ``[b, KV, n]``: their
+    positions, ranked."""
+
+    read: Read
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    @classmethod
+    def later(cls) -> "Loaded":
+        return _LATER
+
+    @classmethod
+    def rows(cls, kv: tuple[torch.Tensor, torch.Tensor]) -> "Loaded":
+        return cls(Read.ROWS, kv[0], kv[1])
+
+    @classmethod
+    def chosen(cls, k, v, counts, order) -> "Loaded":
+        return cls(Read.CHOSEN, k, v, counts, order)
+
+    @classmethod
+    def chosen_in_place(cls, counts, order) -> "Loaded":
+        return cls(Read.CHOSEN_IN_PLACE, counts=counts, order=order)
+
+    @classmethod
+    def chosen_packed(cls, counts, order) -> "Loaded":
+        return cls(Read.CHOSEN_PACKED, counts=counts, order=order)
+
+    @classmethod
+    def choose_when_attending(cls) -> "Loaded":
+        return _CHOOSE
+
+
+_LATER = Loaded(Read.LATER)
+_CHOOSE = Loaded(Read.CHOOSE_WHEN_ATTENDING)
+
+
+class FusedAttention(Protocol):
+    """A cache's part of a fused decode layer (see ``KVCache.fused_attention``)."""
+
+    def layer(self, h: torch.Tensor, state: "StepState",
+              loaded: Loaded) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+        """The whole layer in the call: ``(output, x)``, ``x`` the attention input when the
+        engine must still speculate for the next layer from it (else None); None when this
+        step's ``loaded`` is not one the call takes (the engine then runs the two calls
+        around ``attend``)."""
+
+
 class KVCache(ABC):
     @abstractmethod
     def store_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      valid: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def load(self, length: int): ...
+    def load(self, length: int) -> Loaded: ...
 
     @abstractmethod
-    def attend(self, loaded, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    def attend(self, loaded: Loaded, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                valid: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
@@ -94,11 +174,22 @@ class KVCache(ABC):
     def prompt_reader(self, length: int, batch_size: int):
         """A function that reads the prompt's keys and values back as stored, ``[b, P, KV, d]``
         each, or None when the cache does not hold them exactly (a kept prefill then copies
-        them: :mod:`..prefill_cache`)."""
+        them: :mod:`flexgen_infinigen.engine.prefill_cache`)."""
         return None
 
     def abort(self) -> None:
         """The block failed: wake a ``load`` that waits for work the engine will not do."""
+
+    def fused_attention(self, call: "LayerCall",
+                        next_cache: "KVCache | None") -> FusedAttention | None:
+        """This cache's attention inside a decode layer's one compiled call ``call`` (made
+        once per stage and batch), given the next layer's cache in this process (None: the
+        last layer); None: the engine runs the call's two halves around :meth:`attend`."""
+        return None
+
+    # its ``speculate`` does something: the layer before must hand it its attention input
+    # (a fused layer before it then cannot keep that input to itself)
+    speculates: bool = False
 
     def bytes_by_tier(self) -> dict[str, int]:
         return {}
@@ -117,7 +208,7 @@ class KVPolicy(ABC):
     attends_on_cpu = True  # it can attend where the cache lives (``--cpu-cache-compute``)
     speculates = False  # its caches use ``speculate`` (a pipeline then sends its input on)
     # its caches' ``store_prompt`` reads the prompt's queries (it cannot start from a kept
-    # prefill, which holds keys and values only: :mod:`..prefill_cache`)
+    # prefill, which holds keys and values only: :mod:`flexgen_infinigen.engine.prefill_cache`)
     needs_prompt_queries = False
 
     # ---- command line -----------------------------------------------------------------------
@@ -177,7 +268,7 @@ class KVPolicy(ABC):
     def device_bytes(self, cfg, policy, item: int, max_len: int,
                      weights_in_place: bool = False, on_cpu: bool = False) -> dict[str, int]:
         """Compute-device bytes this policy allocates besides the KV cache, by term, for an
-        engine run with ``policy`` (a :class:`~..policy.Policy`) and ``max_len`` tokens;
+        engine run with ``policy`` (a :class:`~..placement.Placement`) and ``max_len`` tokens;
         ``weights_in_place``: 4-bit weights are multiplied where they are stored (a CPU);
         ``on_cpu``: the compute device is a CPU."""
         return {}
@@ -186,7 +277,7 @@ class KVPolicy(ABC):
     @abstractmethod
     def make_cache(self, spec: CacheSpec) -> KVCache: ...
 
-    def prepare(self, lm) -> None:
+    def prepare(self, ctx: "PolicyContext") -> None:
         """Called once after the weights are placed (InfiniGen takes its skew here)."""
 
     def reset_stats(self) -> None:
@@ -194,3 +285,29 @@ class KVPolicy(ABC):
 
     def report(self) -> dict:
         return {"kv_policy": self.name}
+
+
+# called with (layer, q, k, valid) of each layer's prompt pass instead of storing it
+PromptRecorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may take from the loaded model when it prepares, handed down by the API
+    (never the model or the engine itself): InfiniGen reads its skew from the store or
+    calibrates it with ``run_prompt``, and keeps the rehearsal's weights."""
+
+    cfg: ModelConfig
+    placement: Placement
+    tiers: Tiers
+    dtype: torch.dtype
+    family: object  # the model family's math (:class:`..models.Family`)
+    weights: Mapping[str, SplitTensor]  # as placed, by store name
+    layers: range  # the layers this process runs (a pipeline rank: its own)
+    store_path: Path | None  # the weight store, where a policy may keep what it computed
+    tokenizer: object | None
+    # runs the prompt pass of ids ``[1, P]`` (valid ``[1, P]``), handing each layer's q, k
+    # and valid to the recorder instead of keeping a cache
+    run_prompt: Callable[[torch.Tensor, torch.Tensor, PromptRecorder], None]
+    # ``flag`` on any process of the run (a pipeline's ranks agree); one process: ``flag``
+    any_rank: Callable[[bool, str], bool]

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..runtime.attention import attend_rows
-from ..runtime.tiered import TieredTensor
-from ..runtime.tiers import DEVICE, HOST
-from .base import CacheSpec, KVCache, KVPolicy
+from ..kernels.attention import attend_rows
+from ..memory.split_tensor import SplitTensor
+from ..memory.tiers import DEVICE, HOST
+from .base import CacheSpec, KVCache, KVPolicy, Loaded, Read
+
+if TYPE_CHECKING:
+    from ..kernels.layer_call import LayerCall
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,7 @@ class FullCache(KVCache):
     def __init__(self, spec: CacheSpec):
         self.spec = spec
         shape = (spec.max_len, spec.batch_size * spec.kv_heads, spec.head_dim)
-        self.k, self.v = (TieredTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
+        self.k, self.v = (SplitTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
                                        split_dim=1, compress=spec.compress, head_major=True)
                           for _ in range(2))
         # attention on the CPU, where the cache lives (only q and the output cross the link)
@@ -116,12 +120,12 @@ class FullCache(KVCache):
                                    batch_size) for t in (self.k, self.v))
         return read
 
-    def load(self, length: int):
+    def load(self, length: int) -> Loaded:
         if self.cpu_compute or self.in_place or self.packed_in_place:
-            return None
-        return self._read_rows(length)
+            return Loaded.later()
+        return Loaded.rows(self._read_rows(length))
 
-    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         length = valid.shape[1] - q.shape[1]
         first = self.spec.first_visible(length)  # rows before it are outside the window
         bias = bias[..., first:]
@@ -133,13 +137,16 @@ class FullCache(KVCache):
             out = self._attend_packed(q, k_new, v_new, bias, first, length)
             if out is not None:
                 return out
-            loaded = self._read_rows(length)  # no kernel: expand, as a copy would
+            loaded = Loaded.rows(self._read_rows(length))  # no kernel: expand, as a copy would
         tiers = self.spec.tiers
         if self.cpu_compute:
             q, k_new, v_new = (tiers.to_host(t, DEVICE, "activations") for t in (q, k_new, v_new))
-            loaded = self._read_rows(length, to=HOST)
+            loaded = Loaded.rows(self._read_rows(length, to=HOST))
             bias = bias.cpu()
-        k, v = loaded
+        if loaded.read is not Read.ROWS:
+            raise RuntimeError(f"the full cache attends over rows its load read, not "
+                               f"{loaded.read.value!r}")
+        k, v = loaded.k, loaded.v
         k[length - first] = to_rows(k_new)[0]
         v[length - first] = to_rows(v_new)[0]
         out = attend_rows(q, k, v, bias)
@@ -150,7 +157,7 @@ class FullCache(KVCache):
     def _attend_packed(self, q, k_new, v_new, bias, first: int, length: int):
         """Attention over the 4-bit rows ``first .. length`` read where they are, plus the new
         token (exact), by a CPU kernel; None without it."""
-        from ..runtime.compression import Packed
+        from ..memory.codes import Packed
 
         b, s = q.shape[:2]
         if s != 1:
@@ -159,15 +166,15 @@ class FullCache(KVCache):
         k, v = (Packed(*(p[rows] for p in t.packed().parts), t.shape) for t in (self.k, self.v))
         flat = bias[..., :length - first].float().expand(b, self.spec.kv_heads, 1,
                                                          length - first)
-        return self._attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
-                                  v_new)
+        return self.attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
+                                 v_new)
 
-    def _attend_codes(self, q, k, v, bias, k_new, v_new, index=None):
+    def attend_codes(self, q, k, v, bias, k_new, v_new, index=None):
         """``attend_rows_q4`` of the decode query ``q [b, 1, H, d]`` over 4-bit rows ``k``/``v``
         (:class:`Packed` ``[t, b*KV, ...]``; with ``index [b*KV, n]`` only those rows of each
         column) with ``bias [b*KV, t or n]``, plus the new token; ``[b, 1, H*d]``, or None
         without the kernel."""
-        from ..runtime import cpu_kernels
+        from ..kernels import cpu_kernels
 
         b, _, heads, d = q.shape
         cols = b * self.spec.kv_heads
@@ -188,6 +195,41 @@ class FullCache(KVCache):
     def bytes_by_tier(self) -> dict[str, int]:
         a, b = self.k.bytes_by_tier(), self.v.bytes_by_tier()
         return {t: a[t] + b[t] for t in a}
+
+    # ---- the fused decode layer -------------------------------------------------------------
+    def fused_attention(self, call: "LayerCall", next_cache: KVCache | None):
+        """The whole layer in one call, attention over every visible row read in place: the
+        plain full cache only (a subclass chooses its rows), float32 where the CPU reads it,
+        and a next layer that takes nothing from this one's attention input."""
+        if (type(self) is not FullCache or not call.ok or not self.in_place
+                or self.k.dtype != torch.float32
+                or (next_cache is not None and next_cache.speculates)):
+            return None
+        self.read_in_place(call)
+        return WholeLayer(call)
+
+    def read_in_place(self, call: "LayerCall") -> None:
+        """Point ``call``'s attention at this cache's rows where they are; the new token's row
+        the call writes is counted as :meth:`store_token`'s write would count it."""
+        counter = None
+        if self.k.segments[0].tier != DEVICE:  # its row crosses to host memory
+            tiers, n = self.spec.tiers, 2 * call.batch * call.cfg.kv_dim * 4
+
+            def counter() -> None:
+                tiers.count("device->host", "kv_cache", n)
+        call.read_rows_in_place(self.k.view(), self.v.view(), self.spec.max_len,
+                                self.spec.first_visible, counter)
+
+
+class WholeLayer:
+    """The full cache's part of a fused decode layer: all of it (see
+    :meth:`FullCache.fused_attention`); the next layer speculates on nothing."""
+
+    def __init__(self, call: "LayerCall"):
+        self.call = call
+
+    def layer(self, h: torch.Tensor, state, loaded: Loaded):
+        return self.call.whole_layer(h, state), None
 
 
 class FullPolicy(KVPolicy):

@@ -11,10 +11,10 @@ import math
 import torch
 
 from ..config import ConfigError
-from ..runtime.attention import prompt_key_mass, score_rows
-from .base import CacheSpec, DecodeWork
+from ..kernels.attention import prompt_key_mass, score_rows
+from .base import CacheSpec, DecodeWork, Loaded
 from .full import attend_selected
-from .selective import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
+from .chosen_rows import SelectiveCache, SelectivePolicy, fetch_selected, gather_on_device
 
 
 def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ class H2OCache(SelectiveCache):
         # the next token will not see tokens outside the sliding window: evicted for good
         self.alive[:, :self.spec.first_visible(length)] = False
 
-    def load(self, length: int):
+    def load(self, length: int) -> Loaded:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         tiers = self.spec.tiers
         if self.k.addressable:  # on the device: gather there, padded to the budget, no sync
@@ -91,18 +91,19 @@ class H2OCache(SelectiveCache):
             k_sel, v_sel = gather_on_device(self, order.view(b, kv, top))
             used = counts.sum()
             self.count(used, used, length)
-            return k_sel, v_sel, counts, order
+            return Loaded.chosen(k_sel, v_sel, counts, order)
         alive = tiers.host_values(self.alive[:, :length])[0]  # the one sync of the step
         counts = alive.sum(-1)
         top = int(counts.max())
         order = _alive_first(alive, top)
         k_sel, v_sel, moved = fetch_selected(self, order.view(b, kv, top), counts.view(b, kv))
         self.count(moved, moved, length)
-        return k_sel, v_sel, tiers.index_to_device(counts), tiers.index_to_device(order)
+        return Loaded.chosen(k_sel, v_sel, tiers.index_to_device(counts),
+                             tiers.index_to_device(order))
 
-    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
-        k_sel, v_sel, counts, order = loaded
+        k_sel, v_sel, counts, order = loaded.k, loaded.v, loaded.counts, loaded.order
         top = k_sel.shape[0] - 1  # the last row is the new token's
         out, mass = attend_selected(q, k_sel, v_sel, k_new, v_new, counts.view(b, kv),
                                     return_key_mass=True)

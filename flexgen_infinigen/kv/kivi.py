@@ -20,9 +20,9 @@ import argparse
 import torch
 
 from ..config import ConfigError
-from ..runtime.attention import attend_rows
-from ..runtime.tiers import DEVICE
-from .base import CacheSpec, KVCache, KVPolicy
+from ..kernels.attention import attend_rows
+from ..memory.tiers import DEVICE
+from .base import CacheSpec, KVCache, KVPolicy, Loaded
 from .full import to_rows
 
 GROUP = 32  # tokens per key group, channels per value group (KIVI's setting)
@@ -140,10 +140,10 @@ class KiviCache(KVCache):
         values = torch.cat([v.reshape(n, cols, d).to(dtype), self.v_float[:f]])
         return keys, values
 
-    def load(self, length: int):
-        return None
+    def load(self, length: int) -> Loaded:
+        return Loaded.later()
 
-    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         length = valid.shape[1] - q.shape[1]
         if length != self.length:
             raise RuntimeError(f"kivi cache: attention after {length} rows, {self.length} held")

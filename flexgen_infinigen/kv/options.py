@@ -1,14 +1,11 @@
-"""Options of the selective KV policies (InfiniGen and the oracle), checked before loading."""
+"""Options of the selective KV policies (InfiniGen and the oracle): the selection rule and
+its budget, checked before loading; InfiniGen's own are in :mod:`flexgen_infinigen.options`."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from ..config import ConfigError
-from .pool import check_pool_options
-from .selection import RULES, Budget
-from .spec_keys import KINDS
-from .spec_pages import PAGE_KINDS
+from .selection_rules import RULES, Budget
 
 # Per selecting layer, with a floor in rows: what a head needs grows more slowly than its
 # context, so a fraction that keeps long-context answers (0.04: Qwen2.5's retrieval at 8K-32K
@@ -18,17 +15,6 @@ from .spec_pages import PAGE_KINDS
 DEFAULT_KV_FRACTION = 0.04
 DEFAULT_MIN_KV = 256
 
-
-def own_query_runs(cfg, policy, item: int, on_cpu: bool) -> bool:
-    """Where ``--speculation-query own`` runs (``InfiniGenCache.attend_in_place``): a CPU
-    computing on a KV cache of ``item``-byte floats (float32) held in one place it reads in
-    place, with the kernels. ``auto`` takes ``own`` there."""
-    from ..runtime import cpu_kernels
-
-    device, host, _ = policy.cache_split
-    one_place = device == 1 or (host == 1 and policy.host_in_place)
-    return (on_cpu and one_place and not policy.compress_cache and item == 4
-            and cfg.head_dim % 8 == 0 and cpu_kernels.library() is not None)
 
 
 @dataclass(frozen=True)
@@ -74,57 +60,6 @@ class SelectionOptions:
     def with_defaults(self, family: str, rule: str):
         alpha = self.alpha if self.alpha is not None else (4.0 if family == "opt" else 5.0)
         return replace(self, alpha=alpha, selection=self.selection or rule)
-
-
-@dataclass(frozen=True)
-class InfiniGenOptions(SelectionOptions):
-    partial_weight_ratio: float | None = None  # None: the default of the speculation keys
-    speculation_keys: str = "int4"
-    column_score: str = "q"
-    # the rehearsal's input: layer i's attention input as it is ("input"), or layer i's
-    # residual through layer i+1's own input norm ("renorm": the same cost, a closer guess);
-    # or no rehearsal: the layer's own query when it attends ("own": rows read in place only);
-    # "auto": own where it can run, else renorm where the model allows, else input
-    speculation_query: str = "auto"
-    calibration: str | None = None  # text file; default: the store's skew, else built-in text
-    prompt_skew: bool = False  # blend each prompt's own query statistics into its skew
-    kv_pool_capacity: float = 1.0  # fraction of each head's context kept on the host
-    eviction: str = "fifo"
-    # a layer whose KV (for the batch) is under this many MB is read whole, not chosen from:
-    # choosing costs more than it saves there; None: 12 on a CPU, 0 on a GPU
-    select_from_mb: float | None = None
-
-    def validate(self) -> "InfiniGenOptions":
-        super().validate()
-        r = self.partial_weight_ratio
-        if r is not None and not 0 < r <= 1:
-            raise ConfigError(f"--partial-weight-ratio must be in (0, 1] (got {r})")
-        if self.speculation_query not in ("input", "renorm", "own", "auto"):
-            raise ConfigError(f"--speculation-query must be input, renorm, own or auto (got "
-                              f"{self.speculation_query!r})")
-        if self.speculation_keys not in {**KINDS, **PAGE_KINDS}:
-            raise ConfigError(f"--speculation-keys must be one of "
-                              f"{', '.join([*KINDS, *PAGE_KINDS])} "
-                              f"(got {self.speculation_keys!r})")
-        check_pool_options(self.kv_pool_capacity, self.eviction)
-        if self.calibration is not None and not os.path.isfile(self.calibration):
-            raise ConfigError(f"--calibration {self.calibration} does not exist; give a text "
-                              "file, or drop the flag to use the store's skew")
-        if self.select_from_mb is not None and not self.select_from_mb >= 0:
-            raise ConfigError(f"--select-from-mb must be 0 or more (got {self.select_from_mb})")
-        if self.column_score not in ("q", "qk"):
-            raise ConfigError(f"--column-score must be q or qk (got {self.column_score!r})")
-        return self
-
-    @property
-    def ratio(self) -> float:
-        if self.partial_weight_ratio is not None:
-            return self.partial_weight_ratio
-        return DEFAULT_RATIO.get(self.speculation_keys, 1.0)
-
-
-# partial-weight ratio by speculation key kind when none is given
-DEFAULT_RATIO = {"partial": 0.3, "int8": 1.0, "int4": 1.0, "int2": 1.0}
 
 
 def add_selection_args(parser) -> None:

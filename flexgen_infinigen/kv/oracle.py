@@ -11,22 +11,22 @@ import math
 
 import torch
 
-from .base import CacheSpec
+from .base import CacheSpec, Loaded, PolicyContext
 from .full import attend_selected, from_rows, row_buffers
 from .options import SelectionOptions, add_selection_args, selection_from_args
-from .selection import select
-from .selective import SelectiveCache, SelectivePolicy
+from .selection_rules import select
+from .chosen_rows import SelectiveCache, SelectivePolicy
 
 
 class OracleCache(SelectiveCache):
-    def attend(self, loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         length = valid.shape[1] - 1
         if not self.selecting:
             self.count_full_read(length)
             return super().attend(loaded, q, k_new, v_new, valid, bias)
         first = self.spec.first_visible(length)  # loaded rows start there (sliding window)
-        k_rows, v_rows = loaded[0][:length - first], loaded[1][:length - first]  # [t, b*KV, d]
+        k_rows, v_rows = loaded.k[:length - first], loaded.v[:length - first]  # [t, b*KV, d]
         keys = from_rows(k_rows, b)  # [b, t, KV, d]
         h, d = q.shape[2], q.shape[3]
         qg = q[:, 0].view(b, kv, h // kv, d)
@@ -63,8 +63,8 @@ class OraclePolicy(SelectivePolicy):
     def from_args(cls, args) -> "OraclePolicy":
         return cls(selection_from_args(args, SelectionOptions))
 
-    def prepare(self, lm) -> None:
-        self.options = self.options.with_defaults(lm.cfg.family, self.default_rule)
+    def prepare(self, ctx: PolicyContext) -> None:
+        self.options = self.options.with_defaults(ctx.cfg.family, self.default_rule)
 
     def make_cache(self, spec: CacheSpec) -> OracleCache:
         return OracleCache(spec, self, spec.layer >= self.options.first_layer)

@@ -2,7 +2,7 @@
 
 The variants are flags of :class:`~flexgen_infinigen.config.ModelConfig`, not separate code:
 Llama 3.x RoPE scaling (``rope_scaling``), Mistral's sliding window (applied by the mask,
-see :func:`flexgen_infinigen.attention.mask_bias`), Qwen2's q/k/v biases (``qkv_bias``),
+see :func:`flexgen_infinigen.kernels.attention.mask_bias`), Qwen2's q/k/v biases (``qkv_bias``),
 Qwen3's per-head q/k RMSNorm (``qk_norm``; OLMoE's spans all heads, ``qk_norm_full``), a
 head width that is not hidden/heads (``attn_head_dim``) and mixture-of-experts MLPs
 (``num_experts``: the math is in :mod:`.moe`; a config's ``dense_layers`` keep a dense MLP).
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from . import moe
-from ..runtime.compression import lookup
-from ..runtime import cpu_layers
-from ..runtime.cpu_layers import linear
+from ..memory.codes import lookup
+from ..kernels import layers as cpu_layers
+from ..kernels.layers import linear
 
 
 def _layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -136,6 +136,9 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
 # RoPE sits between the projections and the dot product, so an orthogonal skew of q and k
 # cannot be folded into the weights; it is applied to the rotated q and k instead.
 SKEW_FOLDS_INTO_WEIGHTS = False
+# the compiled decode call (kernels/c/decode_layer.c) computes this family's layer: RMSNorm,
+# RoPE, grouped-query attention, SwiGLU
+FUSED_DECODE = True
 
 
 def _project(cfg: ModelConfig, w: dict, x: torch.Tensor, part: str, heads: int):
@@ -152,12 +155,12 @@ def _project(cfg: ModelConfig, w: dict, x: torch.Tensor, part: str, heads: int):
     return y
 
 
-def query(cfg: ModelConfig, w: dict, x: torch.Tensor, rope) -> torch.Tensor:
-    """q [b, s, H, d] with RoPE applied."""
-    return rotary(_project(cfg, w, x, "q", cfg.num_heads), rope)
+def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:
+    """q [b, s, H, d] with RoPE applied (``pos_enc``: :func:`encode_positions`' cos, sin)."""
+    return rotary(_project(cfg, w, x, "q", cfg.num_heads), pos_enc)
 
 
-def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
+def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc):
     """q [b, s, H, d], k and v [b, s, KV, d] from the normalized input ``x``; RoPE applied.
 
     A key bias is added before RoPE, so the cached keys (and InfiniGen's speculation keys,
@@ -165,7 +168,7 @@ def attn_qkv(cfg: ModelConfig, w: dict, x: torch.Tensor, rope):
     :func:`query`, so nothing is folded or approximated."""
     k = _project(cfg, w, x, "k", cfg.num_kv_heads)
     v = _project(cfg, w, x, "v", cfg.num_kv_heads)
-    return query(cfg, w, x, rope), rotary(k, rope), v
+    return query(cfg, w, x, pos_enc), rotary(k, pos_enc), v
 
 
 def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -1,26 +1,31 @@
 """Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): a softmax top-k router,
 routed SwiGLU experts and, in Qwen2-MoE, a shared expert behind a sigmoid gate.
 
-Every expert matrix is its own weight-store tensor (``experts.{e}.gate_proj.weight``, as
-the Hugging Face checkpoints write them), so a step reads only the experts its tokens were
-routed to: the engine hands expert weights over as :class:`~..runtime.tiered.OnDemand`
-handles, brought to the compute device the first time a token picks the expert and kept for
-the rest of the stage (every GPU batch of a block and every prefill chunk share them).
+The math here routes the tokens and multiplies; an :class:`ExpertRunner` (as mlx-lm's
+``SwitchGLU``: the module that applies the routed experts to the tokens, given the routing)
+decides where each routed expert's matrices come from and where they are multiplied. A
+plain dict of tensors takes :class:`LocalExperts` (the matrices are its entries, multiplied
+where they are); the engine puts its own runner in a stage's weights under :data:`RUNNER`
+(``engine/experts.py``: experts read from their tier only when a token picks them, or
+multiplied in CPU memory with the tokens crossing).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..runtime.cpu_layers import MOE_MAX_ROWS, linear, moe_experts
-from ..runtime.compression import PackedWeight
-from ..runtime.tiered import OnDemand, OnHost
+from ..kernels.layers import MOE_MAX_ROWS, linear, moe_experts
 
 ROUTER = "router.weight"
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 SHARED = "shared_expert"
 SHARED_GATE = "shared_expert_gate.weight"
+# where a stage's weights carry their expert runner (no weight has this name)
+RUNNER = "routed_experts"
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -71,12 +76,34 @@ def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
-def fetch(weight):
-    """A weight the math can multiply: an :class:`OnDemand` handle is read (once), an
-    :class:`OnHost` one gives the stored tensor (for the host's own math)."""
-    if isinstance(weight, OnDemand):
-        return weight.get()
-    return weight.value if isinstance(weight, OnHost) else weight
+def expert_matrix(e: int, m: str) -> str:
+    """The name, in a MoE layer's weights, of routed expert ``e``'s matrix ``m``."""
+    return f"experts.{e}.{m}.weight"
+
+
+class ExpertRunner(Protocol):
+    """Applies the routed experts to the tokens, given the routing."""
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 used: list[int]) -> torch.Tensor:
+        """The sum of each token's routed experts' outputs, ``[n, h]`` on ``x``'s device,
+        for the tokens ``x`` [n, h] routed as :func:`route` gives (``weights`` and
+        ``experts`` [n, k]); ``used``: the experts they chose, ascending."""
+        ...
+
+
+class LocalExperts:
+    """The runner of a plain dict of weights: each expert's matrices are the dict's entries
+    (tensors, or codes a CPU multiplies), multiplied where they are."""
+
+    def __init__(self, w: dict):
+        self.w = w
+
+    def matrices(self, e: int) -> list:
+        return [self.w[expert_matrix(e, m)] for m in EXPERT_MATRICES]
+
+    def __call__(self, x, weights, experts, used):
+        return apply_experts(x, weights, experts, used, self.matrices)
 
 
 def _by_expert(weights, experts, used: list[int], some: bool):
@@ -109,57 +136,40 @@ def _by_expert(weights, experts, used: list[int], some: bool):
     return first, order // experts.shape[1], weights.reshape(-1)[order]
 
 
-def _routed(w: dict, flat, weights, experts, used: list[int], some: bool = False):
-    """The sum over the experts ``used`` of each token's routed outputs, on the device
-    ``flat`` is on; ``some``: ``used`` leaves out experts the tokens chose (their share is
-    added elsewhere)."""
+def apply_experts(x: torch.Tensor, weights, experts, used: list[int],
+                  matrices: Callable[[int], list], some: bool = False) -> torch.Tensor:
+    """The sum over the experts ``used`` of each token's routed outputs, on the device ``x``
+    is on; ``matrices(e)``: expert ``e``'s (gate, up, down) as the math multiplies them,
+    asked for in the order the experts are used; ``some``: ``used`` leaves out experts the
+    tokens chose (their share is added elsewhere)."""
     # on a CPU, every expert in one compiled call when none takes more rows than the call
     # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
     # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
-    grouped = None if flat.is_cuda else _by_expert(weights, experts, used, some)
+    grouped = None if x.is_cuda else _by_expert(weights, experts, used, some)
     if grouped is not None:
-        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for e in used for m in EXPERT_MATRICES]
-        out = moe_experts(flat, mats, *grouped)
+        mats = [mat for e in used for mat in matrices(e)]
+        out = moe_experts(x, mats, *grouped)
         if out is not None:
             return out
-    out = torch.zeros_like(flat)
+    out = torch.zeros_like(x)
     for e in used:
         rows, slot = torch.where(experts == e)
-        mats = [fetch(w[f"experts.{e}.{m}.weight"]) for m in EXPERT_MATRICES]
-        out.index_add_(0, rows, swiglu(flat[rows], *mats) * weights[rows, slot, None])
+        out.index_add_(0, rows, swiglu(x[rows], *matrices(e)) * weights[rows, slot, None])
     return out
-
-
-def _routed_on_host(w: dict, flat, weights, experts, used: list[int]) -> torch.Tensor:
-    """:func:`_routed` for experts the CPU multiplies in CPU memory (:class:`OnHost`): the
-    tokens' rows and their routing cross to the host, the sum comes back; the experts do
-    not move. In float32 on the host when the experts are codes (the CPU kernels' form)."""
-    handle = w[f"experts.{used[0]}.{EXPERT_MATRICES[0]}.weight"]
-    x, wts, exps = (handle.to_host(t) for t in (flat, weights, experts))
-    if isinstance(handle.value, PackedWeight):
-        x, wts = x.float(), wts.float()
-    return handle.to_compute(_routed(w, x, wts, exps, used, some=True).to(flat.dtype))
 
 
 def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The MoE MLP of the normalized input ``x`` [b, s, h] (no residual): each routed expert
-    takes the rows of the tokens that chose it, scaled by their router weight; the shared
-    expert, if any, takes every token, scaled by the sigmoid of its gate. Experts the CPU
-    multiplies where they are held (:class:`OnHost`) take their tokens there."""
+    takes the rows of the tokens that chose it, scaled by their router weight (through the
+    runner ``w`` carries under :data:`RUNNER`, else :class:`LocalExperts` of ``w``); the
+    shared expert, if any, takes every token, scaled by the sigmoid of its gate."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = route(cfg, flat, w[ROUTER])
     used = sorted(set(experts.reshape(-1).tolist()))  # the experts the tokens use, in order
-    on_host = [e for e in used if isinstance(w[f"experts.{e}.{EXPERT_MATRICES[0]}.weight"],
-                                             OnHost)]
-    here = [e for e in used if e not in on_host] if on_host else used
-    for e in here:  # reads from disk all in flight before the first is needed
-        for m in EXPERT_MATRICES:
-            if isinstance(w[f"experts.{e}.{m}.weight"], OnDemand):
-                w[f"experts.{e}.{m}.weight"].start()
-    out = _routed(w, flat, weights, experts, here, some=bool(on_host)) if here \
-        else torch.zeros_like(flat)
-    if on_host:
-        out += _routed_on_host(w, flat, weights, experts, on_host)
+    runner: ExpertRunner | None = w.get(RUNNER)
+    if runner is None:
+        runner = LocalExperts(w)
+    out = runner(flat, weights, experts, used)
     if cfg.shared_expert_size:
         shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
         out += torch.sigmoid(linear(flat, w[SHARED_GATE])) * shared

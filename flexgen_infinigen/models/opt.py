@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..runtime.compression import lookup
-from ..runtime.cpu_layers import linear
+from ..memory.codes import lookup
+from ..kernels.layers import linear
 
 POSITION_OFFSET = 2
 
@@ -74,6 +74,8 @@ def attn_input(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
 
 # q and k are plain affine maps of the input: an orthogonal skew folds into W_Q, W_K and biases
 SKEW_FOLDS_INTO_WEIGHTS = True
+# the compiled decode call is Llama's layer (RMSNorm, RoPE, SwiGLU): OPT runs per operation
+FUSED_DECODE = False
 
 
 def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:

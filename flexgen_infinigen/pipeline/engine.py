@@ -25,9 +25,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..runtime.engine import Engine, Step
-from ..runtime.streams import Lanes
-from ..runtime.tiered import TieredTensor
+from ..engine.block import BlockMode, Pass
+from ..engine.schedule import Engine, Step
+from ..memory.lanes import Lanes
+from ..memory.split_tensor import SplitTensor
 from ..sampling import Sampler
 
 
@@ -48,8 +49,8 @@ class PipelineEngine(Engine):
     def any_rank(self, flag: bool, what: str) -> bool:
         return self.link.any(flag, what)
 
-    def _steps(self, steps: int, sampler: Sampler, keep_logits: bool,
-               lanes: Lanes) -> Iterator[Step]:
+    def _steps(self, steps: int, sampler: Sampler, keep_logits: bool, lanes: Lanes,
+               mode: BlockMode) -> Iterator[Step]:
         link = self.link
         groups = micro_batches(len(self.states), self.micro_batches)
         self._known: dict[int, dict[int, tuple]] = {}  # step -> GPU batch -> (tokens, logits)
@@ -62,15 +63,15 @@ class PipelineEngine(Engine):
                     if decode:
                         self._advance(m, self._input_token(i - 1, m, keep_logits))
                     if not link.is_first:
-                        self._receive(decode, m)
+                        self._receive(decode, m, mode)
                 if decode and link.is_first and g == len(groups) - 1:
                     yield self._step(i - 1, keep_logits)  # its last token has just arrived
-                self._iteration(decode, lanes, group)
+                self._iteration(Pass(decode, tuple(group), mode), lanes)
                 for m in group:
                     if link.is_last:
                         self._sample(i, m, sampler, keep_logits)
                     else:
-                        self._pass_on(decode, m)
+                        self._pass_on(decode, m, mode)
             self._end_step(before)
             if not link.is_first:
                 yield self._step(i, keep_logits)
@@ -112,24 +113,24 @@ class PipelineEngine(Engine):
         if keep_logits:
             self.link.send(kept, 0, "logits", True)
 
-    def _receive(self, decode: bool, m: int) -> None:
+    def _receive(self, decode: bool, m: int, mode: BlockMode) -> None:
         state, link = self.states[m], self.link
         b, s = state.ids.shape
         state.hidden = self._wait(link.recv, (b, s, self.cfg.hidden_size), self.dtype,
                                   link.previous, "hidden")
-        if decode and self.kv_policy.speculates and self.record is None:
+        if decode and self.kv_policy.speculates and mode.record is None:
             x = self._wait(link.recv, (b, 1, self.cfg.hidden_size), self.dtype,
                            link.previous, "speculation_input")
             first = self.attention_stage[self.part.start]
             self.caches[(first, m)].speculate(x, state.pos_enc, state.valid, state.visible)
 
-    def _pass_on(self, decode: bool, m: int) -> None:
+    def _pass_on(self, decode: bool, m: int, mode: BlockMode) -> None:
         state, link = self.states[m], self.link
         h = state.hidden
-        if isinstance(h, TieredTensor):  # its buffer is reused: send a copy
+        if isinstance(h, SplitTensor):  # its buffer is reused: send a copy
             h = h.read().clone()
         link.send(h, link.next, "hidden")
-        if decode and self.kv_policy.speculates and self.record is None:
+        if decode and self.kv_policy.speculates and mode.record is None:
             link.send(state.handoff, link.next, "speculation_input")
         state.handoff = None
 

@@ -13,9 +13,10 @@ import sys
 
 import torch
 
+from ..switches import LOCAL_RANK
 from ..config import DEFAULT_MODEL, ConfigError
-from ..runtime.guards import Terminated
-from ..runtime.loading import resolve_device, resolve_dtype
+from ..guards import Terminated
+from ..engine.loading import resolve_device, resolve_dtype
 from .engine import micro_batches, rank_engine
 from .link import Link
 from .partition import check_stages, plan_slices
@@ -25,9 +26,9 @@ from .report import combine_reports, rank_summary
 def model_config(a):
     """The model's configuration without reading any weight (the store's own, for --path)."""
     if a.path:
-        from ..runtime.loading import find_weights
+        from ..engine.loading import find_weights
         return find_weights(a.model, a.path, False, progress=False)[0]
-    from ..runtime.loading import model_config as config_of
+    from ..engine.loading import model_config as config_of
     return config_of(a.model, shapes_only=a.dummy)
 
 
@@ -36,7 +37,7 @@ def run_pipeline(a, texts: list[str]) -> int:
     check_stages(a.pipeline_stages, cfg)  # more stages than layers: refused before joining
     device = resolve_device(a.device)
     if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = LOCAL_RANK.get() or 0
         if local >= torch.cuda.device_count():
             raise ConfigError(f"local rank {local} needs GPU {local} but this machine shows "
                               f"{torch.cuda.device_count()}; start at most that many processes "
@@ -79,14 +80,15 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     from ..cli.prompts import make_prompts
     from ..cli.report import print_report
     from ..kv import kv_policy_from_args
-    from ..policy import Policy
-    from ..runtime.loading import find_weights
+    from ..placement import Placement
+    from ..engine.loading import find_weights
     from ..sampling import SamplingConfig
 
     kv = kv_policy_from_args(a)
     sampling = SamplingConfig(a.temperature, a.top_p, a.seed, a.repetition_penalty).validate()
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
-    if int(os.environ.get("LOCAL_RANK", link.rank)) == 0:  # one rank per machine converts
+    first = LOCAL_RANK.get() if LOCAL_RANK.is_set() else link.rank
+    if first == 0:  # one rank per machine converts
         find_weights(model, a.path, a.dummy, a.seed, progress=True)  # the default model
     link.barrier("waiting for each machine's first rank to find the weights")
     item = resolve_dtype(a.dtype, link.device).itemsize
@@ -95,7 +97,7 @@ def _run_rank(a, texts: list[str], cfg, link: Link) -> int:
     specs = rank_profiles(a.hw, link.world)
     parts = None
     if link.is_first:  # one split for all: the ranks' saved profiles may differ
-        parts = plan_slices(cfg, link.world, base or Policy(), *lengths, item, _profiles(specs))
+        parts = plan_slices(cfg, link.world, base or Placement(), *lengths, item, _profiles(specs))
     part = link.broadcast(parts, "receiving rank 0's split of the layers")[link.rank]
     plan = None
     if wants_plan(a):  # each rank plans its own layers, on its own machine's profile

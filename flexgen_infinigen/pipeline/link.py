@@ -11,7 +11,6 @@ The bytes sent to and received from each rank are counted by kind.
 from __future__ import annotations
 
 import datetime
-import os
 import re
 import time
 from collections import defaultdict, deque
@@ -19,6 +18,7 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
+from ..switches import MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 from ..config import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -37,8 +37,7 @@ class PipelineError(RuntimeError):
 
 def launched_world() -> int | None:
     """The process count torchrun (or a compatible launcher) announced, or None."""
-    world = os.environ.get("WORLD_SIZE")
-    return int(world) if world else None
+    return WORLD_SIZE.get()
 
 
 class Link:
@@ -47,15 +46,15 @@ class Link:
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)."""
         if timeout_s <= 0:
             raise ConfigError(f"--pipeline-timeout must be positive (got {timeout_s})")
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if v not in os.environ]
+        missing = [s.name for s in (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+                   if not s.is_set()]
         if missing:
             raise ConfigError(f"a pipeline is started by torchrun (missing {', '.join(missing)} "
                               "in the environment): `torchrun --nproc-per-node N -m "
                               "flexgen_infinigen.run --pipeline-stages N ...`")
         self.timeout_s = timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.rank, self.world = RANK.get(), WORLD_SIZE.get()
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.comm_device = device if backend == "nccl" else torch.device("cpu")

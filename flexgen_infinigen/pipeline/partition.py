@@ -14,8 +14,8 @@ import math
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
-from ..policy import Policy
-from ..runtime.stages import LayerSlice
+from ..placement import Placement
+from ..engine.stages import LayerSlice
 
 
 def check_stages(stages: int, cfg: ModelConfig | None = None, world: int | None = None) -> None:
@@ -32,7 +32,7 @@ def check_stages(stages: int, cfg: ModelConfig | None = None, world: int | None 
                           f"{cfg.num_layers} layers; every stage needs at least one layer")
 
 
-def stage_costs(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
+def stage_costs(cfg: ModelConfig, policy: Placement, prompt_len: int, gen_len: int,
                 dtype_bytes: int, hw) -> tuple[float, float, float]:
     """(seconds per layer, seconds of the embedding, seconds of the head) of one block, as
     the cost model predicts them on profile ``hw``."""
@@ -88,7 +88,7 @@ def split_layers(num_layers: int, stages: int, per_layer: float | list[float] = 
             for r in range(stages)]
 
 
-def plan_slices(cfg: ModelConfig, stages: int, policy: Policy, prompt_len: int, gen_len: int,
+def plan_slices(cfg: ModelConfig, stages: int, policy: Placement, prompt_len: int, gen_len: int,
                 dtype_bytes: int, hw) -> list[LayerSlice]:
     """The balanced split of ``cfg`` over ``stages`` ranks for this run, on one hardware
     profile ``hw`` for all, or a list of one per rank."""

@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from ..runtime.tiers import DEVICE, DISK, HOST, LINKS
+from ..memory.tiers import DEVICE, DISK, HOST, LINKS
 
 
 

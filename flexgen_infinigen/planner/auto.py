@@ -7,7 +7,7 @@ import shlex
 
 from ..config import ConfigError, ModelConfig
 from ..kv import policy_class
-from ..policy import Policy
+from ..placement import Placement
 from .hardware import GB, HardwareProfile, load_profile
 from .lp import BATCH_SIZES, NUM_BATCHES, Plan, optimize
 from .workload import Workload
@@ -25,12 +25,12 @@ def check_possible(cfg: ModelConfig, prompt_len: int, gen_len: int, item: int,
     and cache on disk) cannot fit in this machine's free memory and disk together."""
     import torch
 
-    from ..policy import Policy
-    from ..runtime.loading import resolve_device
-    from ..runtime.memory_plan import GIB, available, plan
+    from ..placement import Placement
+    from ..engine.loading import resolve_device
+    from ..engine.memory_plan import GIB, available, plan
 
     dtype = {2: torch.float16, 4: torch.float32}.get(item, torch.float16)
-    lean = Policy.from_percent([0, 0, 0, 0, 100, 0])
+    lean = Placement.from_percent([0, 0, 0, 0, 100, 0])
     need = sum(plan(cfg, lean, dtype, prompt_len, gen_len)["total"].values())
     dev = resolve_device("auto")
     have = available(dev, offload_dir)
@@ -55,8 +55,8 @@ def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | N
     else:
         prof = load_profile(hw)
     if hw is None:
-        from ..runtime.loading import resolve_device
-        from ..runtime.memory_plan import available
+        from ..engine.loading import resolve_device
+        from ..engine.memory_plan import available
         dev = resolve_device("auto")
         have = available(dev, offload_dir)
         prof = dataclasses.replace(prof, gpu_mem=float(have["device"]),
@@ -65,7 +65,7 @@ def profile_for(hw: str | None, gpu_mem: float | None = None, cpu_mem: float | N
 
 
 def search(cfg: ModelConfig, prompt_len: int, gen_len: int, hw: HardwareProfile,
-           base: Policy, kv_policy: str = "full", kv_fraction: float | None = None,
+           base: Placement, kv_policy: str = "full", kv_fraction: float | None = None,
            gpu_batch_size: int | None = None, num_gpu_batches: int | None = None,
            dtype_bytes: int | None = None, progress: bool = True,
            fixed_placement: bool = False, weight_reads: int = 1) -> tuple[Plan, list[Plan]]:

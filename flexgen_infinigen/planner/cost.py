@@ -12,18 +12,10 @@ from __future__ import annotations
 
 import math
 
-from ..policy import Policy
-from ..runtime.attention import score_rows
+from ..placement import Placement
+from ..kernels.attention import score_rows
 from .hardware import HardwareProfile
-from .workload import (
-    Sizes,
-    Workload,
-    expert_coverage,
-    fits,
-    fractions,
-    mean_context,
-    memory_needs,
-)
+from .workload import Sizes, Workload, expert_coverage, fits, fractions, mean_context, memory_needs
 
 
 def _weights_time(hw: HardwareProfile, sz: Sizes) -> float:
@@ -44,7 +36,7 @@ def _expert_products(cfg, sz, hw: HardwareProfile, calls: int, tokens: int,
                                            per_call * sz.expert_params, on_cpu)
 
 
-def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, tokens: int,
+def expert_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict, tokens: int,
                  cached: bool = False, decode: bool = False) -> dict:
     """Seconds per resource for the routed experts of one step of the block, whose GPU
     batches of ``tokens`` tokens each (the block's ``num_gpu_batches`` of them) read the
@@ -87,7 +79,7 @@ def expert_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict, t
     return terms
 
 
-def expert_cpu_seconds(work: Workload, policy: Policy, hw: HardwareProfile,
+def expert_cpu_seconds(work: Workload, policy: Placement, hw: HardwareProfile,
                        tokens: int) -> float:
     """Seconds for the CPU to multiply one decode step's routed experts where they are held
     in CPU memory, at the profile's measured CPU matmul rate (the block's GPU batches of
@@ -105,7 +97,7 @@ def _add(terms: dict, extra: dict) -> dict:
     return terms
 
 
-def prefill_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
+def prefill_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict,
                   cached: bool = False) -> dict:
     """Seconds per resource for the prompt pass of one block (linear in the fractions ``x``)."""
     cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
@@ -155,7 +147,7 @@ def _disk_read(hw: HardwareProfile, total: float, pieces: float, cached: bool,
     return total / hw.disk_read_bw
 
 
-def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
+def decode_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict,
                  context: float, cached: bool = False) -> dict:
     """Seconds per resource for one decode step of one block at ``context`` cached tokens."""
     cfg, sz, item = work.cfg, Sizes.of(work, policy), work.dtype_bytes
@@ -204,7 +196,7 @@ def decode_terms(work: Workload, policy: Policy, hw: HardwareProfile, x: dict,
     return _add(terms, expert_terms(work, policy, hw, x, b, cached, decode=True))
 
 
-def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
+def step_costs(work: Workload, policy: Placement, hw: HardwareProfile,
                context: float | None) -> float:
     """Device seconds per decode step that switch on with a placement rather than grow with
     it: fixed costs of offloaded reads, and copying the device part of a tensor split across
@@ -235,12 +227,12 @@ def step_costs(work: Workload, policy: Policy, hw: HardwareProfile,
     return t
 
 
-def overlaps(policy: Policy, hw: HardwareProfile) -> bool:
+def overlaps(policy: Placement, hw: HardwareProfile) -> bool:
     overlap = hw.copies_overlap_compute if policy.overlap is None else policy.overlap
     return bool(overlap and hw.copies_overlap_compute)
 
 
-def disk_apart(policy: Policy, hw: HardwareProfile) -> bool:
+def disk_apart(policy: Placement, hw: HardwareProfile) -> bool:
     """On a machine whose copies take the compute cores, overlapped disk reads still run
     beside the rest: a reader waits on the disk, not on a core."""
     overlap = policy.uses_disk if policy.overlap is None else policy.overlap
@@ -257,7 +249,7 @@ def combine(terms: dict, overlapped: bool, disk_beside: bool = False) -> float:
     return sum(terms.values())
 
 
-def predict(work: Workload, policy: Policy, hw: HardwareProfile) -> dict:
+def predict(work: Workload, policy: Placement, hw: HardwareProfile) -> dict:
     """Predicted times (s), throughput (tokens/s) and memory per tier (bytes) for one block."""
     work = work.validate()
     policy = policy.validate()

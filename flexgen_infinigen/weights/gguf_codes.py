@@ -2,7 +2,7 @@
 
 A quantized GGUF tensor is kept in the weight store as the file wrote it (its blocks, one
 row of blocks per matrix row). Loading turns one tensor at a time into a
-:class:`~..runtime.compression.Packed` weight: integer codes plus a scale and minimum per
+:class:`~flexgen_infinigen.memory.codes.Packed` weight: integer codes plus a scale and minimum per
 group, so that ``code * scale + minimum`` is the value the file encodes, computed with the
 same float32 operations as ``gguf.quants.dequantize`` (tested equal). The scales and minima
 are held as float16 when every one of the tensor's is a float16 exactly (:func:`half_exact`:
@@ -12,9 +12,9 @@ same values either way. Only the order of the codes changes, never a code:
 
 - Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``), Q4_K (per 32-value sub-block
   ``d * sc * q - dmin * m``, ``sc``/``m`` six bits each): 4-bit codes, two a byte, groups of
-  32 (what ``kernels/linear.c``'s 4-bit kernel reads);
+  32 (what ``kernels/c/linear.c``'s 4-bit kernel reads);
 - Q8_0, Q5_0, Q5_1, Q5_K (groups of 32) and Q6_K (groups of 16): one signed byte a code
-  (``kernels/linear.c``'s 8-bit kernel). Q5_0's ``q - 16`` and Q6_K's ``q - 32`` become the
+  (``kernels/c/linear.c``'s 8-bit kernel). Q5_0's ``q - 16`` and Q6_K's ``q - 32`` become the
   codes themselves (minimum 0).
 
 F32, F16 and BF16 tensors stay floats at their own width. Any other type is refused by name

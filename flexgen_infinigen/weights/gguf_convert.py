@@ -29,7 +29,7 @@ import numpy as np
 
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
 from ..models import llama
-from ..runtime.guards import raise_if_interrupted
+from ..guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE
 from . import gguf_codes, gguf_moe
 from .gguf_shards import JoinedReader, shard_paths

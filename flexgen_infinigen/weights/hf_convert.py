@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, ModelConfig
 from ..models import family_of
-from ..runtime.guards import raise_if_interrupted
+from ..guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
 from .hub_files import safe_file_name

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .. import switches
 from ..config import ConfigError
 from .hub_files import (
     HubName,
@@ -34,7 +35,7 @@ from .hub_files import (
     shard_set,
 )
 
-OFFLINE_ENV = "HF_HUB_OFFLINE"
+OFFLINE_ENV = switches.HF_HUB_OFFLINE.name
 _TRUE = {"1", "true", "yes", "on"}
 # what a checkpoint folder needs besides its weights: the config, the tokenizer, the template
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json",
@@ -44,26 +45,25 @@ CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 
 def offline_mode() -> bool:
     """``HF_HUB_OFFLINE`` (which ``--offline`` sets): the cache only, no request at all."""
-    return os.environ.get(OFFLINE_ENV, "").strip().lower() in _TRUE
+    return switches.HF_HUB_OFFLINE.get()
 
 
 def hub_cache_dir() -> Path:
     """Where ``huggingface_hub`` keeps repositories, by its own rules, read now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME")
+    if switches.HF_HUB_CACHE.get():
+        return switches.HF_HUB_CACHE.get()
+    home = switches.HF_HOME.get()
     if not home:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        home = os.path.join(xdg, "huggingface")
-    return Path(home).expanduser() / "hub"
+        home = (switches.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "huggingface"
+    return home / "hub"
 
 
 def _endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    return switches.HF_ENDPOINT.get().rstrip("/")
 
 
 def _token() -> str | None:
-    return os.environ.get("HF_TOKEN") or None  # None: huggingface_hub's saved login, if any
+    return switches.HF_TOKEN.get()  # None: huggingface_hub's saved login, if any
 
 
 def _client():

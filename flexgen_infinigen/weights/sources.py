@@ -11,7 +11,7 @@ from .store import WeightStore
 
 class StoreSource:
     """Tensors of a converted weight store, memory-mapped; a tensor kept as a quantized
-    file's codes comes as a :class:`~..runtime.compression.Packed` (its ``layout``)."""
+    file's codes comes as a :class:`~flexgen_infinigen.memory.codes.Packed` (its ``layout``)."""
 
     def __init__(self, store: WeightStore):
         self.store = store

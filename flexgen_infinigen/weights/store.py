@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import CACHE_ENV, ConfigError, ModelConfig
-from ..runtime.compression import CodeLayout, Packed
+from ..memory.codes import CodeLayout, Packed
 from . import gguf_codes
 
 FORMAT_VERSION = 2

@@ -40,7 +40,7 @@ def save_to_cache(prof: HardwareProfile) -> Path:
 
 def cached_profile(progress: bool = True) -> HardwareProfile:
     """This machine's saved profile, measured (quick) and saved first if there is none."""
-    from ...runtime.loading import resolve_device
+    from ...engine.loading import resolve_device
 
     prof = saved_profile()
     if prof is None:

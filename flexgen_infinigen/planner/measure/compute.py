@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.attention import attend, mask_bias
-from ...runtime.compression import compress, decompress
+from ...kernels.attention import attend, mask_bias
+from ...memory.codes import compress, decompress
 from .timing import rate_table, run_each, timed
 
 MATMUL_ROWS = [1, 4, 16, 64, 256, 1024, 4096]

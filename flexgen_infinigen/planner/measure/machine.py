@@ -24,7 +24,7 @@ from .transfers import disk_bandwidths, link_bandwidths, page_cache_rates
 
 def memory(dev: torch.device, offload_dir: str | None) -> dict[str, float]:
     """Bytes the runtime may use on each tier now."""
-    from ...runtime.memory_plan import available
+    from ...engine.memory_plan import available
     have = available(dev, offload_dir)
     return {"gpu_mem": float(have["device"]), "cpu_mem": float(have["host"]),
             "disk_mem": float(have["disk"])}

@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from ...config import ModelConfig
-from ...runtime.tiers import Tiers
+from ...memory.tiers import Tiers
 
 
 def tiny_config(family: str) -> ModelConfig:
@@ -28,19 +28,19 @@ def _tiny_step(dev: torch.device, dtype: torch.dtype, cfg: ModelConfig, percent:
     """Median decode step time of a tiny model run by the real engine."""
     from ...api import OffloadedLM
     from ...kv import FullPolicy
-    from ...policy import Policy
-    from ...runtime.engine import Engine
-    from ...runtime.loading import place_weights
+    from ...placement import Placement
+    from ...engine.schedule import Engine
+    from ...engine.loading import place_weights
     from ...sampling import Sampler, SamplingConfig
     from ...weights.sources import DummySource
 
     tiers = Tiers(dev)
-    policy = Policy.from_percent(percent, overlap=False)
+    policy = Placement.from_percent(percent, overlap=False)
     try:
         weights = place_weights(cfg, DummySource(cfg), policy, tiers, dtype, progress=False)
         kv_policy = kv_policy or FullPolicy()
         engine = Engine(cfg, weights, policy, tiers, kv_policy, dtype)
-        kv_policy.prepare(OffloadedLM(cfg, engine, None, tiers))
+        kv_policy.prepare(OffloadedLM(cfg, engine, None, tiers).policy_context())
         ids = torch.randint(3, cfg.vocab_size, (1, 32))
         out = engine.run_block([(ids, torch.ones_like(ids, dtype=torch.bool))], 24,
                                Sampler(SamplingConfig()))

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ...runtime.tiers import DEVICE, DISK, HOST, Tiers
+from ...memory.tiers import DEVICE, DISK, HOST, Tiers
 from .timing import MAX_PARTS, RATE_SIZES, timed
 
 LINK_CHUNKS = [64 << 10, 1 << 20, 4 << 20, 32 << 20, 256 << 20]

@@ -1,0 +1,85 @@
+"""What one block of the schedule holds while it runs, as values the step loop is given: the
+block's mode (:class:`BlockMode`, fixed for the block), one iteration's pass over some of its
+GPU batches (:class:`Pass`), and the block's state (:class:`Block`: each GPU batch's inputs and
+outputs, the KV caches, the offloaded hidden states)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kv.base import KVCache, PromptRecorder
+from ..memory.split_tensor import SplitTensor
+from .prefill_cache import Prefilled
+
+
+@dataclass
+class BatchState:
+    """One GPU batch of a block: its inputs for the current token and its outputs so far."""
+
+    ids: torch.Tensor  # [b, s] tokens fed at this iteration
+    valid: torch.Tensor  # [b, length] True for real (not padding) tokens, inputs included
+    positions: torch.Tensor  # [b, s] position ids of the inputs
+    pos_enc: object = None  # the family's encoding of ``positions`` (rotary cos/sin)
+    bias: torch.Tensor | None = None  # additive attention mask [b, 1, s, length]
+    visible: torch.Tensor | None = None  # [b, length]: keys the newest token may see
+    hidden: object = None
+    logits: torch.Tensor | None = None
+    handoff: torch.Tensor | None = None  # the last layer's attention input, for the next rank
+
+
+@dataclass
+class Step:
+    """One iteration of a block: the token chosen for every GPU batch, its wall time, and
+    the logits when asked for."""
+
+    index: int  # 0 is the prefill
+    tokens: list[torch.Tensor]  # per GPU batch, [b] on the CPU
+    seconds: float
+    logits: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class BlockMode:
+    """How a block runs, decided when it starts.
+
+    ``record``: the prefill only, each layer's prompt q and k handed to it instead of kept
+    (calibration); ``prefilled``: the caches filled from this kept prefill of the same
+    prompts instead of running it; ``capture``: this block's prefill kept there;
+    ``prefill_chunk``: prompt tokens per chunk through a layer."""
+
+    record: PromptRecorder | None = None
+    prefilled: Prefilled | None = None
+    capture: Prefilled | None = None
+    prefill_chunk: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One iteration over some of the block's GPU batches (all of them, or one pipeline
+    micro-batch), every stage in the zig-zag order."""
+
+    decode: bool
+    batches: tuple[int, ...]
+    mode: BlockMode
+
+    @property
+    def first(self) -> int:
+        return self.batches[0]
+
+
+@dataclass
+class Block:
+    """The running block's state: per GPU batch its :class:`BatchState`, per (stage, GPU
+    batch) of an attention stage its KV cache, which stage holds each layer's attention,
+    and the buffers hidden states are offloaded into (reused from stage to stage)."""
+
+    states: list[BatchState] = field(default_factory=list)
+    caches: dict[tuple[int, int], KVCache] = field(default_factory=dict)
+    attention_stage: dict[int, int] = field(default_factory=dict)  # layer -> its stage
+    activations: dict[tuple, SplitTensor] = field(default_factory=dict)
+
+    def next_cache(self, layer: int, batch: int) -> KVCache | None:
+        """The cache of layer ``layer + 1`` for ``batch``, when it runs in this process."""
+        following = self.attention_stage.get(layer + 1)
+        return None if following is None else self.caches[(following, batch)]

@@ -1,1 +1,0 @@
-"""InfiniGen: offline skewing and the speculative KV cache policy (see ``kv/infinigen.py``)."""

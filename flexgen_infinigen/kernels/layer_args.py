@@ -1,0 +1,61 @@
+"""The argument block of ``kernels/c/decode_layer.c`` as ctypes structures, and filling one
+linear layer's part of it from a weight as loaded: shared by :mod:`.layer_call` (the layer's
+call) and :mod:`..kv.infinigen.fused_select` (InfiniGen's layer inside it)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..memory.codes import PackedWeight
+
+IN, ATTEND, OUT, MLP = 1, 2, 4, 8
+_FLOAT, _Q4, _Q8, _Q4_H16, _Q8_H16 = 0, 1, 2, 3, 4
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("group", _I), ("w", _P), ("scale", _P),
+                ("minimum", _P), ("bias", _P)]
+
+
+class _Args(ctypes.Structure):  # kernels/c/decode_layer.c's dl_args, field for field
+    _fields_ = ([(n, _I) for n in ("B", "H", "KV", "D", "hidden", "inter", "nthreads")]
+                + [("eps", ctypes.c_double), ("attn_norm", _P), ("mlp_norm", _P)]
+                + [(n, _Linear) for n in ("q", "k", "v", "o", "gate", "up", "down")]
+                + [("h", _P), ("h_out", _P), ("cos", _P), ("sin", _P), ("bias", _P),
+                   ("bias_stride", _I), ("kc", _P), ("vc", _P)]
+                + [(n, _I) for n in ("st", "sc", "position", "first")]
+                # select_step: the C function pointer InfiniGen's selection sets with sel
+                # (cpu_kernels.function_address("dl_select_step")); NULL otherwise
+                + [(n, _P) for n in ("x", "q_rot", "kn", "vn", "attn", "lin", "mid", "x2", "g",
+                                     "u", "bias_rows", "sel", "select_step", "q_norm",
+                                     "k_norm")]
+                + [("qk_full", _I)])
+
+
+def _linear(spec: _Linear, weight, bias, q4_ready: bool) -> bool:
+    """Fill ``spec`` from a weight as loaded; False when the kernel does not read its form."""
+    if bias is not None:
+        if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.is_cuda:
+            return False
+        spec.bias = bias.data_ptr()
+    if isinstance(weight, PackedWeight):
+        p = weight.packed
+        if not weight.kernel_ready or p.bits not in (4, 8) or (p.bits == 4 and not q4_ready):
+            return False
+        # the scales' width picks the kernel: float32 (linear_q4/q8) or float16 (the _h16 pair)
+        half = p.scale.dtype == torch.float16
+        spec.kind = (_Q4_H16 if half else _Q4) if p.bits == 4 else (_Q8_H16 if half else _Q8)
+        spec.n, spec.k = p.shape
+        spec.group = p.group
+        spec.w, spec.scale, spec.minimum = (t.data_ptr() for t in (p.codes, p.scale, p.minimum))
+        return True
+    if (not isinstance(weight, torch.Tensor) or weight.is_cuda or weight.dtype != torch.float32
+            or weight.dim() != 2 or not weight.is_contiguous()):
+        return False
+    spec.kind = _FLOAT
+    spec.n, spec.k = weight.shape
+    spec.w = weight.data_ptr()
+    return True
