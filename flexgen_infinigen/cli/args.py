@@ -86,6 +86,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--path", default=None, help="a converted weight store folder")
     g.add_argument("--dummy", action="store_true", help="seeded random weights in true shapes")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", action=_Threads, type=_thread_count, default=None, metavar="N",
+                   help="CPU threads for compute (torch's and the kernels'; as llama.cpp's -t; "
+                        "default: torch's, one a core)")
     g.add_argument("--chat-template", type=_chat_template_file, default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's own (as in "
                         "transformers' chat_template.jinja); checked when the command starts")
@@ -101,6 +104,27 @@ def _chat_template_file(path: str) -> str:
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return path
+
+
+def _thread_count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads >= 1, got {value!r}")
+    return n
+
+
+class _Threads(argparse.Action):
+    """``--threads N``: this process computes on N threads from now on (torch's pool, which
+    the CPU kernels split their rows over), set as the flag is read, before any loading."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        torch.set_num_threads(values)
+        setattr(namespace, self.dest, values)
 
 
 class _Offline(argparse.Action):

@@ -50,6 +50,7 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
                   "num_kv_heads": cfg.num_kv_heads},
         "device": device,
         "dtype": str(lm.engine.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
         "policy": policy.to_dict(),
         "kv_policy": lm.engine.kv_policy.report(),
         "num_prompts": n, "prompt_len": p, "gen_len": g, "projected": gen.projected,
@@ -126,7 +127,8 @@ def print_report(r: dict, out=None, max_texts: int = 3) -> None:
     m = r["model"]
     w(f"model: {m['name']} ({m['architecture']}, {m['num_layers']} layers, "
       f"hidden {m['hidden_size']}) "
-      f"on {r['device']}, {r['dtype']}, kv policy {r['kv_policy']['kv_policy']}")
+      f"on {r['device']} ({_threads(r.get('threads'))}), {r['dtype']}, "
+      f"kv policy {r['kv_policy']['kv_policy']}")
     pol = r["policy"]
     w("policy: percent {} {} {} {} {} {}, gpu batch {} x {}, overlap {}, sep-layer {}, "
       "cpu-cache-compute {}, compress weight {} cache {}".format(
@@ -233,3 +235,7 @@ def print_pipeline(p: dict, w) -> None:
         w(f"  {r['rank']:<5}{layers:<12}{r['load_time_s']:>8.2f}{r['prefill_latency_s']:>11.3f}"
           f"{r['decode_latency_s']:>10.3f}{r['waiting_s']:>11.3f}{moved / GB:>10.3f}"
           f"{sent / GB:>9.4f}  {percent}")
+
+
+def _threads(n) -> str:
+    return "threads unknown" if n is None else f"{n} thread{'' if n == 1 else 's'}"
