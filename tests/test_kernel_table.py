@@ -235,14 +235,15 @@ def _struct_fields(header: str, name: str) -> list[str]:
 def test_argument_blocks_match_their_ctypes_mirrors():
     """``dl_linear``, ``dl_args`` (the ``select_step`` slot included) and ``dl_select``
     field for field as their ctypes structures list them (every field 8 bytes wide)."""
-    from flexgen_infinigen.kernels.layer_args import _Args, _Linear
-    from flexgen_infinigen.kv.infinigen.fused_select import _Select
-    for c_name, mirror in (("dl_linear", _Linear), ("dl_args", _Args), ("dl_select", _Select)):
+    from flexgen_infinigen.kernels.layer_args import LayerArgs, LinearSpec
+    from flexgen_infinigen.kv.infinigen.fused_select import SelectArgs
+    for c_name, mirror in (("dl_linear", LinearSpec), ("dl_args", LayerArgs),
+                           ("dl_select", SelectArgs)):
         fields = [f for f, _ in mirror._fields_]
         assert _struct_fields("decode_layer.h", c_name) == fields, c_name
         assert ctypes.sizeof(mirror) == 8 * sum(
             ctypes.sizeof(t) // 8 for _, t in mirror._fields_), c_name
-    assert "select_step" in [f for f, _ in _Args._fields_]
+    assert "select_step" in [f for f, _ in LayerArgs._fields_]
 
 
 def test_invoke_refuses_wrong_arguments():

@@ -11,31 +11,31 @@ from ..memory.codes import PackedWeight
 
 IN, ATTEND, OUT, MLP = 1, 2, 4, 8
 _FLOAT, _Q4, _Q8, _Q4_H16, _Q8_H16 = 0, 1, 2, 3, 4
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
+PTR = ctypes.c_void_p
+I64 = ctypes.c_int64
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("group", _I), ("w", _P), ("scale", _P),
-                ("minimum", _P), ("bias", _P)]
+class LinearSpec(ctypes.Structure):
+    _fields_ = [("kind", I64), ("n", I64), ("k", I64), ("group", I64), ("w", PTR), ("scale", PTR),
+                ("minimum", PTR), ("bias", PTR)]
 
 
-class _Args(ctypes.Structure):  # kernels/c/decode_layer.c's dl_args, field for field
-    _fields_ = ([(n, _I) for n in ("B", "H", "KV", "D", "hidden", "inter", "nthreads")]
-                + [("eps", ctypes.c_double), ("attn_norm", _P), ("mlp_norm", _P)]
-                + [(n, _Linear) for n in ("q", "k", "v", "o", "gate", "up", "down")]
-                + [("h", _P), ("h_out", _P), ("cos", _P), ("sin", _P), ("bias", _P),
-                   ("bias_stride", _I), ("kc", _P), ("vc", _P)]
-                + [(n, _I) for n in ("st", "sc", "position", "first")]
+class LayerArgs(ctypes.Structure):  # kernels/c/decode_layer.c's dl_args, field for field
+    _fields_ = ([(n, I64) for n in ("B", "H", "KV", "D", "hidden", "inter", "nthreads")]
+                + [("eps", ctypes.c_double), ("attn_norm", PTR), ("mlp_norm", PTR)]
+                + [(n, LinearSpec) for n in ("q", "k", "v", "o", "gate", "up", "down")]
+                + [("h", PTR), ("h_out", PTR), ("cos", PTR), ("sin", PTR), ("bias", PTR),
+                   ("bias_stride", I64), ("kc", PTR), ("vc", PTR)]
+                + [(n, I64) for n in ("st", "sc", "position", "first")]
                 # select_step: the C function pointer InfiniGen's selection sets with sel
                 # (cpu_kernels.function_address("dl_select_step")); NULL otherwise
-                + [(n, _P) for n in ("x", "q_rot", "kn", "vn", "attn", "lin", "mid", "x2", "g",
+                + [(n, PTR) for n in ("x", "q_rot", "kn", "vn", "attn", "lin", "mid", "x2", "g",
                                      "u", "bias_rows", "sel", "select_step", "q_norm",
                                      "k_norm")]
-                + [("qk_full", _I)])
+                + [("qk_full", I64)])
 
 
-def _linear(spec: _Linear, weight, bias, q4_ready: bool) -> bool:
+def point_linear(spec: LinearSpec, weight, bias, q4_ready: bool) -> bool:
     """Fill ``spec`` from a weight as loaded; False when the kernel does not read its form."""
     if bias is not None:
         if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.is_cuda:

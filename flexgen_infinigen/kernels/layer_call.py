@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from ..config import ModelConfig
-from .layer_args import ATTEND, IN, MLP, OUT, _Args, _linear
+from .layer_args import ATTEND, IN, MLP, OUT, LayerArgs, point_linear
 
 __all__ = ["ATTEND", "IN", "MLP", "OUT", "LayerCall", "StepState"]
 
@@ -46,7 +46,7 @@ class LayerCall:
     def __init__(self, lib, cfg: ModelConfig, kind: str, w: dict, batch: int):
         self.lib, self.cfg, self.kind, self.batch = lib, cfg, kind, batch
         self.weights = tuple(w.values())  # kept alive: the block holds their pointers
-        a = self.args = _Args()
+        a = self.args = LayerArgs()
         b, h, kv, d = batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         a.B, a.H, a.KV, a.D = b, h, kv, d
         a.hidden, a.inter, a.eps = cfg.hidden_size, cfg.intermediate_size, cfg.norm_eps
@@ -61,7 +61,7 @@ class LayerCall:
             a.mlp_norm = w["mlp_norm.weight"].data_ptr()
             names += ["gate", "up", "down"]
         for n in names:
-            if not _linear(getattr(a, n), w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"),
+            if not point_linear(getattr(a, n), w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias"),
                            self.q4):
                 self.ok = False
                 return

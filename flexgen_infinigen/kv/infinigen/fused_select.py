@@ -39,22 +39,22 @@ import torch
 from ..base import Loaded, Read
 from .spec_keys import SpeculationKeys
 from ...kernels import cpu_kernels
-from ...kernels.layer_args import ATTEND, IN, OUT, _I, _P, _Linear, _linear
+from ...kernels.layer_args import ATTEND, IN, OUT, I64, PTR, LinearSpec, point_linear
 
 CHOSEN, SPECULATE, OWN_QUERY = 16, 32, 64
 
 
-class _Select(ctypes.Structure):  # kernels/c/decode_layer.h's dl_select, field for field
-    _fields_ = ([("index", _P), ("counts", _P), ("n", _I), ("proj", _P), ("proj_sb", _I),
-                 ("codes", _P), ("lo", _P), ("scale", _P)]
-                + [(n, _I) for n in ("L", "P", "r", "bits")]
-                + [("nq", _Linear), ("nproj", _P), ("nproj_sb", _I), ("nr", _I),
-                   ("ncodes", _P), ("nlo", _P), ("nscale", _P)]
-                + [(n, _I) for n in ("nL", "nP", "nbits")]
-                + [("visible", _P), ("cap", _P), ("order", _P), ("T", _I), ("width", _I)]
-                + [(n, _P) for n in ("s_rows", "s_lin", "s_rot", "s_pq", "s_packed",
+class SelectArgs(ctypes.Structure):  # kernels/c/decode_layer.h's dl_select, field for field
+    _fields_ = ([("index", PTR), ("counts", PTR), ("n", I64), ("proj", PTR), ("proj_sb", I64),
+                 ("codes", PTR), ("lo", PTR), ("scale", PTR)]
+                + [(n, I64) for n in ("L", "P", "r", "bits")]
+                + [("nq", LinearSpec), ("nproj", PTR), ("nproj_sb", I64), ("nr", I64),
+                   ("ncodes", PTR), ("nlo", PTR), ("nscale", PTR)]
+                + [(n, I64) for n in ("nL", "nP", "nbits")]
+                + [("visible", PTR), ("cap", PTR), ("order", PTR), ("T", I64), ("width", I64)]
+                + [(n, PTR) for n in ("s_rows", "s_lin", "s_rot", "s_pq", "s_packed",
                                      "s_qsum")]
-                + [(n, _P) for n in ("nscale_x", "nshift_x", "s_x")])
+                + [(n, PTR) for n in ("nscale_x", "nshift_x", "s_x")])
 
 
 def takes(cache, qk_norm: bool) -> bool:
@@ -96,7 +96,7 @@ class SelectPlan:
         cfg, b, q4 = call.cfg, call.batch, call.q4
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         c, g = b * kv, h // kv
-        s = self.args = _Select()
+        s = self.args = SelectArgs()
         # this layer's chosen rows in the call: packed speculation keys to write the new key
         # into (or none), no pool
         self.chosen = cache.selecting and cache.pool is None and not cache.packed_here and (
@@ -127,7 +127,7 @@ class SelectPlan:
         # the C layer reaches decode_select.c through this slot only
         call.args.select_step = cpu_kernels.function_address("dl_select_step")
 
-    def _speculation(self, nc, s: _Select, b: int, h: int, kv: int, d: int, q4: bool) -> bool:
+    def _speculation(self, nc, s: SelectArgs, b: int, h: int, kv: int, d: int, q4: bool) -> bool:
         """Whether the next layer's speculation runs in the call: the rehearsal's whole W_Q
         in a form the linear kernels read, and its keys scored in C; fills its part of the
         block."""
@@ -144,12 +144,12 @@ class SelectPlan:
             s.nscale_x = renorm[0].data_ptr()
             s.nshift_x = renorm[1].data_ptr() if renorm[1] is not None else None
         w = rehearsal.weights[nc.spec.layer]
-        if not _linear(s.nq, w.get("q_proj.weight"), w.get("q_proj.bias"), q4):
+        if not point_linear(s.nq, w.get("q_proj.weight"), w.get("q_proj.bias"), q4):
             return False
         self.spec_keep = (w,)
         return self._scoring(nc, s, b, kv, d)
 
-    def _scoring(self, nc, s: _Select, b: int, kv: int, d: int) -> bool:
+    def _scoring(self, nc, s: SelectArgs, b: int, kv: int, d: int) -> bool:
         """Whether the call can choose ``nc``'s rows: the mass rule over its packed keys,
         scored in C (what ``_choose`` takes then) through its per-KV-head projection; fills
         the scoring fields of the block."""
