@@ -38,9 +38,9 @@ class MoePlan:
     gate, up and down at 3e, 3e + 1, 3e + 2) and the router's and norm's tensors, all read
     in place; :meth:`__call__` runs a decode step's tokens through it."""
 
-    def __init__(self, cfg: ModelConfig, lib, router: torch.Tensor, norm: torch.Tensor,
+    def __init__(self, cfg: ModelConfig, router: torch.Tensor, norm: torch.Tensor,
                  experts: list[PackedWeight], tables: tuple):
-        self.cfg, self.lib, self.router, self.norm = cfg, lib, router, norm
+        self.cfg, self.router, self.norm = cfg, router, norm
         self.experts = experts  # the tables point into them: kept alive with the plan
         self.group, self.f, self.tables = tables
         self.h = cfg.hidden_size
@@ -78,7 +78,6 @@ def moe_plan(cfg: ModelConfig, w: dict) -> MoePlan | None:
     experts = [w.get(f"experts.{e}.{m}.weight") for e in range(cfg.num_experts)
                for m in moe.EXPERT_MATRICES]
     tables = expert_tables(experts, hidden)
-    lib = library()
-    if tables is None or lib is None:
+    if tables is None or library() is None:
         return None
-    return MoePlan(cfg, lib, router, norm, experts, tables)
+    return MoePlan(cfg, router, norm, experts, tables)
