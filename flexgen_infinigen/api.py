@@ -85,7 +85,7 @@ class OffloadedLM:
         if max_len_hint is not None:
             check_lengths(cfg, *max_len_hint)
         order = expert_order(expert_profile, cfg) if expert_profile else None
-        layouts = weight_layouts(source, cfg)
+        layouts = weight_layouts(source, cfg, native=dev.type != "cuda")
         if policy.sep_layer is None:
             policy = dataclasses.replace(policy, sep_layer=not memory_plan.one_stage_a_layer(
                 cfg, policy, dev, layouts))
@@ -98,7 +98,7 @@ class OffloadedLM:
             names = (part.weight_names(cfg) | part.borrowed_names(cfg)
                      if part is not None else None)
             weights = place_weights(cfg, source, policy, tiers, torch_dtype, progress, names,
-                                    expert_order=order)
+                                    expert_order=order, layouts=layouts)
         except BaseException:
             tiers.close()
             raise

@@ -58,6 +58,10 @@ SMOLLM2_GGUF = Switch("FLEXGEN_INFINIGEN_SMOLLM2_GGUF", Path, None,
                       "a local SmolLM2-135M-Instruct GGUF for the default model (no download)")
 KERNELS = Switch("FLEXGEN_INFINIGEN_KERNELS", bool, True,
                  "compile and use the CPU kernels (off: torch operations only)")
+GGUF_BLOCKS = Switch("FLEXGEN_INFINIGEN_GGUF_BLOCKS", bool, True,
+                     "a CPU multiplies a GGUF's quantized tensors as the file's blocks, read "
+                     "where the file lies (off: as codes copied into memory, 8-bit for "
+                     "Q5/Q6/Q8 types, the form a GPU takes)")
 FUSED = Switch("FLEXGEN_INFINIGEN_FUSED", bool, True,
                "a CPU decode step's layer (and MoE stage) as one compiled call (off: the "
                "per-operation path)")
@@ -88,8 +92,8 @@ LOCAL_RANK = Switch("LOCAL_RANK", int, None, "this process's rank on its machine
 MASTER_ADDR = Switch("MASTER_ADDR", str, None, "the first rank's address (torchrun)")
 MASTER_PORT = Switch("MASTER_PORT", str, None, "the first rank's port (torchrun)")
 
-ALL = [CACHE, SMOLLM2_GGUF, KERNELS, FUSED, MAPPED_ROWS, HUGE_PAGES, SELECT_FROM_MB, API_KEY,
-       CC, MKL_CBWR, HF_HUB_OFFLINE, HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME, HF_ENDPOINT,
+ALL = [CACHE, SMOLLM2_GGUF, KERNELS, GGUF_BLOCKS, FUSED, MAPPED_ROWS, HUGE_PAGES, SELECT_FROM_MB,
+       API_KEY, CC, MKL_CBWR, HF_HUB_OFFLINE, HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME, HF_ENDPOINT,
        HF_TOKEN, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT]
 
 

@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny random OPT checkpoint and the real SmolLM2 store, with HF references."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 from pathlib import Path
@@ -121,6 +123,36 @@ def smollm2_hf(smollm2_store):
     return hf_llama_from_store(smollm2_store)
 
 
+@contextlib.contextmanager
+def inputs_rounded(model, block_of):
+    """transformers' ``model`` with each linear layer's input rounded as the GGUF block
+    kernels round it: per block of ``block_of(part)`` values (None: left alone; ``part``:
+    the module's name without ``model.layers.N.``, e.g. ``self_attn.q_proj``, ``lm_head``),
+    8-bit codes q = round(x * 127 / amax) and the float scale amax / 127 (llama.cpp's
+    Q8_0 and Q8_K). The hooks come off on leaving."""
+    def hook_for(n):
+        def hook(module, args):
+            x = args[0]
+            b = x.float().reshape(-1, n)
+            amax = b.abs().amax(1, keepdim=True)
+            q = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+            return ((q * (amax / 127)).reshape(x.shape).to(x.dtype),)
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        part = name.removeprefix("model.")
+        part = part.split(".", 2)[-1] if part.startswith("layers.") else part
+        n = block_of(part) if isinstance(module, torch.nn.Linear) else None
+        if n:
+            handles.append(module.register_forward_pre_hook(hook_for(n)))
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def hf_greedy(model, prompt: list[int], steps: int):
     """Greedy tokens and per-step logits from transformers with its own KV cache (the reference).
 
@@ -146,10 +178,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("FLEXGEN_INFINIGEN_SELECT_FROM_MB", "0")
 
 
-def portable_kernels(tmp_path_factory, source: str):
+def portable_kernels(tmp_path_factory, source: str, march: str | None = None):
     """``kernels/c/<source>`` built for a plain x86-64 (no AVX, so no AVX2 and no
-    F16C): the kernels' portable paths, loaded with ctypes. Skips without a C compiler or
-    off x86-64."""
+    F16C): the kernels' portable paths, loaded with ctypes; or for ``march`` (``haswell``:
+    AVX2 without AVX-512). Skips without a C compiler or off x86-64."""
     import ctypes
     import platform
     import shutil
@@ -163,7 +195,8 @@ def portable_kernels(tmp_path_factory, source: str):
         pytest.skip("the portable build is tested on x86-64 with a C compiler")
     folder = Path(cpu_kernels.__file__).with_name("c")
     out = tmp_path_factory.mktemp("portable") / f"{Path(source).stem}.so"
-    subprocess.run([cc, "-O2", "-march=x86-64", "-mno-avx", "-fopenmp", "-fPIC", "-shared",
+    target = [f"-march={march}"] if march else ["-march=x86-64", "-mno-avx"]
+    subprocess.run([cc, "-O2", *target, "-fopenmp", "-fPIC", "-shared",
                     "-Wno-psabi", "-I", str(folder), str(folder / source), "-o", str(out),
                     "-lm"], check=True, capture_output=True)
     return ctypes.CDLL(str(out))

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, inputs_rounded
 from gguf_header import add_model_metadata
 
 from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.kernels import layers as cpu_layers
-from flexgen_infinigen.memory.codes import Packed, PackedWeight, decompress
+from flexgen_infinigen.memory.codes import BLOCK_FORMS, Packed, PackedWeight, decompress
 from flexgen_infinigen.weights import gguf_codes
 
 gguf = pytest.importorskip("gguf")
@@ -168,17 +168,23 @@ def _tiny(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("percent", [[100, 0], [40, 30]])
-def test_quantized_gguf_runs_from_its_codes(arch, percent, tmp_path):
+@pytest.mark.parametrize("percent,blocks,fused", [([100, 0], True, True), ([100, 0], True, False),
+                                                  ([40, 30], True, True), ([40, 30], False, True)])
+def test_quantized_gguf_runs_from_its_codes(arch, percent, blocks, fused, tmp_path, monkeypatch):
     """A GGUF holding all eight kept quantized types (llama: q/k rows permuted by llama.cpp,
     undone on whole rows of blocks; qwen3: q/k norms) converts to a store of the file's
-    blocks (each tensor's file the size of its bytes in the GGUF), places them as codes
-    whose bytes the memory plan counts, and gives transformers' greedy tokens on the
-    dequantized weights, with the weights on the device or split over the three tiers."""
+    blocks (each tensor's file the size of its bytes in the GGUF), with the weights on the
+    device or split over the three tiers. ``blocks`` (a CPU's default): placed as the file's
+    blocks, byte for byte, the memory plan counting them, and giving transformers' greedy
+    tokens and logits on the dequantized weights with each quantized matrix's input rounded
+    to 8-bit blocks as the kernels round it (``conftest.inputs_rounded``). Else placed as codes
+    (the form a GPU takes), matching transformers' float path."""
     from flexgen_infinigen.engine import memory_plan
     from flexgen_infinigen.weights.gguf_convert import convert_gguf
     from flexgen_infinigen.weights.store import WeightStore
 
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_GGUF_BLOCKS", "1" if blocks else "0")
+    monkeypatch.setenv("FLEXGEN_INFINIGEN_FUSED", "1" if fused else "0")  # the layer's one call
     model = _tiny(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     write_quantized_gguf(model, arch, path)
@@ -201,14 +207,21 @@ def test_quantized_gguf_runs_from_its_codes(arch, percent, tmp_path):
                                    layouts=lm.weight_layouts)["weights"]
         out = lm.generate([PROMPT], 8, stop_token_id=None, keep_logits=True)
     assert sum(planned.values()) == placed
+    with inputs_rounded(model, lambda part: BLOCK_FORMS[TYPES[part]][1] if blocks else None):
+        tokens, logits = hf_greedy(model, PROMPT, 8)
+    codes = sum(t.n_bytes for t in reader.tensors if t.tensor_type.name != "F32")
+    if blocks:  # the file's blocks as they lie, times activations rounded to 8-bit blocks
+        assert {ws.format(n) == lay.kind for n, lay in lm.weight_layouts.items()} == {True}
+        assert placed == sum(t.n_bytes for t in reader.tensors)  # nothing widened or added
+        assert out.token_ids[0] == tokens
+        assert (out.logits[0] - logits).abs().max().item() < 1e-5 * logits.abs().max().item()
+        return
     # the plain types' factors held as float16 (exact), the random K-quants' as float32
     half = {ws.format(n): lay.half for n, lay in lm.weight_layouts.items()}
     assert half == {"Q4_K": False, "Q5_K": False, "Q6_K": False, "Q4_0": True,
                     "Q4_1": True, "Q5_0": True, "Q5_1": True, "Q8_0": True}
     # 4-bit and 8-bit codes with a scale and minimum a group, norms in float32
-    codes = sum(t.n_bytes for t in reader.tensors if t.tensor_type.name != "F32")
     assert codes < placed < 1.6 * codes
-    tokens, logits = hf_greedy(model, PROMPT, 8)
     assert out.token_ids[0] == tokens
     assert (out.logits[0] - logits).abs().max().item() < 2e-3 * logits.abs().max().item()
 

@@ -1,6 +1,7 @@
-"""``--model`` given a GGUF file or a Hugging Face folder: converted into the cache once,
-found again by the source's identity, converted again when the source changes, and never
-left half-written. Outputs are checked against transformers on the same weights."""
+"""``--model`` given a GGUF file or a Hugging Face folder: indexed (a GGUF, read in place)
+or converted into the cache once, found again by the source's identity, made again when the
+source changes, and never left half-written. Outputs are checked against transformers on
+the same weights."""
 from __future__ import annotations
 
 import json
@@ -42,10 +43,10 @@ def _generate(model_arg, steps=6):
         return lm, out
 
 
-def test_gguf_file_converted_once_then_found_then_reconverted(cache, tiny_qwen2, capsys):
+def test_gguf_file_indexed_once_then_found_then_reindexed(cache, tiny_qwen2, capsys):
     model, path = tiny_qwen2
     lm, out = _generate(path)
-    assert "first use" in capsys.readouterr().err
+    assert "indexing" in capsys.readouterr().err.split("first use")[0]
     tokens, logits = hf_greedy(model, PROMPT, 6)
     assert out.token_ids[0] == tokens
     assert (out.logits[0] - logits).abs().max().item() < 1e-4
@@ -54,16 +55,34 @@ def test_gguf_file_converted_once_then_found_then_reconverted(cache, tiny_qwen2,
     assert lm.store_path == store and store.parent == cache / "stores"
     made = (store / MANIFEST).stat().st_mtime_ns
 
-    _generate(path)  # found again: nothing converted, the store untouched
-    assert "converting" not in capsys.readouterr().err
+    _generate(path)  # found again: nothing indexed, the store untouched
+    assert "indexing" not in capsys.readouterr().err
     assert (store / MANIFEST).stat().st_mtime_ns == made
 
-    st = path.stat()  # a rewritten source (same bytes, new time) is converted again
+    st = path.stat()  # a rewritten source (same bytes, new time) is indexed again
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     _generate(path)
     assert "the source changed" in capsys.readouterr().err
     ident = json.loads((store / MANIFEST).read_text())["source_identity"]
     assert ident == local_model.identity(path.resolve(), "gguf")
+
+
+def test_an_indexed_files_config_comes_from_its_index(cache, tiny_qwen2, monkeypatch):
+    """Once indexed, a GGUF's config is read from the index (a large vocabulary's metadata
+    takes seconds to parse), equal to the file's own; a changed file is read again."""
+    from flexgen_infinigen.weights import gguf_config
+
+    _, path = tiny_qwen2
+    from_file = local_model.source_config(str(path))  # not indexed yet: the file's metadata
+    local_model.store_for(str(path), progress=False)
+    real = gguf_config.open_model
+    monkeypatch.setattr(gguf_config, "open_model", lambda *a: pytest.fail("file parsed"))
+    assert local_model.source_config(str(path)) == from_file
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    opened = []
+    monkeypatch.setattr(gguf_config, "open_model", lambda *a: opened.append(a) or real(*a))
+    assert local_model.source_config(str(path)) == from_file and opened
 
 
 def test_hf_folder_as_model(cache, tiny_llama, capsys):
@@ -79,21 +98,21 @@ def test_hf_folder_as_model(cache, tiny_llama, capsys):
 
 def test_interrupted_conversion_is_not_found_later(cache, tiny_qwen2, monkeypatch, capsys):
     _, path = tiny_qwen2
-    real_add, calls = StoreWriter.add, []
+    real_add, calls = StoreWriter.add_in_place, []  # a GGUF's store is an index
 
-    def failing_add(self, name, array, dtype=None):
+    def failing_add(self, name, entry):
         calls.append(name)
         if len(calls) == 3:
             raise KeyboardInterrupt("simulated Ctrl-C")
-        real_add(self, name, array, dtype)
+        real_add(self, name, entry)
 
-    monkeypatch.setattr(StoreWriter, "add", failing_add)
+    monkeypatch.setattr(StoreWriter, "add_in_place", failing_add)
     with pytest.raises(KeyboardInterrupt):
         _generate(path)
     stores = cache / "stores"
     assert [p for p in stores.iterdir() if (p / MANIFEST).exists()] == []
-    monkeypatch.setattr(StoreWriter, "add", real_add)
-    _generate(path)  # the next use converts from scratch
+    monkeypatch.setattr(StoreWriter, "add_in_place", real_add)
+    _generate(path)  # the next use indexes from scratch
     assert capsys.readouterr().err.count("first use") == 2
 
 

@@ -13,6 +13,7 @@ from ..placement import Placement
 from ..weights.sources import DummySource, StoreSource
 from ..weights.store import WeightStore
 from ..memory.codes import CodeLayout
+from ..switches import GGUF_BLOCKS
 from .expert_homes import home_split
 from ..guards import raise_if_interrupted
 from ..memory.split_tensor import SplitTensor
@@ -102,31 +103,35 @@ def find_weights(model: str | None, path: str | None, dummy: bool, seed: int = 0
     return cfg, StoreSource(store), store
 
 
-def weight_layouts(source, cfg: ModelConfig) -> dict[str, CodeLayout]:
-    """(code bits, group, float16 scales) of each weight the source keeps as a quantized
-    file's codes."""
+def weight_layouts(source, cfg: ModelConfig, native: bool = True) -> dict[str, CodeLayout]:
+    """(code bits, group, float16 scales, block type) of each weight the source keeps as a
+    quantized file's codes. ``native`` (a CPU computes): the types the CPU kernels read as
+    stored stay the file's blocks (a layout with ``kind``); else (a GPU) they become codes."""
     layout = getattr(source, "layout", None)
     if layout is None:
         return {}
-    found = {n: layout(n) for n in family_of(cfg).weight_shapes(cfg)}
+    native = native and GGUF_BLOCKS.get()
+    found = {n: layout(n, native=native) for n in family_of(cfg).weight_shapes(cfg)}
     return {n: lay for n, lay in found.items() if lay is not None}
 
 
 def place_weights(cfg: ModelConfig, source, policy: Placement, tiers: Tiers, dtype: torch.dtype,
                   progress: bool = True, names: set[str] | None = None,
-                  expert_order: dict[int, list[int]] | None = None
-                  ) -> dict[str, SplitTensor]:
+                  expert_order: dict[int, list[int]] | None = None,
+                  layouts: dict[str, CodeLayout] | None = None) -> dict[str, SplitTensor]:
     """Every weight (or those in ``names``: one pipeline rank's), split along its rows across
     the tiers as the policy's percentages say. Routed experts are tensors of their own kind
     (``experts``), placed whole by the policy's ``expert_split`` (``--experts-percent``,
     :mod:`.expert_homes`; ``expert_order``: a routing profile's order, most used first), and
     the bytes they move are counted apart. Weights a quantized file brought are placed as their
     codes (one tensor's codes built at a time; ``--compress-weight`` changes nothing then),
-    floats in ``dtype`` (4-bit with ``--compress-weight``)."""
+    or, for a CPU, as the file's blocks, read where the file lies (``layouts``: the form of
+    each, :func:`weight_layouts`); floats in ``dtype`` (4-bit with ``--compress-weight``)."""
     shapes = family_of(cfg).weight_shapes(cfg)
     if names is not None:
         shapes = {n: s for n, s in shapes.items() if n in names}
-    layouts = weight_layouts(source, cfg)
+    if layouts is None:
+        layouts = weight_layouts(source, cfg, native=not tiers.is_cuda)
     compress = policy.compress_weight and not layouts
     placed = {}
     for name, shape in tqdm(shapes.items(), desc="placing weights", unit="tensor",
@@ -139,7 +144,8 @@ def place_weights(cfg: ModelConfig, source, policy: Placement, tiers: Tiers, dty
                               "experts" if expert else "weights",
                               compress=compress, pin=policy.pin_weight,
                               layout=layouts.get(name))
-        data = source(name, shape)
+        data = source(name, shape, layouts.get(name)) if name in layouts else \
+            source(name, shape)
         tensor.write(data if name in layouts else data.to(dtype), src_tier="host")
         del data
         placed[name] = tensor

@@ -7,10 +7,11 @@ import ctypes
 
 import torch
 
-from ..memory.codes import PackedWeight
+from ..memory.codes import Blocks, PackedWeight
+from .gguf import TYPE_IDS
 
 IN, ATTEND, OUT, MLP = 1, 2, 4, 8
-_FLOAT, _Q4, _Q8, _Q4_H16, _Q8_H16 = 0, 1, 2, 3, 4
+_FLOAT, _Q4, _Q8, _Q4_H16, _Q8_H16, _GGUF = 0, 1, 2, 3, 4, 5
 PTR = ctypes.c_void_p
 I64 = ctypes.c_int64
 
@@ -41,6 +42,15 @@ def point_linear(spec: LinearSpec, weight, bias, q4_ready: bool) -> bool:
         if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.is_cuda:
             return False
         spec.bias = bias.data_ptr()
+    if isinstance(weight, PackedWeight) and isinstance(weight.packed, Blocks):
+        b = weight.packed  # the file's blocks, multiplied as stored (gguf_dot.c)
+        if not weight.kernel_ready:
+            return False
+        spec.kind, spec.group = _GGUF, TYPE_IDS[b.kind]
+        spec.n, spec.k = b.shape
+        spec.w = b.raw.data_ptr()
+        spec.scale = b.order.data_ptr() if b.order is not None else None
+        return True
     if isinstance(weight, PackedWeight):
         p = weight.packed
         if not weight.kernel_ready or p.bits not in (4, 8) or (p.bits == 4 and not q4_ready):

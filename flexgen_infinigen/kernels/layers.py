@@ -12,8 +12,9 @@ import ctypes
 
 import torch
 
-from ..memory.codes import PackedWeight
+from ..memory.codes import Blocks, PackedWeight
 from .cpu_kernels import invoke, library
+from .gguf import linear_blocks
 
 
 MAX_LINEAR_ROWS = 16  # above this many rows a BLAS matrix product is the better tool
@@ -23,8 +24,13 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """``F.linear`` for the few rows of a decode step on a CPU in float32: each weight row is
     read once (BLAS reads these shapes at a third of the memory's bandwidth on some CPUs);
     a packed 4-bit weight (:class:`~..memory.codes.PackedWeight`, 4 or 8 bits) is multiplied as
-    stored (:func:`linear_q4`). Anything else, or without the kernels, goes to ``F.linear``."""
+    stored (:func:`linear_q4`), and a GGUF file's blocks too, at any number of rows
+    (:func:`.gguf.linear_blocks`). Anything else, or without the kernels, goes to ``F.linear``."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if isinstance(weight, PackedWeight) and isinstance(weight.packed, Blocks):
+        out = linear_blocks(x, weight, bias)  # a file's blocks: any number of rows
+        return out if out is not None else torch.nn.functional.linear(
+            x, weight.dense().to(device=x.device, dtype=x.dtype), bias)
     if isinstance(weight, PackedWeight):
         out = linear_q4(x, weight, bias) if 0 < rows <= MAX_LINEAR_ROWS else None
         return out if out is not None else torch.nn.functional.linear(x, weight.dense(), bias)

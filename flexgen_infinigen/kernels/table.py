@@ -70,6 +70,11 @@ KERNELS: dict[str, Kernel] = {
     "linear_q4_h16": _k(INT, **_LINEAR_CODES),
     "linear_q8_h16": _k(INT, **_LINEAR_CODES),
     "h16_widen_rows": _k(None, src=PTR, dst=PTR, n=I64),
+    # gguf_dot.c: GGUF blocks as stored, against activations quantized to 8 bits
+    "gguf_linear": _k(INT, type=I64, w=PTR, order=PTR, x=PTR, bias=PTR, out=PTR, M=I64, N=I64,
+                      K=I64, nthreads=I64),
+    "gguf_dequantize_rows": _k(INT, type=I64, w=PTR, rows=PTR, n=I64, K=I64, out=PTR,
+                               nthreads=I64),
     # moe_experts.c, moe_layer.c: a MoE layer's routed experts
     "moe_q4_h16": _k(INT, x=PTR, T=I64, U=I64, first=PTR, tok=PTR, wt=PTR, codes=PTR,
                      scales=PTR, minima=PTR, out=PTR, H=I64, F=I64, group=I64, nthreads=I64),

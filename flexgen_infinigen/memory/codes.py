@@ -15,15 +15,78 @@ import torch
 
 GROUP_SIZE = 64
 
+# GGUF block types kept as stored (:class:`Blocks`): bytes a block, values a block
+BLOCK_FORMS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
+               "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+def block_row_bytes(kind: str, values: int) -> int:
+    """Bytes of one row of ``values`` values as GGUF blocks of ``kind``."""
+    size, per = BLOCK_FORMS[kind]
+    return values // per * size
+
 
 class CodeLayout(NamedTuple):
     """The form of a weight that arrives as a quantized file's codes: code bits, values a
     group, and whether its scales and minima are held as float16 (exact: they are float16
-    values) rather than in the compute dtype."""
+    values) rather than in the compute dtype. ``kind`` (a GGUF type name such as ``Q4_K``):
+    the weight arrives as the file's blocks, as stored (:class:`Blocks`), and stays so."""
 
     bits: int
     group: int
     half: bool = False
+    kind: str | None = None
+
+
+@dataclass
+class Blocks:
+    """A weight as a GGUF file stores it: each matrix row one run of the type's blocks
+    (uint8 ``[rows, bytes a row]``), read by the CPU kernels as they are (integer dot
+    products against 8-bit activations; :mod:`flexgen_infinigen.kernels.gguf`). Nothing is
+    widened or reordered; ``order`` (int32 ``[rows]``, or None for the identity) says which
+    stored row is output row ``o`` (llama.cpp interleaves the rotary rows of llama's q/k
+    projections; reading row ``order[o]`` undoes that without moving a byte)."""
+
+    raw: torch.Tensor  # uint8 [rows, bytes a row]
+    kind: str  # the GGUF type name
+    shape: tuple[int, ...]  # the matrix's shape in values
+    order: torch.Tensor | None = None  # int32 [rows]
+
+    @property
+    def parts(self) -> tuple[torch.Tensor]:
+        return (self.raw,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def with_parts(self, raw: torch.Tensor) -> "Blocks":
+        """The same blocks over other bytes (the whole tensor's, copied to another place)."""
+        return Blocks(raw, self.kind, self.shape, self.order)
+
+    def stored_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Which stored rows hold output rows ``ids`` (all rows when None)."""
+        if ids is None:
+            ids = torch.arange(self.raw.shape[0])
+        return ids if self.order is None else self.order.long()[ids]
+
+    def dense(self, dtype: torch.dtype = torch.float32, ids: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """Rows ``ids`` (all when None) as floats, through ``gguf.quants.dequantize`` (the
+        format's reference; the CPU kernels' own expansion is tested equal to it). For the
+        paths that need floats: a GPU, an embedding lookup, a prefill without kernels."""
+        from gguf import GGMLQuantizationType, quants
+
+        rows = self.stored_rows(ids).reshape(-1)
+        flat = self.raw.reshape(self.raw.shape[0], -1)
+        out = torch.empty(rows.numel(), *self.shape[1:], dtype=dtype)
+        step = max(1, CHUNK_VALUES // max(1, math.prod(self.shape[1:])))
+        kind = GGMLQuantizationType[self.kind]
+        for at in range(0, rows.numel(), step):  # a chunk of rows at a time: small temporaries
+            part = flat[rows[at:at + step]].cpu().numpy()
+            out[at:at + step] = torch.from_numpy(quants.dequantize(part, kind)).reshape(
+                -1, *self.shape[1:]).to(dtype)
+        return out if ids is None else out.view(*ids.shape, *self.shape[1:])
 
 
 @dataclass
@@ -45,6 +108,10 @@ class Packed:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
+    def with_parts(self, codes, scale, minimum) -> "Packed":
+        """The same form over other tensors (rows of it, moved to another place)."""
+        return Packed(codes, scale, minimum, self.shape)
+
     @property
     def bits(self) -> int:
         return 8 if self.codes.dtype == torch.int8 else 4
@@ -64,8 +131,10 @@ def stored_bytes(shape: tuple[int, ...], itemsize: int, compress: bool,
     group (what :attr:`Packed.nbytes` counts) when compressed and compressible, or when it
     came quantized with ``layout`` (its scales float16 or ``itemsize`` bytes)."""
     n = math.prod(shape)
+    if layout is not None and CodeLayout(*layout).kind is not None:
+        return math.prod(shape[:-1]) * block_row_bytes(CodeLayout(*layout).kind, shape[-1])
     if layout is not None:
-        bits, group, half = CodeLayout(*layout)
+        bits, group, half = CodeLayout(*layout)[:3]
         return n // group * (group * bits // 8 + 2 * (2 if half else itemsize))
     if compress and can_compress(tuple(shape)):
         return n // GROUP_SIZE * (GROUP_SIZE // 2 + 2 * itemsize)
@@ -121,10 +190,13 @@ def compress(x: torch.Tensor, group: int = GROUP_SIZE) -> Packed:
                   minimum.view(*lead, groups, 1), shape)
 
 
-def decompress(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The values ``code * scale + minimum``, in ``dtype`` (default: the scale's). Scales
+def decompress(p: Packed | Blocks, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A file's blocks (:class:`Blocks`) expanded by their format (float32 by default); or
+    codes' values ``code * scale + minimum``, in ``dtype`` (default: the scale's). Scales
     held in another dtype (float16 scales of float32 weights) are widened to float32 first:
     the products are computed in float32, as with float32 scales of the same values."""
+    if isinstance(p, Blocks):
+        return p.dense(dtype or torch.float32).to(p.raw.device)
     codes = p.codes
     groups, width, group = codes.shape[-2], codes.shape[-1], p.group
     if dtype is not None and p.scale.dtype != dtype:
@@ -151,11 +223,17 @@ class PackedWeight:
     computes on): ``cpu_layers.linear`` multiplies with its codes directly, anything else
     asks for :meth:`dense` rows or :meth:`rows`."""
 
-    packed: Packed
+    packed: Packed | Blocks
     value_dtype: torch.dtype | None = None  # the weight's values (default: the scale's)
 
     def __post_init__(self):
         p = self.packed
+        if isinstance(p, Blocks):  # the file's blocks: kernels/gguf.py multiplies them
+            self.kernel_ready = (len(p.shape) == 2 and self.dtype == torch.float32
+                                 and not p.raw.is_cuda and p.raw.is_contiguous()
+                                 and (p.order is None or p.order.dtype == torch.int32))
+            self.expert_view = None
+            return
         # what the CPU kernels take (cpu_layers.linear_q4 / linear_q8, or their _h16 forms
         # for float16 scales): a float32 matrix, every part contiguous; 4-bit codes in
         # groups of 64 or 32 along rows of whole 64-value blocks, 8-bit codes in groups of
@@ -180,6 +258,8 @@ class PackedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
+        if isinstance(self.packed, Blocks):
+            return self.value_dtype or torch.float32
         return self.value_dtype or self.packed.scale.dtype
 
     def dense(self) -> torch.Tensor:
@@ -188,6 +268,8 @@ class PackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``dense()[ids]`` without expanding the other rows (an embedding lookup)."""
         p = self.packed
+        if isinstance(p, Blocks):
+            return p.dense(self.dtype, ids.cpu()).to(ids.device)
         flat = ids.reshape(-1)
         picked = Packed(p.codes[flat], p.scale[flat], p.minimum[flat],
                         (flat.numel(), *p.shape[1:]))

@@ -68,6 +68,10 @@ class SplitTensor:
                        and (pin or not tiers.is_cuda))
         # 4-bit codes a CPU reads where they are (a kernel expands them in its registers)
         self.packed_in_place = self.compressed and one_place and not tiers.is_cuda
+        # a file's blocks that a CPU reads in CPU memory: the source's bytes are taken as
+        # they are (a memory map of the file: no copy, no second resident set), not copied
+        self.adopts = (self.layout is not None and self.layout.kind is not None
+                       and len(sizes) == 1 and sizes[0][0] == HOST and tiers.host_in_place)
         self.head_major = (head_major and (self.addressable or self.packed_in_place)
                            and not tiers.is_cuda and split_dim == 1 and len(self.shape) == 3)
         self.segments: list[Segment] = []
@@ -91,7 +95,13 @@ class SplitTensor:
 
         if not self.compressed:
             return empty(shape, self.dtype)
-        bits, group, half = self.layout or (4, compression.GROUP_SIZE, False)
+        if self.layout is not None and self.layout.kind is not None:
+            kind = self.layout.kind
+            rows = (math.prod(shape[:-1]), compression.block_row_bytes(kind, shape[-1]))
+            raw = torch.empty(0, rows[1], dtype=torch.uint8) if self.adopts else \
+                empty(rows, torch.uint8)
+            return compression.Blocks(raw, kind, shape)
+        bits, group, half = (self.layout or (4, compression.GROUP_SIZE, False))[:3]
         cs, ss, ms = compression.packed_shapes(shape, group, bits)
         factor = torch.float16 if half else self.dtype
         return compression.Packed(empty(cs, compression.codes_dtype(bits)),
@@ -124,9 +134,10 @@ class SplitTensor:
         for seg in self.segments:
             if self.compressed:
                 packed = seg.data
+                assert rows is None or getattr(packed, "order", None) is None, \
+                    "rows of blocks held in stored order"
                 moved = [self._move(p[sel], seg.tier, to) for p in packed.parts]
-                parts.append(compression.decompress(compression.Packed(*moved, packed.shape),
-                                                    self.dtype))
+                parts.append(compression.decompress(packed.with_parts(*moved), self.dtype))
             else:
                 parts.append(self._move(seg.data[sel], seg.tier, to))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.split_dim)
@@ -163,6 +174,8 @@ class SplitTensor:
             for dst, src in zip(whole, seg.data.parts):
                 self.tiers.write(dst[seg.start:seg.stop], DEVICE, src, self.kind,
                                  src_tier=seg.tier)
+        if isinstance(first, compression.Blocks):
+            return compression.Blocks(whole[0], first.kind, self.shape)
         return compression.Packed(*whole, self.shape)
 
     def _read_into_place(self, sel: slice, to: str, out: torch.Tensor | None) -> torch.Tensor:
@@ -250,6 +263,9 @@ class SplitTensor:
         """Write ``src`` (all columns, rows ``rows`` along dim 0) from ``src_tier`` into place:
         floats, or the codes of a tensor with a ``layout`` (a Packed, kept as it is)."""
         sel = slice(None) if rows is None else rows
+        if isinstance(src, compression.Blocks):
+            self._write_blocks(src, sel, src_tier)
+            return
         if isinstance(src, compression.Packed):
             assert self.layout[:2] == (src.bits, src.group), "codes of another form"
             for seg in self.segments:
@@ -266,6 +282,24 @@ class SplitTensor:
                     self.tiers.write(dst[sel], seg.tier, part, self.kind, src_tier)
             else:
                 self.tiers.write(seg.data[sel], seg.tier, piece, self.kind, src_tier)
+
+
+    def _write_blocks(self, src: compression.Blocks, sel: slice, src_tier: str) -> None:
+        """A file's blocks into place: taken as they are where the tensor ``adopts`` them
+        (its one segment then is the source's memory: nothing copied, held as host bytes),
+        else copied to each segment's tier (each link counted), rows put in their output
+        order first (a row ``order`` is a property of one whole tensor in one place)."""
+        assert self.layout.kind == src.kind, "blocks of another type"
+        if self.adopts and sel == slice(None):
+            seg = self.segments[0]
+            seg.data = src
+            self.tiers.track(src.raw, seg.tier)
+            self._packed = None
+            return
+        raw = src.raw if src.order is None else src.raw[src.order.long()]
+        for seg in self.segments:
+            piece = raw.narrow(0, seg.start, seg.stop - seg.start)
+            self.tiers.write(seg.data.raw[sel], seg.tier, piece, self.kind, src_tier)
 
 
 def _rows_of(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, flat: torch.Tensor):

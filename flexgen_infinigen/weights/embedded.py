@@ -100,7 +100,7 @@ def default_gguf(cache: Path) -> Path:
 
 def default_model_store(cache_dir: str | os.PathLike | None = None,
                         progress: bool = True) -> Path:
-    """Path of the converted SmolLM2-135M store, building it on first use."""
+    """Path of the SmolLM2-135M store (an index of its GGUF), made on first use."""
     from .store import damage
 
     cache = default_cache_dir(cache_dir)
@@ -116,9 +116,10 @@ def default_model_store(cache_dir: str | os.PathLike | None = None,
     else:
         print(f"flexgen_infinigen: the store of {DEFAULT_MODEL} in {store} is damaged "
               f"({fault}); building it again", file=sys.stderr)
-    from .gguf_convert import convert_gguf
+    from .gguf_index import index_gguf
 
-    return convert_gguf(default_gguf(cache), store, name=DEFAULT_MODEL, progress=progress)
+    # an index of the GGUF kept in the cache: its tensors are read where they lie
+    return index_gguf(default_gguf(cache), store, name=DEFAULT_MODEL)
 
 
 

@@ -25,13 +25,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ConfigError
+from ..memory.codes import BLOCK_FORMS
 
-# type name -> (bytes a block, values a block, code bits, values a group)
-BLOCKS = {
-    "Q4_0": (18, 32, 4, 32), "Q4_1": (20, 32, 4, 32), "Q4_K": (144, 256, 4, 32),
-    "Q8_0": (34, 32, 8, 32), "Q5_0": (22, 32, 8, 32), "Q5_1": (24, 32, 8, 32),
-    "Q5_K": (176, 256, 8, 32), "Q6_K": (210, 256, 8, 16),
-}
+# type name -> (bytes a block, values a block, code bits, values a group) of the codes
+# they become for a GPU (or a CPU without the GGUF kernels)
+_CODES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q5_0": (8, 32),
+          "Q5_1": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+BLOCKS = {kind: (*BLOCK_FORMS[kind], *form) for kind, form in _CODES.items()}
+# the types the CPU kernels multiply as stored (kernels/c/gguf_dot.c): a weight of one of
+# these stays the file's blocks when a CPU computes (memory.codes.Blocks)
+NATIVE = tuple(BLOCK_FORMS)
 FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 KEPT = tuple(FLOATS) + tuple(BLOCKS)
 

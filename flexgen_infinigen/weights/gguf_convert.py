@@ -1,6 +1,9 @@
-"""Convert a GGUF file into a weight store: the llama, qwen2 and qwen3 architectures, and
+"""A GGUF file's tensors as a weight store's: checked and named here (:func:`prepare`, also
+for the index that reads them in place, :mod:`.gguf_index`), or copied into a store of their
+own (:func:`convert_gguf`). The llama, qwen2 and qwen3 architectures, and
 the mixture-of-experts qwen3moe, qwen2moe, olmoe and llama with experts (Mixtral), whose
 fused expert tensors are cut into one store tensor per expert matrix (:mod:`.gguf_moe`).
+The header and config are read by :mod:`.gguf_config`.
 
 Every tensor is kept as the file stores it, renamed to the store's canonical names:
 quantized ones as their blocks (the runtime reads their codes, :mod:`.gguf_codes`), float
@@ -23,20 +26,21 @@ import mmap
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..config import KNOWN_MODELS, ConfigError, ModelConfig
-from ..models import llama
+from ..config import ConfigError, ModelConfig
 from ..guards import raise_if_interrupted
+from ..models import llama
 from ..text.chat import CHAT_FILE
 from . import gguf_codes, gguf_moe
-from .gguf_shards import JoinedReader, shard_paths
+# the header's reading, kept importable from here
+from .gguf_config import (ARCHITECTURES, GGUF_MAGIC, _open_reader,  # noqa: F401
+                          config_from_gguf, field_value, open_model)
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
 from .store import StoreWriter
-
-GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed.weight",
@@ -50,8 +54,7 @@ _LAYER_NAMES = {
     "attn_k_norm": "k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe")
-# rotary rows interleaved by llama.cpp (undone on conversion) per architecture
+# rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
             "qwen2moe": False, "olmoe": False}
 
@@ -97,106 +100,6 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open_reader(path: Path):
-    import gguf
-
-    if not path.is_file():
-        raise ConfigError(f"GGUF file {path} does not exist; check the path")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ConfigError(f"{path} is not a GGUF file; pass a .gguf model file")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # corrupt or truncated files raise assorted errors
-        raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
-
-
-def open_model(path: Path):
-    """The reader of a GGUF model: one file, or all shards of a split one (any shard
-    named) read as one (:class:`.gguf_shards.JoinedReader`)."""
-    paths = shard_paths(Path(path))
-    if len(paths) == 1:
-        return _open_reader(paths[0])
-    return JoinedReader([_open_reader(p) for p in paths], str(path))
-
-
-def field_value(reader, key: str, default=None):
-    """The decoded value of one GGUF metadata key, or ``default``."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "gguf-model"
-
-
-def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
-    """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
-    arch = field_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
-                          f"{', '.join(ARCHITECTURES)} GGUF files can be converted")
-    p = arch + "."
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ConfigError(f"GGUF {source} has no token_embd.weight; it is not a complete model")
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    vocab = field_value(reader, p + "vocab_size") or (len(tokens) if tokens else None)
-    vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
-    hidden = int(field_value(reader, p + "embedding_length"))
-    heads = int(field_value(reader, p + "attention.head_count"))
-    head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = field_value(reader, p + "rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
-                          f"{head_dim} dims), which this runtime does not support")
-    scaling = field_value(reader, p + "rope.scaling.type")
-    rope = {}
-    if scaling == "linear":
-        rope = {"rope_type": "linear", "factor": float(field_value(reader,
-                                                                   p + "rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
-        raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
-                          "does not read; convert the Hugging Face checkpoint instead")
-    moe = gguf_moe.experts_from_gguf(reader, arch, source)
-    meta = ModelConfig(
-        name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
-        family="llama",
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(field_value(reader, p + "feed_forward_length", 0)
-                              or moe.get("expert_intermediate_size", 0)),
-        num_layers=int(field_value(reader, p + "block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field_value(reader, p + "attention.head_count_kv", heads)),
-        max_positions=int(field_value(reader, p + "context_length", 2048)),
-        norm_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field_value(reader, p + "rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(field_value(reader, "tokenizer.ggml.bos_token_id", 1)),
-        eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
-        pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
-        attn_head_dim=head_dim if head_dim * heads != hidden else 0,
-        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
-        **{"model_type": arch, **moe},
-    )
-    if name is None or name not in KNOWN_MODELS:
-        return meta
-    known = KNOWN_MODELS[name]
-    for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                  "num_heads", "num_kv_heads", "tie_word_embeddings", "head_dim", "qkv_bias",
-                  "rope_scaling"):
-        if getattr(known, field) != getattr(meta, field):
-            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
-                              f"{name} has {getattr(known, field)}; pick the matching --model")
-    for field in ("norm_eps", "rope_theta"):
-        if not math.isclose(getattr(known, field), getattr(meta, field), rel_tol=1e-5):
-            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
-                              f"{name} has {getattr(known, field)}; pick the matching --model")
-    return known
-
-
 def _release(reader, t) -> None:
     """Hand back the mapped pages of a tensor already written: the file stays in the page
     cache, but the process no longer holds it resident (converting an 8B file would
@@ -212,26 +115,38 @@ def _release(reader, t) -> None:
         pass
 
 
+FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # BF16: its bits
+
+
+def held_bytes(name: str, have: int, kind: str, shape: tuple[int, ...], src: Path) -> int:
+    """The bytes tensor ``name`` of ``kind`` and ``shape`` takes in the file (its blocks, or
+    its values); one error when the file holds ``have`` bytes of it instead (a file cut
+    short, or a row that is not whole blocks)."""
+    if kind in gguf_codes.BLOCKS:
+        size, per = gguf_codes.BLOCKS[kind][:2]
+        want = math.prod(shape[:-1]) * (shape[-1] // per) * size
+        if have != want or shape[-1] % per:
+            raise ConfigError(f"GGUF {src}: tensor {name!r} holds {have} bytes, its "
+                              f"{kind} blocks need {want}; the file is damaged or cut "
+                              "short, re-download it")
+        return want
+    want = math.prod(shape) * np.dtype(FLOAT_DTYPES[kind]).itemsize
+    if have != want:
+        raise ConfigError(f"GGUF {src}: tensor {name!r} holds {have} bytes, not "
+                          f"{math.prod(shape)} {kind} values; the file is damaged or cut "
+                          "short, re-download it")
+    return want
+
+
 def _tensor_rows(t, kind: str, shape: tuple[int, ...], src: Path) -> np.ndarray:
     """A GGUF tensor's data as stored: quantized blocks ``[rows, bytes a row]`` (uint8),
     F32/F16 values, or BF16 bits as int16, in ``shape``. One error when the file holds fewer
     bytes than the tensor needs (a file cut short)."""
     data = np.asarray(t.data)
-    rows = math.prod(shape[:-1])
+    held_bytes(t.name, data.nbytes, kind, shape, src)
     if kind in gguf_codes.BLOCKS:
-        size, per = gguf_codes.BLOCKS[kind][:2]
-        want = (rows * (shape[-1] // per) * size, shape[-1] % per == 0)
-        if data.nbytes != want[0] or not want[1]:
-            raise ConfigError(f"GGUF {src}: tensor {t.name!r} holds {data.nbytes} bytes, its "
-                              f"{kind} blocks need {want[0]}; the file is damaged or cut "
-                              "short, re-download it")
-        return data.view(np.uint8).reshape(rows, -1)
-    dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[kind]
-    if data.nbytes != math.prod(shape) * np.dtype(dtype).itemsize:
-        raise ConfigError(f"GGUF {src}: tensor {t.name!r} holds {data.nbytes} bytes, not "
-                          f"{math.prod(shape)} {kind} values; the file is damaged or cut "
-                          "short, re-download it")
-    return data.view(dtype).reshape(shape)
+        return data.view(np.uint8).reshape(math.prod(shape[:-1]), -1)
+    return data.view(FLOAT_DTYPES[kind]).reshape(shape)
 
 
 def tokenizer_json_from_gguf(reader, pre_tokenizer: str | None = None) -> str | None:
@@ -278,16 +193,25 @@ def _write(writer: StoreWriter, key: str, w: np.ndarray, shape: tuple[int, ...],
         writer.add(key, w.reshape(shape))
 
 
-def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
-                 name: str | None = None, progress: bool = True,
-                 pre_tokenizer: str | None = None, extra: dict | None = None) -> Path:
-    """Convert ``gguf_path`` into a weight store at ``dest`` (written atomically).
+@dataclass
+class Prepared:
+    """A GGUF model opened and checked before anything is written: its config, the plan of
+    its tensors (:func:`_plan`), the head count of each store tensor whose rows llama.cpp
+    interleaved (``rotary_heads``), its tokenizer.json, chat template and manifest fields."""
 
-    ``pre_tokenizer`` overrides the file's ``tokenizer.ggml.pre``; ``extra`` goes into the
-    store's manifest (the source identity of a ``--model FILE`` conversion)."""
-    from tqdm import tqdm
+    reader: object
+    cfg: ModelConfig
+    plan: list[tuple]
+    rotary_heads: dict[str, int]
+    tokenizer: str | None
+    template: str | None
+    info: dict
 
-    src, dest = Path(gguf_path), Path(dest)
+
+def prepare(src: Path, name: str | None = None, pre_tokenizer: str | None = None,
+            extra: dict | None = None) -> Prepared:
+    """Open and check the GGUF model ``src`` (every tensor's type, name and shape, and its
+    tokenizer), one error for anything that cannot be kept; reads its header, no tensor."""
     reader = open_model(src)
     cfg = config_from_gguf(reader, name, str(src))
     permuted = PERMUTED[field_value(reader, "general.architecture")]
@@ -298,31 +222,55 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
     if tokenizer is None:
         print("note: the GGUF has no tokenizer; the store has none: run it with --prompt-len",
               file=sys.stderr)
-    info = {"special_ids": special_ids(reader), **(extra or {})}
+    heads = {}
+    for _, keys, _ in plan if permuted else ():
+        proj = keys[0].rsplit(".", 2)[-2]
+        if proj in ("q_proj", "k_proj"):
+            heads[keys[0]] = cfg.num_heads if proj == "q_proj" else cfg.num_kv_heads
+    return Prepared(reader, cfg, plan, heads, tokenizer,
+                    field_value(reader, "tokenizer.chat_template"),
+                    {"special_ids": special_ids(reader), **(extra or {})})
+
+
+def finish(writer: StoreWriter, prep: Prepared) -> None:
+    """The chat template and tokenizer beside the tensors."""
+    if prep.template:
+        writer.add_text(CHAT_FILE, prep.template)
+    if prep.tokenizer is not None:
+        writer.add_tokenizer_json(prep.tokenizer)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
+                 name: str | None = None, progress: bool = True,
+                 pre_tokenizer: str | None = None, extra: dict | None = None) -> Path:
+    """Copy ``gguf_path``'s tensors into a weight store at ``dest`` (written atomically): a
+    store that stands on its own (``convert --gguf``; ``--model FILE.gguf`` reads the file
+    in place instead, :mod:`.gguf_index`).
+
+    ``pre_tokenizer`` overrides the file's ``tokenizer.ggml.pre``; ``extra`` goes into the
+    store's manifest."""
+    from tqdm import tqdm
+
+    src, dest = Path(gguf_path), Path(dest)
+    prep = prepare(src, name, pre_tokenizer, extra)
+    reader = prep.reader
     # every tensor is kept as the file stores it: the store takes the file's tensor bytes
-    size = sum(int(t.n_bytes) for t, _, _ in plan)
-    with StoreWriter(dest, cfg, source=f"gguf:{src.name}", extra=info,
+    size = sum(int(t.n_bytes) for t, _, _ in prep.plan)
+    with StoreWriter(dest, prep.cfg, source=f"gguf:{src.name}", extra=prep.info,
                      expected_bytes=size) as writer:
-        for t, keys, shape in tqdm(plan, desc=f"converting {src.name}", unit="tensor",
+        for t, keys, shape in tqdm(prep.plan, desc=f"converting {src.name}", unit="tensor",
                                    disable=not progress):
             raise_if_interrupted()
             kind = t.tensor_type.name
             whole = (len(keys), *shape) if len(keys) > 1 else shape
             w = _tensor_rows(t, kind, whole, src)
-            key = keys[0]
-            # whole rows move: a row's blocks (or values) stay together, codes unchanged
-            if permuted and (key.endswith("q_proj.weight") or key.endswith("q_proj.bias")):
-                w = unpermute_rotary(w, cfg.num_heads)
-            elif permuted and (key.endswith("k_proj.weight") or key.endswith("k_proj.bias")):
-                w = unpermute_rotary(w, cfg.num_kv_heads)
+            heads = prep.rotary_heads.get(keys[0])
+            if heads:  # whole rows move: a row's blocks (or values) stay together
+                w = unpermute_rotary(w, heads)
             for e, key in enumerate(keys):  # a fused tensor: matrix e is its e-th run of rows
                 part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
                 _write(writer, key, part, shape, kind)
             del w
             _release(reader, t)
-        template = field_value(reader, "tokenizer.chat_template")
-        if template:
-            writer.add_text(CHAT_FILE, template)
-        if tokenizer is not None:
-            writer.add_tokenizer_json(tokenizer)
+        finish(writer, prep)
     return dest

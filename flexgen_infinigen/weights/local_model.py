@@ -9,13 +9,16 @@ local; any other ``org/name`` is the Hub's, except that a registry alias such as
 
 The first use converts the source into a weight store in the cache
 (``$FLEXGEN_INFINIGEN_CACHE/stores/<name>-<hash of the source's absolute path>``); later
-uses find that store and skip the conversion while the source's identity is unchanged.
+uses find that store and skip the conversion while the source's identity is unchanged. A
+GGUF is not converted but indexed (:mod:`.gguf_index`): its store holds the config,
+tokenizer and where each tensor lies in the file, which is then read in place.
 The identity is every source file's name, size and modification time (nanoseconds), plus
 the converter's version: cheap to read, so a 100 GB checkpoint is not hashed at every
 start, and any rewrite of a file (a new download, an edit) changes it. A changed source is
 converted again, over the old store, and so is a damaged store (a tensor file missing or cut
-short, a manifest that cannot be read). Stores are written atomically (:class:`.StoreWriter`),
-so an interrupted conversion leaves nothing that later looks complete.
+short, a manifest that cannot be read, an indexed GGUF gone or changed). Stores are written
+atomically (:class:`.StoreWriter`), so an interrupted conversion leaves nothing that later
+looks complete.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from .hub_files import parse_hub_name
 from .store import MANIFEST, damage
 
 # bump when a conversion would now write something different (a tokenizer fix, say)
-CONVERTER_VERSION = 3  # 3: GGUF tensors kept as the file's codes (store format 2)
+# 3: GGUF tensors kept as the file's codes (store format 2); 4: a GGUF indexed in place
+# (store format 3), which replaces a store copied by 3
+CONVERTER_VERSION = 4
 _CHECKPOINT_FILES = ("*.safetensors", "*.bin", "*.json", "merges.txt", "tokenizer.model")
 
 
@@ -95,8 +100,8 @@ def cache_store_path(path: Path, cache_dir: Path | None = None, model: str | Non
         stem = hub.repo.replace("/", "--")
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:10]
-    # a GGUF's store holds its codes (store format 2): its own folder, so that a version
-    # reading only format 1 (floats) never finds it, nor converts over it
+    # a GGUF's store holds its codes (an index of them, store format 3): its own folder, so
+    # that a version reading only format 1 (floats) never finds it, nor converts over it
     codes = "-codes" if path.suffix == ".gguf" else ""
     return default_cache_dir(cache_dir) / "stores" / f"{stem}-{digest}{codes}"
 
@@ -112,7 +117,13 @@ def source_config(model: str) -> ModelConfig:
     """The model's config read from the source's metadata, converting nothing."""
     path, kind = _source(model, config_only=True)
     if kind == "gguf":
-        from .gguf_convert import config_from_gguf, open_model
+        from .gguf_config import config_from_gguf, open_model
+        store = cache_store_path(path, None, model)
+        if _stored_identity(store) == identity(path, kind):  # read once, when indexed
+            try:
+                return ModelConfig.from_dict(json.loads((store / MANIFEST).read_text())["config"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # a damaged store: the file's own metadata below
         return config_from_gguf(open_model(path), None, str(path))
     from .hf_config import config_from_hf
     try:
@@ -124,7 +135,8 @@ def source_config(model: str) -> ModelConfig:
 
 def store_for(model: str, progress: bool = True, cache_dir: Path | None = None,
               pre_tokenizer: str | None = None) -> Path:
-    """The weight store of ``--model PATH``: found in the cache, or converted now."""
+    """The weight store of ``--model PATH``: found in the cache, or made now (a GGUF
+    indexed in place, a checkpoint converted)."""
     path, kind = _source(model, progress=progress)
     ident = identity(path, kind)
     store = cache_store_path(path, cache_dir, model)
@@ -136,12 +148,12 @@ def store_for(model: str, progress: bool = True, cache_dir: Path | None = None,
     why = "first use" if not store.exists() else "the source changed" if fault is None \
         else f"the store is damaged: {fault}"
     writable_folder(store.parent)
-    print(f"converting {path} into {store} ({why})", file=sys.stderr, flush=True)
+    verb = "indexing" if kind == "gguf" else "converting"
+    print(f"{verb} {path} into {store} ({why})", file=sys.stderr, flush=True)
     extra = {"source_identity": ident}
-    if kind == "gguf":
-        from .gguf_convert import convert_gguf
-        return convert_gguf(path, store, progress=progress, pre_tokenizer=pre_tokenizer,
-                            extra=extra)
+    if kind == "gguf":  # read in place: the store is an index, no tensor is copied
+        from .gguf_index import index_gguf
+        return index_gguf(path, store, pre_tokenizer=pre_tokenizer, extra=extra)
     from .hf_convert import convert_hf
     return convert_hf(path, store, _display_name(model, path), progress=progress, extra=extra)
 

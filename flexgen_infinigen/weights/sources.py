@@ -6,23 +6,40 @@ import zlib
 import torch
 
 from ..config import ModelConfig
+from ..memory.codes import CodeLayout
+from ..models.moe import is_expert_weight
+from . import gguf_codes
 from .store import WeightStore
 
 
 class StoreSource:
-    """Tensors of a converted weight store, memory-mapped; a tensor kept as a quantized
-    file's codes comes as a :class:`~flexgen_infinigen.memory.codes.Packed` (its ``layout``)."""
+    """Tensors of a weight store, memory-mapped (a GGUF's index maps the file itself); a
+    tensor kept as a quantized file's codes comes as the file's blocks
+    (:class:`~flexgen_infinigen.memory.codes.Blocks`, for a CPU: its ``layout`` has a
+    ``kind``) or as codes (:class:`~flexgen_infinigen.memory.codes.Packed`)."""
 
     def __init__(self, store: WeightStore):
         self.store = store
 
-    def __call__(self, name: str, shape: tuple[int, ...]):
+    def __call__(self, name: str, shape: tuple[int, ...], layout: CodeLayout | None = None):
+        if layout is not None and layout.kind is not None:
+            return self.store.blocks(name)
         if self.store.layout(name) is not None:
             return self.store.packed(name)
         return self.store.tensor(name)
 
-    def layout(self, name: str):
-        return self.store.layout(name) if name in self.store.tensors else None
+    def layout(self, name: str, native: bool = False) -> CodeLayout | None:
+        """The form ``name`` is placed in: None for floats; its blocks as stored when
+        ``native`` (a CPU computes), the CPU kernels read its type and it is not a routed
+        expert; else codes."""
+        if name not in self.store.tensors:
+            return None
+        kind = self.store.tensors[name].get("gguf_type")
+        # a routed expert stays codes: the MoE stage's one compiled call reads codes
+        if (native and kind in gguf_codes.NATIVE and len(self.store.tensors[name]["shape"]) == 2
+                and not is_expert_weight(name)):
+            return CodeLayout(*gguf_codes.layout(kind), False, kind)
+        return self.store.layout(name)
 
     def formats(self) -> dict[str, str]:
         """Each tensor's stored format (``Q4_1``, ``Q8_0``, ``F32``, ...)."""
@@ -39,7 +56,7 @@ class DummySource:
     def __init__(self, cfg: ModelConfig, seed: int = 0, std: float = 0.02):
         self.cfg, self.seed, self.std = cfg, seed, std
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...], layout=None) -> torch.Tensor:
         if name.endswith(".bias"):
             return torch.zeros(shape)
         if len(shape) == 1:

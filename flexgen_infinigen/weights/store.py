@@ -1,4 +1,5 @@
-"""The on-disk weight store: one memory-mappable ``.npy`` file per tensor.
+"""The on-disk weight store: one memory-mappable ``.npy`` file per tensor, or an index of a
+GGUF file's tensors read in place.
 
 Layout of a store folder::
 
@@ -12,6 +13,15 @@ quantized GGUF, the file's own blocks (format 2: ``"gguf_type": "Q4_1"``, ``dtyp
 the ``.npy`` shaped ``[rows, bytes a row]``, ``shape`` the tensor's own), turned into the
 runtime's codes one tensor at a time when loaded (:mod:`.gguf_codes`). Format 1 stores (all
 floats) still load.
+
+An index store (format 3, written by :mod:`.gguf_index`, read by :mod:`.in_place`) has no
+``.npy`` files: its ``"files"`` list the GGUF files it reads (path, size, modification
+time) and each tensor says where its bytes are (``"file"``: a position in that list,
+``"offset"``, ``"bytes"``), as a ``.npy`` would hold them. A llama q/k tensor whose rows
+llama.cpp interleaved carries ``"heads"``: :meth:`WeightStore.load` un-permutes its rows
+(a copy), :meth:`WeightStore.blocks` leaves them in place and says their order. A file
+that is gone, shorter than a tensor's end, or of another size or time than indexed makes
+the store damaged (:func:`damage`), read from the file's metadata, never its data.
 
 A store is written into a temporary sibling folder and renamed into place only
 after every tensor and the manifest are on disk, so an interrupted conversion
@@ -32,10 +42,12 @@ import numpy as np
 import torch
 
 from ..config import CACHE_ENV, ConfigError, ModelConfig
-from ..memory.codes import CodeLayout, Packed
+from ..memory.codes import Blocks, CodeLayout, Packed
 from . import gguf_codes
+from .in_place import InPlaceFiles, rotary_order
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest this version reads: 3 indexes a GGUF in place
+COPY_FORMAT = 2  # a store holding its own tensor files
 MANIFEST = "manifest.json"
 
 
@@ -117,6 +129,11 @@ class StoreWriter:
         self.tensors[name] = {"shape": [int(d) for d in shape], "dtype": "uint8",
                               "gguf_type": type_name}
 
+    def add_in_place(self, name: str, entry: dict) -> None:
+        """A tensor read in place from a file of the manifest's ``"files"`` (an index store:
+        ``entry`` holds shape, dtype, file, offset, bytes; see the module doc)."""
+        self.tensors[name] = dict(entry)
+
     def add_text(self, name: str, text: str) -> None:
         """A small text file stored beside the tensors (a chat template, say)."""
         (self.tmp / name).write_text(text, encoding="utf-8")
@@ -129,7 +146,9 @@ class StoreWriter:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        manifest = {"format": FORMAT_VERSION, "config": self.config.to_dict(),
+        in_place = any("file" in info for info in self.tensors.values())
+        manifest = {"format": FORMAT_VERSION if in_place else COPY_FORMAT,
+                    "config": self.config.to_dict(),
                     "tensors": self.tensors, "tokenizer": self.tokenizer_file,
                     "source": self.source, **self.extra}
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -181,11 +200,14 @@ class WeightStore:
                               f"read: {type(e).__name__}); {rebuild_hint(self.path)}"
                               ) from None
         self._half: dict[str, bool] = {}  # quantized tensors whose factors are float16s
+        self._in_place = InPlaceFiles(self.manifest.get("files") or [])  # an index's GGUFs
 
     def _fault(self, name: str) -> str | None:
         """What is wrong with one tensor's file, against the manifest (None: nothing). Reads
-        the ``.npy`` header only, no tensor data."""
+        the ``.npy`` header (or the GGUF file's size and time) only, no tensor data."""
         info = self.tensors.get(name)
+        if isinstance(info, dict) and "file" in info:
+            return self._in_place.fault(name, info)
         file = self.path / f"{name}.npy"
         if not isinstance(info, dict) or not file.is_file():
             return f"it lacks tensor {name!r}"
@@ -203,6 +225,17 @@ class WeightStore:
             return f"{file} is damaged ({type(e).__name__}: {str(e)[:80]})"
         return None
 
+    def _hint(self, name: str) -> str:
+        info = self.tensors.get(name)
+        if isinstance(info, dict) and "file" in info:
+            try:
+                file = self._in_place.path(info)
+            except (ValueError, KeyError, TypeError, IndexError):
+                return rebuild_hint(self.path)
+            return (f"the store reads {file} in place: put the file back as it was, or run "
+                    f"with --model '{file}' to index it again")
+        return rebuild_hint(self.path)
+
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """One clear error when a tensor is missing, its file is gone or damaged, or its
         shape is off; the error says how to rebuild the store."""
@@ -210,7 +243,7 @@ class WeightStore:
             fault = self._fault(name)
             if fault is not None:
                 raise ConfigError(f"weight store {self.path} is damaged: {fault}; "
-                                  f"{rebuild_hint(self.path)}")
+                                  f"{self._hint(name)}")
             found = tuple(self.tensors[name]["shape"])
             if found != tuple(shape):
                 raise ConfigError(
@@ -231,8 +264,8 @@ class WeightStore:
         kind = info.get("gguf_type")
         if kind is None:
             return None
-        if name not in self._half:
-            self._half[name] = gguf_codes.half_exact(self.load(name), kind,
+        if name not in self._half:  # in stored row order: the same factors
+            self._half[name] = gguf_codes.half_exact(self._raw(name), kind,
                                                      tuple(info["shape"]))
         return CodeLayout(*gguf_codes.layout(kind), self._half[name])
 
@@ -246,9 +279,38 @@ class WeightStore:
         return Packed(*(torch.from_numpy(np.require(p, requirements=["C", "W"])) for p in parts),
                       tuple(info["shape"]))
 
+    def _raw(self, name: str) -> np.ndarray:
+        """The tensor's array as stored, memory-mapped: its ``.npy``, or its bytes in the
+        GGUF file (rows in the file's order)."""
+        info = self.tensors[name]
+        if "file" not in info:
+            return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        return self._in_place.array(info)
+
     def load(self, name: str) -> np.ndarray:
-        """The raw array, memory-mapped (bf16 tensors come back as their int16 bits)."""
-        return np.load(self.path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        """The raw array, memory-mapped (bf16 tensors come back as their int16 bits); from an
+        index store, a read-only map of the tensor's bytes in the GGUF file, except a llama
+        q/k tensor, whose rows are un-permuted into a copy."""
+        raw = self._raw(name)
+        heads = self.tensors[name].get("heads")
+        return raw if not heads else np.asarray(raw)[rotary_order(raw.shape[0], heads)]
+
+    def blocks(self, name: str) -> Blocks:
+        """A quantized tensor as the file stores it, nothing copied: ``raw`` shares the
+        memory map (read-only: do not write); ``order`` says which stored row is each
+        un-permuted row where llama.cpp interleaved them, else None."""
+        info = self.tensors[name]
+        kind = info.get("gguf_type")
+        if kind is None:
+            raise ValueError(f"tensor {name!r} is {self.format(name)}, not GGUF blocks")
+        raw = self._raw(name)
+        with warnings.catch_warnings():  # torch warns that the map is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(np.asarray(raw))
+        heads = info.get("heads")
+        order = None if not heads else torch.from_numpy(
+            rotary_order(raw.shape[0], heads).astype(np.int32))
+        return Blocks(t, kind, tuple(info["shape"]), order)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor in its stored dtype, sharing the memory map (read-only: do not write)."""
@@ -265,8 +327,9 @@ class WeightStore:
 
 def damage(path: str | os.PathLike) -> str | None:
     """Why the store at ``path`` cannot be used (None: it can): a manifest that cannot be
-    read, or a tensor file missing, cut short, or not the manifest's shape. Reads headers
-    only; a conversion into the cache runs again over a damaged store."""
+    read, a tensor file missing, cut short, or not the manifest's shape, or a GGUF file that
+    an index reads gone or changed. Reads headers only; a conversion (or index) into the
+    cache runs again over a damaged store."""
     try:
         store = WeightStore(path)
     except ConfigError as e:

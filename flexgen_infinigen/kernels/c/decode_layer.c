@@ -13,6 +13,7 @@
    keeps its own attention between an input call and an output call. */
 
 #include "decode_layer.h"
+#include "gguf_dot.h"
 
 int decode_layer_q4_ready(void) {
 #ifdef __AVX2__
@@ -43,6 +44,9 @@ int dl_run_linear(const dl_linear *l, const float *x, float *out, int64_t M, int
             return linear_q8_h16(x, (const int8_t *)l->w, (const uint16_t *)l->scale,
                                  (const uint16_t *)l->minimum, l->bias, out, M, l->n, l->k,
                                  l->group, nt);
+        case LIN_GGUF:
+            return gguf_linear(l->group, (const uint8_t *)l->w, (const int32_t *)l->scale, x,
+                               l->bias, out, M, l->n, l->k, nt);
     }
     return 0;
 }

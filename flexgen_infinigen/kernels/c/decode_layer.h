@@ -29,13 +29,15 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
                  float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
                  int64_t sc, int64_t nthreads);
 
-enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4 };
+enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4, LIN_GGUF = 5 };
 enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8, DL_CHOSEN = 16,
        DL_SPECULATE = 32, DL_OWN = 64 };
 
 /* A linear layer as stored: float32 rows [n, k], or codes with float32 scales and minimums
    per group (the layouts linear_q4 / linear_q8 read), or the same codes with float16 scales
-   and minimums (the _H16 kinds: linear_q4_h16 / linear_q8_h16). bias may be NULL. */
+   and minimums (the _H16 kinds: linear_q4_h16 / linear_q8_h16), or a GGUF file's blocks as
+   stored (LIN_GGUF: group holds the GGUF type number, w the blocks, scale the int32 row
+   order or NULL; gguf_dot.c's gguf_linear). bias may be NULL. */
 typedef struct {
     int64_t kind, n, k, group;
     const void *w;

@@ -1,0 +1,116 @@
+"""A GGUF model's header: the file opened (a split model's shards read as one), its metadata
+fields, and the model config they describe (llama, qwen2, qwen3 and the mixture-of-experts
+types of :mod:`.gguf_moe`). Reads no tensor data.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from ..config import KNOWN_MODELS, ConfigError, ModelConfig
+from . import gguf_moe
+from .gguf_shards import JoinedReader, shard_paths
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe")
+
+
+def _open_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ConfigError(f"GGUF file {path} does not exist; check the path")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ConfigError(f"{path} is not a GGUF file; pass a .gguf model file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # corrupt or truncated files raise assorted errors
+        raise ConfigError(f"cannot read GGUF file {path} ({e}); re-download it") from e
+
+
+def open_model(path: Path):
+    """The reader of a GGUF model: one file, or all shards of a split one (any shard
+    named) read as one (:class:`.gguf_shards.JoinedReader`)."""
+    paths = shard_paths(Path(path))
+    if len(paths) == 1:
+        return _open_reader(paths[0])
+    return JoinedReader([_open_reader(p) for p in paths], str(path))
+
+
+def field_value(reader, key: str, default=None):
+    """The decoded value of one GGUF metadata key, or ``default``."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "gguf-model"
+
+
+def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
+    """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
+                          f"{', '.join(ARCHITECTURES)} GGUF files can be converted")
+    p = arch + "."
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ConfigError(f"GGUF {source} has no token_embd.weight; it is not a complete model")
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = field_value(reader, p + "vocab_size") or (len(tokens) if tokens else None)
+    vocab = vocab or int(tensors["token_embd.weight"].shape[-1])
+    hidden = int(field_value(reader, p + "embedding_length"))
+    heads = int(field_value(reader, p + "attention.head_count"))
+    head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
+    rope_dim = field_value(reader, p + "rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
+                          f"{head_dim} dims), which this runtime does not support")
+    scaling = field_value(reader, p + "rope.scaling.type")
+    rope = {}
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(field_value(reader,
+                                                                   p + "rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
+                          "does not read; convert the Hugging Face checkpoint instead")
+    moe = gguf_moe.experts_from_gguf(reader, arch, source)
+    meta = ModelConfig(
+        name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
+        family="llama",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field_value(reader, p + "feed_forward_length", 0)
+                              or moe.get("expert_intermediate_size", 0)),
+        num_layers=int(field_value(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field_value(reader, p + "attention.head_count_kv", heads)),
+        max_positions=int(field_value(reader, p + "context_length", 2048)),
+        norm_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field_value(reader, p + "rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(field_value(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(field_value(reader, "tokenizer.ggml.eos_token_id", 2)),
+        pad_token_id=int(field_value(reader, "tokenizer.ggml.padding_token_id", 0)),
+        attn_head_dim=head_dim if head_dim * heads != hidden else 0,
+        qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
+        **{"model_type": arch, **moe},
+    )
+    if name is None or name not in KNOWN_MODELS:
+        return meta
+    known = KNOWN_MODELS[name]
+    for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "tie_word_embeddings", "head_dim", "qkv_bias",
+                  "rope_scaling"):
+        if getattr(known, field) != getattr(meta, field):
+            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
+                              f"{name} has {getattr(known, field)}; pick the matching --model")
+    for field in ("norm_eps", "rope_theta"):
+        if not math.isclose(getattr(known, field), getattr(meta, field), rel_tol=1e-5):
+            raise ConfigError(f"GGUF {source} has {field}={getattr(meta, field)}, but "
+                              f"{name} has {getattr(known, field)}; pick the matching --model")
+    return known
