@@ -146,9 +146,13 @@ def docs_section(doc: dict, stem: Path, results_md: Path) -> str:
                            f"{links}.", 100),
              "```bash", commands, "```", text.rstrip("\n"), ""]
     if s is not None:
-        lines.append(textwrap.fill("Random codes in real shapes, llama.cpp's Q4_K_M mix "
-                                   "(`random_kquant_gguf.py`, `G` their folder); llama.cpp "
-                                   "reads the same file. " + note(s), 100))
+        # a link is never broken across lines, or markdown would not render it
+        lines.append(textwrap.fill(
+            f"Random codes in llama.cpp's Q4_K_M mix, one file for both; {s['threads']} threads; "
+            "llama.cpp's better flash-attention setting; bound: a step's bytes over the measured "
+            "bandwidth ([columns](../benchmarks/README.md"
+            "#gguf_sizespy-dense-7b-14b-q4_k_m-models-against-llamacpp-on-the-same-file)).",
+            100, break_long_words=False, break_on_hyphens=False))
     return "\n".join(lines) + "\n"
 
 

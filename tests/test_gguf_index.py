@@ -154,6 +154,40 @@ def _generate(**where):
         return lm, out
 
 
+@pytest.mark.parametrize("w_gpu", [100, 0], ids=["device", "host"])
+def test_placed_blocks_are_the_file_not_a_copy(llama, w_gpu):
+    """On a CPU, a weight the kernels read as stored and placed whole (on the compute device
+    or in CPU memory) is the file's memory map itself: its bytes lie inside the map of the
+    GGUF, so the resident set holds the file once, not once mapped and once copied."""
+    path, index, _ = llama
+    policy = Placement(w_gpu_percent=w_gpu, w_cpu_percent=100 - w_gpu)
+    with OffloadedLM.load(path=str(index.path), policy=policy, progress=False) as lm:
+        maps = _file_maps(path)
+        checked = 0
+        for name, lay in lm.weight_layouts.items():
+            if lay.kind is None or index.tensors[name].get("heads"):
+                continue  # llama's q/k rows: un-permuted into a copy
+            at = lm.engine.weights[name].segments[0].data.raw.data_ptr()
+            where = [off + at - lo for lo, hi, off in maps if lo <= at < hi]
+            assert where == [index.tensors[name]["offset"]], name
+            checked += 1
+        assert checked
+        out = lm.generate([PROMPT], 4, stop_token_id=None)
+    with OffloadedLM.load(path=str(index.path), policy=Placement(), progress=False) as ref:
+        assert out.token_ids == ref.generate([PROMPT], 4, stop_token_id=None).token_ids
+
+
+def _file_maps(path) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of each of this process's mappings of ``path``."""
+    out = []
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip() == str(path.resolve()):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, int(parts[2], 16)))
+    return out
+
+
 def test_generation_from_the_index_is_the_converted_stores(llama, cache, capsys):
     path, index, converted = llama
     _, ref = _generate(path=converted.path)

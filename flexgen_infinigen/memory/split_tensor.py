@@ -68,10 +68,13 @@ class SplitTensor:
                        and (pin or not tiers.is_cuda))
         # 4-bit codes a CPU reads where they are (a kernel expands them in its registers)
         self.packed_in_place = self.compressed and one_place and not tiers.is_cuda
-        # a file's blocks that a CPU reads in CPU memory: the source's bytes are taken as
-        # they are (a memory map of the file: no copy, no second resident set), not copied
+        # a file's blocks that a CPU reads in CPU memory (as the compute device, or as the
+        # host tier it reads in place): the source's bytes are taken as they are (a memory
+        # map of the file: no copy, no second resident set), not copied
         self.adopts = (self.layout is not None and self.layout.kind is not None
-                       and len(sizes) == 1 and sizes[0][0] == HOST and tiers.host_in_place)
+                       and len(sizes) == 1 and not tiers.is_cuda
+                       and (sizes[0][0] == DEVICE
+                            or (sizes[0][0] == HOST and tiers.host_in_place)))
         self.head_major = (head_major and (self.addressable or self.packed_in_place)
                            and not tiers.is_cuda and split_dim == 1 and len(self.shape) == 3)
         self.segments: list[Segment] = []
