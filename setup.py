@@ -14,15 +14,16 @@ setup(
                       "gguf", "huggingface_hub"],
     extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5",
                              # tests/test_serve.py: the server, and the official client
-                             "fastapi", "uvicorn", "httpx", "openai",
+                             "fastapi", "uvicorn", "prometheus-client", "httpx", "openai",
                              # tests of the benchmarks' reports, which draw their plots
                              "matplotlib"],
                     # python -m flexgen_infinigen.serve
-                    "serve": ["fastapi", "uvicorn"],
+                    "serve": ["fastapi", "uvicorn", "prometheus-client"],
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)
                     "eval": ["lm-eval>=0.4.8,<0.5"],
                     # accelerate: transformers loads a GGUF (the long-context reference) with it
                     "bench": ["matplotlib", "transformers", "accelerate"]},
     entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main",
+                                      "flexgen-infinigen-serve=flexgen_infinigen.serve:main",
                                       "flexgen-infinigen-eval=flexgen_infinigen.harness:main"]},
 )

@@ -13,10 +13,12 @@ taken, and exits. See docs/usage/serving.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .switches import API_KEY
-from .cli.args import add_model_args, add_policy_args, check_policy_args, policy_from_args
+from .cli.args import (add_model_args, add_policy_args, check_policy_args, policy_from_args,
+                       wants_plan)
 from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
 from .guards import Terminated, run_command
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's line and headers, and "
                         "then its body; a half-sent request is answered 408 and closed "
                         "(default 30)")
+    g.add_argument("--sse-keepalive-s", type=float, default=10.0,
+                   help="send an SSE comment this often while a streamed request waits or "
+                        "prefills, so that proxies keep the connection (default 10)")
     g.add_argument("--max-json-depth", type=int, default=64,
                    help="deepest nesting of a JSON body (default 64)")
     g.add_argument("--docs", action="store_true",
@@ -66,6 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-control-tokens", action="store_true",
                    help="encode control-token text in user content (such as <|im_start|>) "
                         "as the control token; by default it is encoded as plain text")
+    g.add_argument("--typical-prompt-len", type=int, default=512,
+                   help="--percent auto / --gpu-batch-size auto plan for prompts this long "
+                        "(default 512)")
+    g.add_argument("--typical-answer-len", type=int, default=None,
+                   help="... and answers this long (default: --max-tokens)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the tokens a prompt and its answer may fill, at most the model's "
+                        "context (default: the model's); a longer prompt is answered 400")
+    g.add_argument("--admit-prompt-tokens", type=int, default=256,
+                   help="a waiting request whose prompt is at most this long takes a row of "
+                        "the running block as soon as one ends, its prompt fed a token a "
+                        "step beside the others' decoding; a longer one waits for the next "
+                        "block's prefill (0: requests join at block boundaries only)")
+    g.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="CPU memory for the keys and values of prompts and answers seen "
+                        "before, so that a request that starts the same way (a chat's next "
+                        "turn, a shared system prompt) prefills only the rest (0: off; "
+                        "default 1)")
+    g.add_argument("--prefix-cache-disk-gb", type=float, default=0.0,
+                   help="disk space for prefix pages evicted from memory, under "
+                        "--prefix-cache-dir or else --offload-dir (default 0: none)")
+    g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix pages in DIR, where a later server finds them again "
+                        "(needs --prefix-cache-disk-gb; files are checked when read)")
+    g.add_argument("--prefix-page-tokens", type=int, default=64,
+                   help="tokens a prefix page holds: reuse is in whole pages (default 64)")
     g.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -76,6 +107,26 @@ def check_args(a) -> None:
         raise ConfigError(f"--port must be 1 to 65535 (got {a.port})")
     if a.max_wait_ms < 0:
         raise ConfigError(f"--max-wait-ms must be >= 0 (got {a.max_wait_ms})")
+    for flag, v in (("--prefix-cache-gb", a.prefix_cache_gb),
+                    ("--prefix-cache-disk-gb", a.prefix_cache_disk_gb)):
+        if v < 0:
+            raise ConfigError(f"{flag} must be >= 0 (got {v})")
+    if not a.sse_keepalive_s > 0:
+        raise ConfigError(f"--sse-keepalive-s must be > 0 (got {a.sse_keepalive_s})")
+    for flag, v in (("--typical-prompt-len", a.typical_prompt_len),
+                    ("--typical-answer-len", a.typical_answer_len)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {v})")
+    if a.max_model_len is not None and a.max_model_len < 2:
+        raise ConfigError(f"--max-model-len must be at least 2 (got {a.max_model_len})")
+    if a.admit_prompt_tokens < 0:
+        raise ConfigError(f"--admit-prompt-tokens must be >= 0 (got {a.admit_prompt_tokens})")
+    if a.prefix_page_tokens < 1:
+        raise ConfigError(f"--prefix-page-tokens must be at least 1 (got "
+                          f"{a.prefix_page_tokens})")
+    if a.prefix_cache_dir and not a.prefix_cache_disk_gb:
+        raise ConfigError("--prefix-cache-dir keeps pages on disk: give it space with "
+                          "--prefix-cache-disk-gb GB")
     for flag, v in (("--max-queue", a.max_queue), ("--max-tokens", a.max_tokens)):
         if v < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {v})")
@@ -95,10 +146,11 @@ def check_args(a) -> None:
     _check_listen(a.host, a.port)
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
-    except ImportError:
-        raise ConfigError("the server needs FastAPI and uvicorn: pip install "
-                          "'flexgen_infinigen[serve]'") from None
+    except ImportError as e:
+        raise ConfigError(f"the server needs FastAPI, uvicorn and prometheus-client ({e.name} "
+                          "is missing): pip install 'flexgen_infinigen[serve]'") from None
 
 
 def _allowed_hosts(given: str) -> set[str]:
@@ -118,7 +170,7 @@ def limits_from_args(a):
         allowed = frozenset(hosts)
     return Limits(max_body_bytes=int(a.max_body_mb * 2**20),
                   request_timeout_s=a.request_timeout_s, max_json_depth=a.max_json_depth,
-                  allowed_hosts=allowed, docs=a.docs)
+                  allowed_hosts=allowed, docs=a.docs, sse_keepalive_s=a.sse_keepalive_s)
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -139,6 +191,34 @@ def main(argv=None) -> int:
     return run_command(_main, argv)
 
 
+def prefix_pages(a, lm):
+    """The server's prefix pages as the flags ask (None: off)."""
+    if not a.prefix_cache_gb and not a.prefix_cache_disk_gb:
+        return None
+    from .engine.prefill_cache import model_key
+    from .engine.prefix_pages import PrefixPages
+
+    from .engine.memory_plan import available
+    from .memory.tiers import DISK, HOST
+
+    folder = a.prefix_cache_dir
+    if folder is None and a.prefix_cache_disk_gb and a.offload_dir:
+        folder = os.path.join(a.offload_dir, f"prefix-pages-{os.getpid()}")
+    free = available(lm.tiers.device, folder)
+    # the pages grow as requests come: what cannot fit is refused now, not when it runs out
+    if a.prefix_cache_gb * 1e9 > free[HOST]:
+        raise ConfigError(f"--prefix-cache-gb {a.prefix_cache_gb:g} is more than the "
+                          f"{free[HOST] / 1e9:.1f} GB of memory free with the model loaded; "
+                          "give less")
+    if folder is not None and a.prefix_cache_disk_gb * 1e9 > free[DISK]:
+        raise ConfigError(f"--prefix-cache-disk-gb {a.prefix_cache_disk_gb:g} is more than "
+                          f"the {free[DISK] / 1e9:.1f} GB free on the disk of {folder}; give "
+                          "less")
+    return PrefixPages(model_key(lm), a.prefix_page_tokens, int(a.prefix_cache_gb * 1e9),
+                       folder, int(a.prefix_cache_disk_gb * 1e9),
+                       persistent=a.prefix_cache_dir is not None)
+
+
 def _main(argv=None) -> int:
     import uvicorn
 
@@ -151,8 +231,16 @@ def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_args(a)
     kv = kv_policy_from_args(a)
-    policy, _ = policy_from_args(a)  # `auto` needs lengths: it says to use `optimize`
     model = a.model if (a.model or a.path) else DEFAULT_MODEL
+    if wants_plan(a):  # the optimizer's choice for the typical request
+        from .engine.loading import find_weights
+
+        cfg, _, _ = find_weights(model, a.path, a.dummy, a.seed, progress=True)
+        answer = a.typical_answer_len or a.max_tokens
+        prompt = min(a.typical_prompt_len, max(1, cfg.max_positions - answer))
+        policy, _ = policy_from_args(a, cfg, (prompt, answer))
+    else:
+        policy, _ = policy_from_args(a)
     lm = OffloadedLM.load(model=model, path=a.path, dummy=a.dummy, policy=policy,
                           device=a.device, dtype=a.dtype, kv_policy=kv,
                           offload_dir=a.offload_dir, seed=a.seed)
@@ -162,7 +250,13 @@ def _main(argv=None) -> int:
                               "(--dummy weights); give a real model")
         name = a.served_model_name or lm.cfg.name
         names = {name, lm.cfg.name} | ({a.model} if a.model else set())
-        scheduler = Scheduler(lm, a.max_wait_ms / 1000, a.max_queue)
+        pages = prefix_pages(a, lm)
+        scheduler = Scheduler(lm, a.max_wait_ms / 1000, a.max_queue, prefix_pages=pages,
+                              admit_prompt_tokens=a.admit_prompt_tokens,
+                              context=a.max_model_len)
+        if a.max_model_len is not None and a.max_model_len > lm.cfg.max_positions:
+            raise ConfigError(f"--max-model-len {a.max_model_len} is longer than the model's "
+                              f"context ({lm.cfg.max_positions}); give at most that")
         limits = limits_from_args(a)
         app = create_app(scheduler, name, names, chat_template(lm.store_path, a.chat_template),
                          a.max_tokens, a.api_key, limits, control_tokens=a.allow_control_tokens)
@@ -183,6 +277,8 @@ def _main(argv=None) -> int:
             raise
         if scheduler.alive:
             scheduler.stop(timeout=5)
+        if pages is not None:
+            pages.close()
     print("server stopped: every request taken was answered", file=sys.stderr)
     return 0
 

@@ -299,6 +299,88 @@ def test_api_key_and_full_queue(server):
     assert len(texts) == codes.count(200) and all(texts)
 
 
+SYSTEM = ("You are a careful assistant for a small bakery. Answer in one short sentence, "
+          "name the bread, give its price in euros, and say whether it has seeds, nuts or "
+          "milk in it. The breads are rye, spelt, white, sourdough, brioche and a seeded "
+          "loaf; the shop opens at seven and closes at two.")
+
+
+def _two_turns(client, max_tokens: int = 6):
+    """(the second turn's messages, its answer): a chat whose second turn repeats the
+    first's history, the first's answer and a new question."""
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What does the rye bread cost?"}]
+    one = client.chat.completions.create(model=MODEL, messages=messages,
+                                         max_tokens=max_tokens, temperature=0)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "And the brioche?"}]
+    return messages, client.chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=max_tokens, temperature=0)
+
+
+def test_a_chats_second_turn_prefills_only_what_is_new(client, lm, server):
+    """The second turn finds the first turn's pages (its prompt and answer, kept when its
+    block ended): usage reports the cached prompt tokens (whole pages), the metrics count
+    them, and the answer is the library's, which prefills everything."""
+    hits = _metric(server, "prefix_cache_hits_total")
+    messages, two = _two_turns(client)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages)
+    assert 64 <= cached < len(ids) and cached % 64 == 0  # whole pages, never the last token
+    assert _metric(server, "prefix_cache_hits_total") - hits == cached
+    assert two.choices[0].message.content == _in_thread(lm.generate, [ids], 6).texts[0]
+
+
+def _check_stream_timing(url: str, messages: list[dict]) -> None:
+    """A streamed chat: comments keep the connection while the prompt prefills (a 100-token
+    prompt takes longer than --sse-keepalive-s 0.02), and the role chunk comes with the
+    first token, not when the request is accepted."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line]
+    data = [line for line in lines if line.startswith("data: {")]
+    assert lines[0] == ": keep-alive"  # nothing before the prefill ends, the role included
+    first = json.loads(data[0][6:])["choices"][0]["delta"]
+    assert first == {"role": "assistant", "content": ""} and lines[-1] == "data: [DONE]"
+
+
+def test_prefix_pages_outlive_a_restart(smollm2_store, tmp_path, lm):
+    """With --prefix-cache-dir a new server answers a chat's second turn from the pages the
+    last one left on disk, and a page cut short is a miss, not a wrong answer."""
+    flags = ("--prefix-cache-gb", "0.001", "--prefix-cache-disk-gb", "1",
+             "--prefix-cache-dir", str(tmp_path / "pages"), "--api-key", KEY,
+             "--sse-keepalive-s", "0.02")
+    proc, url = _start(smollm2_store, *flags)
+    try:
+        first = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        messages, _ = _two_turns(first)
+    finally:
+        _stop(proc)
+    files = sorted((tmp_path / "pages").iterdir())
+    assert files
+    proc, url = _start(smollm2_store, *flags)
+    try:
+        later = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        again = later.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                              temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64
+        _check_stream_timing(url, messages)
+        for f in sorted((tmp_path / "pages").iterdir()):
+            f.write_bytes(f.read_bytes()[:-5])  # every page cut short
+        other = later.chat.completions.create(model=MODEL, messages=messages[:2],
+                                              max_tokens=6, temperature=0)
+        assert other.usage.prompt_tokens_details is None  # nothing cached: all prefilled
+        ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages)
+        assert again.choices[0].message.content == _in_thread(lm.generate, [ids], 6).texts[0]
+        first_ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages[:2])
+        assert other.choices[0].message.content == \
+            _in_thread(lm.generate, [first_ids], 6).texts[0]
+    finally:
+        _stop(proc)
+
+
 def test_sigterm_drains_and_exits(server):
     """The last test of the module: SIGTERM while requests run and wait; every request
     already taken is answered, then the server exits."""
@@ -326,6 +408,8 @@ def _ask_together(url: str, n: int, max_tokens: int) -> tuple[list[int], list[st
     def ask():
         r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
         codes.append(r.status_code)
+        if r.status_code == 503:  # come back in about one block's time
+            assert 1 <= int(r.headers["retry-after"]) <= 60
         if r.status_code == 200:
             texts.append(r.json()["choices"][0]["text"])
         else:

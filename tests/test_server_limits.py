@@ -285,7 +285,8 @@ class _BrokenLM(_Broken):
 
 def _app(docs: bool = False):
     scheduler = SimpleNamespace(lm=_BrokenLM(), metrics=Metrics(), queue_depth=lambda: 0,
-                                block_size=1, alive=True, start=lambda: None,
+                                block_size=1, alive=True, start=lambda: None, context=64,
+                                pages=None, retry_after_s=lambda: 1,
                                 stop=lambda timeout=None: None)
     return create_app(scheduler, MODEL, {MODEL}, None, 4, KEY, Limits(docs=docs)), scheduler
 

@@ -69,6 +69,17 @@ class Pass:
 
 
 @dataclass
+class PrefixKV:
+    """What a block's prefill starts from: every row's keys and values of the block's first
+    ``length`` columns (left padding included, as zeros), by (layer, GPU batch), ``[b,
+    length, KV, d]`` each. The prefill then computes only the columns after them, attending
+    to these as to its own earlier keys (:mod:`.prefix_pages` keeps them across requests)."""
+
+    length: int
+    kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
 class Block:
     """The running block's state: per GPU batch its :class:`BatchState`, per (stage, GPU
     batch) of an attention stage its KV cache, which stage holds each layer's attention,
@@ -78,6 +89,8 @@ class Block:
     caches: dict[tuple[int, int], KVCache] = field(default_factory=dict)
     attention_stage: dict[int, int] = field(default_factory=dict)  # layer -> its stage
     activations: dict[tuple, SplitTensor] = field(default_factory=dict)
+    prefix: PrefixKV | None = None  # the prefill's known first columns
+    pending: list[torch.Tensor] = field(default_factory=list)  # next step's input per batch
 
     def next_cache(self, layer: int, batch: int) -> KVCache | None:
         """The cache of layer ``layer + 1`` for ``batch``, when it runs in this process."""

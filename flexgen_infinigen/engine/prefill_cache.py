@@ -87,6 +87,22 @@ class PrefillSource(Protocol):
     policy: object  # the Placement (its weight compression)
 
 
+def model_key(source: "PrefillSource") -> str:
+    """What the keys and values of a token sequence depend on besides its ids: the model
+    (config and weight store), the runtime dtype and weight compression."""
+    h = hashlib.sha256()
+    cfg = dataclasses.asdict(source.cfg)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    store = getattr(source, "store_path", None)
+    if store is not None:
+        manifest = Path(store) / "manifest.json"
+        h.update(str(Path(store).resolve()).encode())
+        if manifest.is_file():
+            h.update(manifest.read_bytes())
+    h.update(f"{source.dtype} {source.policy.compress_weight}".encode())
+    return h.hexdigest()[:32]
+
+
 class PrefillCache:
     """Prefills by key, in memory and, with ``folder``, on disk."""
 
@@ -102,16 +118,8 @@ class PrefillCache:
     def key(source: "PrefillSource", batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
         """Everything a block's prefill depends on: the model (config and weight store),
         the runtime dtype, weight compression, the GPU batch shape and the padded ids."""
-        h = hashlib.sha256()
-        cfg = dataclasses.asdict(source.cfg)
-        h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-        store = getattr(source, "store_path", None)
-        if store is not None:
-            manifest = Path(store) / "manifest.json"
-            h.update(str(Path(store).resolve()).encode())
-            if manifest.is_file():
-                h.update(manifest.read_bytes())
-        h.update(f"{source.dtype} {source.policy.compress_weight} {FORMAT}".encode())
+        h = hashlib.sha256(model_key(source).encode())
+        h.update(f"{FORMAT}".encode())
         for ids, valid in batches:
             h.update(str(tuple(ids.shape)).encode())
             h.update(ids.to(torch.int64).numpy().tobytes())

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,7 +39,7 @@ from ..memory.tiers import Tiers
 from ..models import family_of
 from ..placement import Placement
 from ..sampling import Sampler
-from .block import BatchState, Block, BlockMode, Pass, Step
+from .block import BatchState, Block, BlockMode, Pass, PrefixKV, Step
 from .experts import StageReads
 from .prefill_cache import Prefilled
 from .stage_compute import StageCompute
@@ -125,14 +125,19 @@ class Engine:
     def generate_block(self, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
                        sampler: Sampler, keep_logits: bool = False,
                        record: PromptRecorder | None = None, prefilled: Prefilled | None = None,
-                       capture: Prefilled | None = None) -> Iterator[Step]:
+                       capture: Prefilled | None = None,
+                       prefix: PrefixKV | None = None,
+                       at_end: Callable[[], None] | None = None) -> Iterator[Step]:
         """Up to ``steps`` iterations for each GPU batch of (ids [b, P], valid [b, P]) pairs,
         one :class:`Step` at a time: the caller stops early by not asking for more.
 
         ``record``: run the prefill only, handing each layer's prompt q and k to it instead
         of keeping a cache (calibration). ``prefilled``: fill the caches from this kept
         prefill of the same prompts instead of running it; ``capture``: keep this block's
-        prefill there."""
+        prefill there. ``prefix``: the keys and values of the prompts' first columns, known
+        already: the prefill computes the rest only. ``at_end``: called once the block's
+        last step has been taken (every step run, or the caller stopped), while its caches
+        still hold every column (:meth:`cached_kv`); not after an error."""
         if self.running:
             raise RuntimeError("a block is already running on this engine; finish or close "
                                "its generator first")
@@ -142,11 +147,18 @@ class Engine:
         try:
             dev = self.tiers.device
             prompt_len = batches[0][0].shape[1]
+            known = 0
+            if prefix is not None and prefix.length:
+                if record is not None or prefilled is not None or not 0 < prefix.length < \
+                        prompt_len:
+                    raise ValueError("a prefix leaves at least one prompt column to compute, "
+                                     "and is not combined with a recorder or a kept prefill")
+                self.block.prefix, known = prefix, prefix.length
             for ids, valid in batches:
                 valid = valid.to(dev)
                 positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-                self.block.states.append(self._prepare(BatchState(ids.to(dev), valid,
-                                                                  positions)))
+                self.block.states.append(self._prepare(BatchState(
+                    ids[:, known:].to(dev), valid, positions[:, known:])))
             mode = BlockMode(record, prefilled, capture,
                              self._prefill_chunk(len(batches[0][0]), prompt_len))
             if record is None:
@@ -156,7 +168,15 @@ class Engine:
             lanes = Lanes(dev, self.policy.overlap)
             self.debug["host_syncs_per_step"] = []
             yield from self._steps(steps, sampler, keep_logits, lanes, mode)
-        except BaseException:  # an error, an interrupt, or the caller stopped (GeneratorExit)
+            if at_end is not None:
+                at_end()
+        except GeneratorExit:  # the caller stopped between steps: the block ended whole
+            for cache in self.block.caches.values():
+                cache.abort()
+            if at_end is not None:
+                at_end()
+            raise
+        except BaseException:  # an error or an interrupt
             for cache in self.block.caches.values():  # wake loads waiting for a speculation
                 cache.abort()
             raise
@@ -190,6 +210,7 @@ class Engine:
                 if not decode and mode.capture is not None:
                     mode.capture.logits = [x.clone() for x in logits]
             tokens = [sampler(x, i, batch) for batch, x in enumerate(logits)]
+            self.block.pending = tokens  # what the next step feeds (restart_row may change)
             self._end_step(before)
             yield Step(i, tokens, time.perf_counter() - start,
                        [x.float() for x in logits] if keep_logits else None)
@@ -202,6 +223,37 @@ class Engine:
             key, value = prefilled.take(self.stages[stage].layer, batch)
             cache.store_prompt(None, key.to(dev), value.to(dev), self.block.states[batch].valid)
         return list(prefilled.logits)
+
+    def restart_row(self, batch: int, row: int, token: int) -> None:
+        """Between two steps of a running block: row ``row`` of GPU batch ``batch`` starts
+        over as a new sequence whose first token is ``token``, fed at the next step at
+        position 0. Every column the row had becomes invisible to it (its ``valid`` is
+        cleared), so its attention, positions and the KV policies' choices see only what
+        comes after; the caches keep their columns. A new request's prompt then goes in one
+        token a step (the caller's sampler gives the rest), in the steps the other rows
+        decode, each layer's weights read once for all of them."""
+        state = self.block.states[batch]
+        state.valid[row] = False
+        self.block.pending[batch][row] = token
+
+    def columns(self) -> int:
+        """Columns the running block's caches hold (prompt width and steps fed since)."""
+        return self.block.states[0].valid.shape[1]
+
+    def cached_kv(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """While a block runs (between its steps): layer ``layer``'s keys and values of GPU
+        batch ``batch`` as its cache holds them, every column so far (``[b, columns, KV,
+        d]`` each, on the CPU); None where the cache does not hold them exactly (4-bit)."""
+        stage = self.block.attention_stage.get(layer)
+        if stage is None:
+            return None
+        state = self.block.states[batch]
+        # after a step is yielded the cache holds a column for each of ``valid``'s
+        reader = self.block.caches[(stage, batch)].prompt_reader(*state.valid.shape[::-1])
+        if reader is None:
+            return None
+        k, v = reader()
+        return k.cpu(), v.cpu()
 
     def _logits(self, batch: int) -> torch.Tensor:
         return self.tiers.host_values(self.block.states[batch].logits)[0]

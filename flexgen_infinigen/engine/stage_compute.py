@@ -116,6 +116,11 @@ class StageCompute:
             out = block.caches[(stage, batch)].attend(loaded, q, k, v, state.visible,
                                                       state.bias)
         else:
+            known = block.prefix.kv.get((self.stages[stage].layer, batch)) \
+                if block.prefix is not None else None
+            if known is not None:  # the first columns' keys and values, computed before
+                k = torch.cat([known[0].to(k.device, k.dtype), k], 1)
+                v = torch.cat([known[1].to(v.device, v.dtype), v], 1)
             rows = min(p.mode.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
             out = attend_prompt(q, k, v, state.valid, cfg.sliding_window, rows=rows)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)

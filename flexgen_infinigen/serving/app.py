@@ -70,12 +70,15 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
         # a body too slow to come is not waited for; the rest of one too large is read
         # and dropped for --request-timeout-s at most (see guard.http_protocol), so that
         # a client still sending sees this answer, not a reset connection
-        close = {"connection": "close"} if e.status == 408 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=close)
+        headers = {"connection": "close"} if e.status == 408 else {}
+        if e.status == 503:  # when a slot is likely free: about one block from now
+            headers["retry-after"] = str(scheduler.retry_after_s())
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     def decode_and_parse(kind: str, raw: bytes) -> ServeRequest:
         return parse(kind, decode_json(raw, limits.max_json_depth), lm, template,
-                     default_max_tokens, names, control_tokens=control_tokens)
+                     default_max_tokens, names, control_tokens=control_tokens,
+                     context=scheduler.context)
 
     @app.get("/health")
     async def health():
@@ -85,15 +88,17 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
 
     @app.get("/metrics")
     async def prometheus():
+        pages = scheduler.pages
+        held = {"host": pages.in_memory, "disk": pages.on_disk} if pages is not None else None
         return PlainTextResponse(metrics.render(scheduler.queue_depth(), scheduler.block_size,
-                                                lm.tiers.bytes_moved),
+                                                lm.tiers.bytes_moved, held),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model, "object": "model",
                                             "created": created, "owned_by": "flexgen_infinigen",
-                                            "max_model_len": lm.cfg.max_positions}]}
+                                            "max_model_len": scheduler.context}]}
 
     async def complete(kind: str, endpoint: str, request: Request):
         try:
@@ -113,7 +118,8 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
         metrics.count("prompt_tokens", len(served.ids))
         if served.stream:
             metrics.answered(endpoint, 200)
-            return StreamingResponse(_sse(served, request), media_type="text/event-stream")
+            return StreamingResponse(_sse(served, request, limits.sse_keepalive_s),
+                                     media_type="text/event-stream")
         try:
             text, reason, entries = await _collect(served, request)
         except ApiError as e:
@@ -148,7 +154,7 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await tokenizer_route("/tokenize", request, lambda body: tokens.tokenize(
-            body, lm, template, control_tokens))
+            body, lm, template, control_tokens, scheduler.context))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -190,23 +196,32 @@ async def _collect(served: ServeRequest, request: Request):
         served.cancelled.set()  # a no-op once the row has finished
 
 
-async def _sse(served: ServeRequest, request: Request):
+async def _sse(served: ServeRequest, request: Request, keepalive_s: float):
     """The answer as Server-Sent Events; leaving (the client's disconnect closes this
     generator, or the watch sees it first) cancels the row."""
     def data(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
     watch = asyncio.create_task(_watch(served, request))
+    getter = None
+    role_sent = served.kind != "chat"
     try:
-        if served.kind == "chat":
-            yield data(served.chunk("", None, [], first=True))
         while True:
-            kind, piece, extra = await served.events.get()
+            if getter is None:  # one get at a time, never cancelled by a keep-alive
+                getter = asyncio.ensure_future(served.events.get())
+            done, _ = await asyncio.wait({getter}, timeout=keepalive_s)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            (kind, piece, extra), getter = getter.result(), None
             if kind == "gone":
                 return
             if kind == "error":
                 yield data(piece.body())
                 return
+            if not role_sent:  # with the first token: the time a client sees is honest
+                yield data(served.chunk("", None, [], first=True))
+                role_sent = True
             if kind == "done":
                 yield data(served.chunk(piece, extra, []))
                 break
@@ -220,4 +235,6 @@ async def _sse(served: ServeRequest, request: Request):
         yield data(server_error(e).body())
     finally:
         watch.cancel()
+        if getter is not None:
+            getter.cancel()
         served.cancelled.set()

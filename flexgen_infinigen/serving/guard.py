@@ -42,6 +42,10 @@ class Limits:
     # the Host names answered besides the loopback ones; None: any Host is answered
     allowed_hosts: frozenset[str] | None = frozenset()
     docs: bool = False  # /docs, /redoc and /openapi.json
+    # an SSE comment this often while a streamed request waits or prefills, so that proxies
+    # and clients with idle timeouts keep the connection (SSE parsers skip comments)
+    sse_keepalive_s: float = 10.0
+    max_model_len: int | None = None  # the context a request may fill (None: the model's)
 
 
 def is_loopback(host: str) -> bool:

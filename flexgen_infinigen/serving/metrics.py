@@ -1,12 +1,17 @@
 """The server's counters, and ``/metrics`` in the Prometheus text format (version 0.0.4).
 
 The engine thread and the event loop both count; each update is one dictionary operation
-under the interpreter lock, and a scrape reads a copy.
+under the interpreter lock, and a scrape reads a copy. The latency histograms (time to
+first token, time between tokens, end to end, queue time) and the running and waiting
+gauges are ``prometheus_client``'s, named as vLLM's dashboards read them, under this
+project's prefix; ``bytes_moved`` is ours alone.
 """
 from __future__ import annotations
 
 import threading
 from collections import Counter
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 PREFIX = "flexgen_infinigen"
 
@@ -29,7 +34,18 @@ HELP = {
     "block_capacity": ("gauge", "rows of a full block: gpu_batch_size x num_gpu_batches"),
     "block_fill": ("gauge", "the last block's requests over its capacity"),
     "bytes_moved_total": ("counter", "bytes moved between memory tiers, by link and kind"),
+    "prefix_cache_queries_total": ("counter", "prompt tokens looked up in the prefix pages"),
+    "prefix_cache_hits_total": ("counter", "prompt tokens whose keys and values came from "
+                                           "the prefix pages (not prefilled)"),
+    "prefix_cache_bytes": ("gauge", "bytes of prefix pages held, by tier"),
 }
+
+
+# seconds; vLLM's buckets for the same histograms, trimmed to a CPU's range
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1,
+                 2.5, 5, 10, 20)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 240, 480, 960, 1920, 3840)
 
 
 class Metrics:
@@ -40,6 +56,24 @@ class Metrics:
         self.running_rows = 0
         self.block_capacity = 0
         self.last_fill = 0.0
+        self.registry = CollectorRegistry()  # one per server (tests run several)
+        hist = {"registry": self.registry}
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "seconds from a request's arrival to its first token",
+                              buckets=TTFT_BUCKETS, **hist)
+        self.between = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                                 "seconds between a request's successive tokens",
+                                 buckets=TOKEN_BUCKETS, **hist)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
+                             "seconds from a request's arrival to its end",
+                             buckets=REQUEST_BUCKETS, **hist)
+        self.queued = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                                "seconds a request waited before its block started",
+                                buckets=REQUEST_BUCKETS, **hist)
+        self.running = Gauge(f"{PREFIX}_num_requests_running",
+                             "requests in the block being decoded", **hist)
+        self.waiting = Gauge(f"{PREFIX}_num_requests_waiting",
+                             "requests waiting for a block", **hist)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -62,8 +96,10 @@ class Metrics:
         with self._lock:
             return {"counts": dict(self._counts), "requests": dict(self._requests)}
 
-    def render(self, queue_depth: int, capacity: int, bytes_moved: dict) -> str:
-        """The Prometheus text: every metric with its HELP and TYPE lines."""
+    def render(self, queue_depth: int, capacity: int, bytes_moved: dict,
+               prefix_bytes: dict[str, int] | None = None) -> str:
+        """The Prometheus text: every metric with its HELP and TYPE lines
+        (``prefix_bytes``: the prefix pages' bytes by tier)."""
         snap = self.snapshot()
         counts = snap["counts"]
         values = {
@@ -76,11 +112,15 @@ class Metrics:
             "bytes_moved_total": [({"link": link, "kind": kind}, n)
                                   for link, kinds in sorted(bytes_moved.items())
                                   for kind, n in sorted(kinds.items())],
+            "prefix_cache_bytes": [({"tier": t}, n)
+                                   for t, n in sorted((prefix_bytes or {}).items())],
         }
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
                      "prompt_tokens", "generation_tokens", "engine_errors", "row_errors",
-                     "blocks", "block_rows"):
+                     "blocks", "block_rows", "prefix_cache_queries", "prefix_cache_hits"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]
+        self.running.set(self.running_rows)
+        self.waiting.set(queue_depth)
         lines = []
         for name, (kind, text) in HELP.items():
             full = f"{PREFIX}_{name}"
@@ -88,4 +128,4 @@ class Metrics:
             for labels, value in values[name]:
                 tag = ",".join(f'{k}="{v}"' for k, v in labels.items())
                 lines.append(f"{full}{{{tag}}} {value}" if tag else f"{full} {value}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + generate_latest(self.registry).decode()

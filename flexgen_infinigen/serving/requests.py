@@ -61,6 +61,11 @@ class ServeRequest:
     text: TextStream | None = None
     generated: int = 0
     finished: bool = False
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix pages
+    # latencies: the histograms to observe (set when queued) and the times seen so far
+    metrics: object = None
+    arrived: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
 
     def __post_init__(self):
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -69,6 +74,18 @@ class ServeRequest:
     # ---- engine thread ------------------------------------------------------------------
     def start(self, tokenizer) -> None:
         self.text = TextStream(tokenizer, self.stops)
+        if self.metrics is not None:
+            self.metrics.queued.observe(time.monotonic() - self.arrived)
+
+    def _timed(self) -> None:
+        """A token came: the time to the first, or since the last."""
+        now = time.monotonic()
+        if self.metrics is not None:
+            if self.last_token is None:
+                self.metrics.ttft.observe(now - self.arrived)
+            else:
+                self.metrics.between.observe(now - self.last_token)
+        self.last_token = now
 
     def take(self, token: int, stop_ids: set[int], logprob: dict | None) -> int:
         """The row's next token; sends what became final to the client. Returns the tokens
@@ -76,6 +93,7 @@ class ServeRequest:
         if self.finished:
             return 0
         self.generated += 1
+        self._timed()
         if token in self.stop_token_ids or (token in stop_ids and not self.ignore_eos):
             self.finish("stop")
             return 1
@@ -90,6 +108,8 @@ class ServeRequest:
     def finish(self, reason: str) -> None:
         if not self.finished:
             self.finished = True
+            if self.metrics is not None:
+                self.metrics.e2e.observe(time.monotonic() - self.arrived)
             self._send(("done", self.text.finish(), reason))
 
     def fail(self, message: str, status: int = 500, param: str | None = None) -> None:
@@ -112,8 +132,11 @@ class ServeRequest:
 
     # ---- event loop ---------------------------------------------------------------------
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.ids), "completion_tokens": self.generated,
-                "total_tokens": len(self.ids) + self.generated}
+        out = {"prompt_tokens": len(self.ids), "completion_tokens": self.generated,
+               "total_tokens": len(self.ids) + self.generated}
+        if self.cached_tokens:  # OpenAI's name for prompt tokens a cache answered
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
     def response(self, text: str, reason: str, logprobs: list[dict]) -> dict:
         choice = {"index": 0, "finish_reason": reason,
@@ -168,12 +191,14 @@ class ServeRequest:
 
 
 def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
-          names: set[str], control_tokens: bool = False) -> ServeRequest:
+          names: set[str], control_tokens: bool = False,
+          context: int | None = None) -> ServeRequest:
     """A request from an HTTP body; :class:`ApiError` for anything that cannot be served as
     asked (nothing is ever silently dropped that would change the answer). Every value goes
     through :mod:`..cli.request_checks`, the layer ``batch`` uses too. ``control_tokens``:
     control-token text in a prompt or message (``<|im_start|>``) is encoded as the control
-    token; by default it is plain text."""
+    token; by default it is plain text. ``context``: the tokens a prompt and its answer may
+    fill (``--max-model-len``; default the model's)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
@@ -211,8 +236,8 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     try:
         ids = checks.token_ids(_prompt_ids(request, lm, template, control_tokens),
                                lm.cfg.vocab_size, param)
-        max_tokens = checks.room(len(ids), settings["gen_len"], given, lm.cfg.max_positions,
-                                 param)
+        max_tokens = checks.room(len(ids), settings["gen_len"], given,
+                                 context or lm.cfg.max_positions, param)
     except checks.Refused as e:
         raise _refused(e) from None
     if request["ignored"]:  # accepted, and changing nothing: said once, per request

@@ -6,22 +6,32 @@ each row's token to its request at every step.
 - A block starts when it is full, or ``max_wait_s`` after its first request came: the wait
   trades first-token latency for fuller blocks. A short block takes as few GPU batches as
   hold its rows (as :meth:`~..api.OffloadedLM.generate` does).
-- Requests join at block boundaries only. A row that finishes early stays empty until the
-  block ends: its KV cache and positions belong to the block's prompt, and taking a new
-  prompt in would need a prefill of its own, outside the step every row shares.
+- Requests also join a running block: when a row has ended, the next waiting request
+  takes it at the next step (:meth:`~..engine.schedule.Engine.restart_row`). Its prompt
+  goes in one token a step, in the steps the other rows decode (each layer's weights read
+  once for all of them), and its answer starts when the prompt is in. A request joins when
+  its prompt and answer fit the steps the block has left and its prompt is at most
+  ``admit_prompt_tokens`` (a longer one prefills faster in the next block's prefill); a
+  block is given twice its longest answer in steps, so that there is room to join.
 - Sampling is per row: each row has its own settings (temperature, top-k, top-p, min-p,
   penalties, logit bias; :mod:`..sampling`), stop ids and random generator (seeded by its
   request), so an answer does not depend on the other rows of its block: a greedy row that
   moves no logits is the plain argmax whatever its neighbours ask.
+- With prefix pages (:mod:`..engine.prefix_pages`, ``--prefix-cache-gb``), a block's
+  prefill skips the columns every row's cached prefix covers, and when the block ends each
+  row's prompt and answer are kept as pages: the next turn of a chat prefills its new
+  tokens, not its history. Rows that share a block share the skipped width (the shortest
+  cover, counted from each row's left padding).
 - A request whose client has gone is skipped in the queue, and dropped from its block at the
   next step; the block stops as soon as no row is left.
 - A row fails alone: a prompt id outside the vocabulary or a sampler that cannot be made
   fails its request before the block runs; a row whose choice (or its text) raises during
   the block fails its request and the others go on with the tokens they would have had
-  (:class:`RowChooser`). Only an error of the block's shared work fails every row.
+  (:class:`~.rows.RowChooser`). Only an error of the block's shared work fails every row.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -30,72 +40,42 @@ from contextlib import closing
 import torch
 
 from ..cli import request_checks as checks
+from ..engine import prefix_reuse
+from ..engine.prefix_pages import PrefixPages
 from ..sampling import Sampler, row_chooser
 from .metrics import Metrics
 from .requests import ServeRequest
+from .rows import Row, RowChooser
 
 
 class QueueFull(Exception):
     """More requests are waiting than ``max_queue``."""
 
 
-class RowChooser:
-    """The engine's sampler for one block: every row chooses with its own request's settings,
-    and the log-probabilities each row asked for are kept for the step.
-
-    A row whose choice raises fails alone: it takes the argmax (so the step's shapes stay
-    whole) and is listed in :attr:`failed`; the scheduler ends its request with the error and
-    the block goes on. The other rows' choices never read it, so they are the tokens they
-    would have been without it."""
-
-    def __init__(self, requests: list[ServeRequest], batch_size: int, tokenizer,
-                 samplers: list[Sampler] | None = None):
-        self.requests, self.batch_size, self.tokenizer = requests, batch_size, tokenizer
-        self.samplers = samplers if samplers is not None else \
-            [row_chooser(r.sampling, r.ids) for r in requests]
-        self.logprobs: list[dict | None] = [None] * len(requests)
-        self.failed: dict[int, str] = {}  # row -> why its choice failed (not yet reported)
-
-    def __call__(self, logits: torch.Tensor, step: int = 0, batch: int = 0) -> torch.Tensor:
-        logits = logits.float().cpu()
-        tokens = logits.argmax(-1)
-        first = batch * self.batch_size
-        for r in range(logits.shape[0]):
-            row = first + r
-            if row >= len(self.requests) or self.requests[row].finished or row in self.failed:
-                continue  # a padding row, or one that has ended: its token is never read
-            request = self.requests[row]
-            try:
-                if request.sampling.temperature > 0 or request.sampling.moves_logits:
-                    # the row's own chooser, on its row alone (its history is its own)
-                    tokens[r] = self.samplers[row](logits[r:r + 1], step, 0)[0]
-                if request.top_logprobs is not None:
-                    self.logprobs[row] = self._logprobs(logits[r], int(tokens[r]),
-                                                        request.top_logprobs)
-            except Exception as e:  # noqa: BLE001 - this row's request fails, not the block
-                tokens[r] = logits[r].argmax()
-                self.failed[row] = f"choosing this request's token failed: " \
-                                   f"{type(e).__name__}: {e}"
-        return tokens
-
-    def _logprobs(self, logits: torch.Tensor, token: int, top: int) -> dict:
-        """The model's own log-probabilities (before temperature and top-p)."""
-        lp = torch.log_softmax(logits, -1)
-        best = lp.topk(top) if top else None
-        pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
-        return {"token": self.tokenizer.decode([token]), "logprob": float(lp[token]),
-                "top": [(self.tokenizer.decode([i]), v) for i, v in pairs]}
-
-
 class Scheduler:
-    def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None):
+    def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None,
+                 prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 256,
+                 context: int | None = None):
+        """``admit_prompt_tokens``: the longest prompt that joins a running block (0: none
+        joins; requests wait for the next block). ``context``: the tokens a prompt and its
+        answer may fill (``--max-model-len``; default the model's)."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
+        self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
+        # a running block takes new rows where the policy's caches allow it (not one that
+        # reads the prompt's queries at prefill, nor a pipeline rank)
+        self.admit_prompt_tokens = admit_prompt_tokens if prefix_reuse.usable(lm.engine) \
+            else 0
+        # None: every block prefills its whole prompts (also where the policy cannot reuse)
+        self.pages = prefix_pages if prefix_pages is not None and \
+            prefix_reuse.usable(lm.engine) else None
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
         self._pending: queue.Queue = queue.Queue()
         self._carried: list[ServeRequest] = []  # taken from the queue, for the next block
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
+        self.last_block_s = 1.0  # how long the last block ran (Retry-After's estimate)
+        self._in_block: list[ServeRequest] = []  # the running block's requests, joiners too
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:
@@ -107,7 +87,13 @@ class Scheduler:
         if self.queue_depth() >= self.max_queue:
             raise QueueFull(f"{self.queue_depth()} requests are waiting (--max-queue "
                             f"{self.max_queue}); try again later")
+        request.metrics = self.metrics
+        request.arrived = time.monotonic()
         self._pending.put(request)
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: the last block's length, 1 to 60."""
+        return max(1, min(60, math.ceil(self.last_block_s)))
 
     def queue_depth(self) -> int:
         return self._pending.qsize() + len(self._carried)
@@ -127,12 +113,15 @@ class Scheduler:
         while (block := self._gather()) is not None:
             if not block:
                 continue
+            started = time.monotonic()
+            self._in_block = list(block)  # and every request that joins it
             try:
                 self._run_block(block)
             except Exception as e:  # noqa: BLE001 - the block's clients get a 500; we go on
-                for r in block:
+                for r in self._in_block:
                     r.fail(f"the engine failed on this block: {type(e).__name__}: {e}")
                 self.metrics.count("engine_errors")
+            self.last_block_s = time.monotonic() - started
 
     def _next(self, timeout: float | None):
         """The next waiting request (or the stop mark); raises queue.Empty on a timeout."""
@@ -164,7 +153,7 @@ class Scheduler:
         block = [r for r in block if not r.finished]
         # every row's prompt is padded to the longest, and every row runs as many steps as
         # the longest answer: what does not fit the context with the others waits
-        kept, context = [], self.lm.cfg.max_positions
+        kept, context = [], self.context
         for r in block:
             if kept and max(len(k.ids) for k in kept + [r]) + \
                     max(k.max_tokens for k in kept + [r]) > context:
@@ -205,44 +194,129 @@ class Scheduler:
         size, count = lm._block_shape(real)
         ids = [r.ids for r in block]
         ids += [ids[0]] * (size * count - real)  # equal GPU batches: dummy rows
-        steps = max(r.max_tokens for r in block)
+        width = max(map(len, ids))
+        longest = max(r.max_tokens for r in block)
+        steps = longest if not self.admit_prompt_tokens else \
+            max(longest, min(2 * longest, self.context - width))
         for r in block:
             r.start(lm.tokenizer)
-        chooser = RowChooser(block, size, lm.tokenizer, samplers)
-        stop_ids = lm.stop_token_ids
+        rows = [Row(r, s, width - len(r.ids), list(r.ids)) for r, s in zip(block, samplers)]
+        rows += [Row(None, None, width - len(ids[0]), []) for _ in range(len(ids) - real)]
+        chooser = RowChooser(rows, size, lm.tokenizer)
         self.metrics.block_started(real, self.block_size)
         lm.engine.kv_policy.reset_stats()
-        with closing(lm.engine.generate_block(lm._pad_batches(ids, size), steps,
-                                              chooser)) as block_steps:
+        batches = lm._pad_batches(ids, size)
+        prefix = self._prefix(block, ids, batches)
+        at_end = (lambda: self._keep_pages(rows)) if self.pages is not None else None
+        with closing(lm.engine.generate_block(batches, steps, chooser, prefix=prefix,
+                                              at_end=at_end)) as block_steps:
+            fed_next = None  # the tokens the step after this one feeds, by row
             for step in block_steps:
+                if fed_next is not None:
+                    for row, t in zip(rows, fed_next):
+                        row.fed.append(t)
                 tokens = torch.cat(step.tokens).tolist()
-                for r, request in enumerate(block):
-                    if request.finished:
-                        continue
-                    if r in chooser.failed:
-                        request.fail(chooser.failed[r])
-                        self.metrics.count("row_errors")
-                        continue
-                    if request.cancelled.is_set():
-                        request.drop()
-                        self.metrics.count("requests_cancelled")
-                        continue
-                    try:
-                        made = request.take(tokens[r], stop_ids, chooser.logprobs[r])
-                    except Exception as e:  # noqa: BLE001 - e.g. its text cannot be decoded
-                        request.fail(f"this request's answer failed: {type(e).__name__}: {e}")
-                        self.metrics.count("row_errors")
-                        continue
-                    self.metrics.count("generation_tokens", made)
-                    if request.finished:
-                        self.metrics.count("requests_finished")
-                if all(r.finished for r in block) and lm.engine.stops_early:
+                self._deliver(rows, chooser, tokens)
+                fed_next = tokens
+                if self.admit_prompt_tokens:
+                    self._join(rows, chooser, fed_next, steps - step.index - 1, size)
+                self.metrics.running_rows = sum(not r.idle for r in rows)
+                if all(r.idle for r in rows) and lm.engine.stops_early:
                     break
-        for i, r in enumerate(block):  # the longest answer may end the block first
-            if not r.finished and i in chooser.failed:
+        for i, row in enumerate(rows):  # the longest answer may end the block first
+            r = row.request
+            if r is None or r.finished:
+                continue
+            if i in chooser.failed:
                 r.fail(chooser.failed[i])
                 self.metrics.count("row_errors")
-            elif not r.finished:
+            else:
                 r.finish("length")
                 self.metrics.count("requests_finished")
         self.metrics.block_ended()
+
+    def _deliver(self, rows: list[Row], chooser: RowChooser, tokens: list[int]) -> None:
+        """Each row's token to its request (not a prompt token a joining row fed)."""
+        stop_ids = self.lm.stop_token_ids
+        for i, row in enumerate(rows):
+            request = row.request
+            if row.idle or i in chooser.feeding:
+                continue
+            if i in chooser.failed:
+                request.fail(chooser.failed[i])
+                self.metrics.count("row_errors")
+                continue
+            if request.cancelled.is_set():
+                request.drop()
+                self.metrics.count("requests_cancelled")
+                continue
+            try:
+                made = request.take(tokens[i], stop_ids, chooser.logprobs[i])
+            except Exception as e:  # noqa: BLE001 - e.g. its text cannot be decoded
+                request.fail(f"this request's answer failed: {type(e).__name__}: {e}")
+                self.metrics.count("row_errors")
+                continue
+            self.metrics.count("generation_tokens", made)
+            if request.finished:
+                self.metrics.count("requests_finished")
+
+    def _join(self, rows: list[Row], chooser: RowChooser, fed_next: list[int], left: int,
+              size: int) -> None:
+        """Waiting requests into the rows that have ended, in arrival order, while the head
+        of the queue fits: its prompt and answer in the ``left`` steps the block has after
+        this one, its prompt at most ``admit_prompt_tokens``. ``fed_next``: the next step's
+        input by row (a joining row's first prompt token goes there)."""
+        engine = self.lm.engine
+        for index, row in enumerate(rows):
+            if not row.idle:
+                continue
+            while True:
+                try:
+                    request = self._next(0)
+                except queue.Empty:
+                    return
+                if request is None:  # stopping: seen again by _gather
+                    self._pending.put(None)
+                    return
+                if request.cancelled.is_set():
+                    request.drop()
+                    self.metrics.count("requests_cancelled")
+                    continue
+                if len(request.ids) + request.max_tokens > left or \
+                        len(request.ids) > self.admit_prompt_tokens:
+                    self._carried.insert(0, request)  # first in the next block
+                    return
+                admitted, samplers = self._admit([request])
+                if admitted:
+                    break
+            if self.pages is not None:  # the row's last answer, before it is hidden
+                self._keep_pages([r if i == index else Row(None) for i, r in enumerate(rows)])
+            engine.restart_row(index // size, index % size, request.ids[0])
+            fed_next[index] = request.ids[0]
+            request.start(self.lm.tokenizer)
+            self._in_block.append(request)
+            chooser.replace(index, Row(request, samplers[0], engine.columns(), [],
+                                       list(request.ids[1:])))
+            self.metrics.count("requests_joined")
+
+    def _prefix(self, block: list[ServeRequest], ids: list[list[int]], batches):
+        """The block's known first columns from the prefix pages (None: none), each
+        request's cached prompt tokens noted and counted."""
+        if self.pages is None:
+            return None
+        prefix = prefix_reuse.block_prefix(self.pages, self.lm.engine, ids, batches)
+        width = batches[0][0].shape[1]
+        for r in block:
+            r.cached_tokens = max(0, prefix.length - (width - len(r.ids))) if prefix else 0
+            self.metrics.count("prefix_cache_hits", r.cached_tokens)
+            self.metrics.count("prefix_cache_queries", len(r.ids))
+        return prefix
+
+    def _keep_pages(self, rows: list[Row]) -> None:
+        """Every row's prompt and the answer tokens fed back so far kept as pages (while the
+        block's caches still hold them); a free or dropped row keeps nothing."""
+        try:
+            prefix_reuse.keep_rows(self.pages, self.lm.engine,
+                                   [(row.first_column, row.sequence()) for row in rows])
+        except Exception:  # noqa: BLE001 - a cache that cannot be read back keeps nothing
+            self.metrics.count("prefix_cache_errors")

@@ -27,7 +27,8 @@ def _tokenizer(lm):
     return lm.tokenizer
 
 
-def tokenize(body, lm, template: str | None, control_tokens: bool) -> dict:
+def tokenize(body, lm, template: str | None, control_tokens: bool,
+             context: int | None = None) -> dict:
     from ..text.chat import chat_prompt_ids
 
     if not isinstance(body, dict):
@@ -53,7 +54,7 @@ def tokenize(body, lm, template: str | None, control_tokens: bool) -> dict:
                                    control_tokens=control_tokens)
     except checks.Refused as e:
         raise _refused(e) from None
-    out = {"tokens": ids, "count": len(ids), "max_model_len": lm.cfg.max_positions}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": context or lm.cfg.max_positions}
     if pieces:
         out["pieces"] = [tokenizer.decode([t]) for t in ids]
     return out

@@ -1,0 +1,91 @@
+"""A block's prefill from the prefix pages, and a finished block's rows kept as pages.
+
+A block's rows are left-padded to one length, so a row's token ``i`` sits at column
+``pad + i``. The prefill can skip the first ``S`` columns when every row's tokens in them
+are held (``S <= pad + cached`` for every row); padding columns are zeros there, as no
+token ever attends to them. At least the last column is always computed: its logits are
+the first token's.
+
+When the block ends, each row's sequence (its prompt and the tokens fed back since, from
+the column its first token sits in) is read back from the caches and its whole pages are
+kept, so the next turn of a chat finds its history.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block import PrefixKV
+from .prefix_pages import PrefixPages
+
+
+def usable(engine) -> bool:
+    """The engine's caches can start from known keys and values: its policy does not read
+    the prompt's queries at prefill (H2O, a per-prompt skew), one process runs every
+    layer."""
+    part = engine.part
+    whole = part.start == 0 and part.stop == engine.cfg.num_layers and part.embed and part.head
+    return not engine.kv_policy.needs_prompt_queries and whole \
+        and not engine.policy.compress_cache
+
+
+def block_prefix(pages: PrefixPages, engine, prompts: list[list[int]],
+                 batches: list[tuple[torch.Tensor, torch.Tensor]]) -> PrefixKV | None:
+    """The known first columns of a block whose rows hold ``prompts`` (every row, dummy
+    rows included, in order) padded into ``batches``; None when nothing is held."""
+    width = batches[0][0].shape[1]
+    pads = [width - len(p) for p in prompts]
+    found = [pages.longest(p, limit=len(p) - 1) for p in prompts]
+    known = min(pad + n for pad, n in zip(pads, found))
+    if known <= 0 or known >= width:
+        return None
+    per_row = []
+    for prompt, pad in zip(prompts, pads):
+        tokens = known - pad
+        got = pages.gather(prompt, -(-tokens // pages.page_tokens) * pages.page_tokens) \
+            if tokens > 0 else None
+        if tokens > 0 and got is None:
+            return None  # a page was damaged since it was found: prefill everything
+        per_row.append(None if got is None else (got[0][:, :tokens], got[1][:, :tokens]))
+    sample = next(r for r in per_row if r is not None)[0]  # [layers, tokens, KV, d]
+    layers, _, kv_heads, dim = sample.shape
+    kv, first = {}, 0
+    for b, (ids, _) in enumerate(batches):
+        rows = ids.shape[0]
+        for layer in range(layers):
+            k = sample.new_zeros(rows, known, kv_heads, dim)
+            v = sample.new_zeros(rows, known, kv_heads, dim)
+            for r in range(rows):
+                got = per_row[first + r]
+                if got is not None:
+                    n = got[0].shape[1]
+                    k[r, known - n:] = got[0][layer]
+                    v[r, known - n:] = got[1][layer]
+            kv[(layer, b)] = (k, v)
+        first += rows
+    return PrefixKV(known, kv)
+
+
+def keep_rows(pages: PrefixPages, engine, rows: list[tuple[int, list[int]]]) -> int:
+    """Keep the whole pages of every row of the running block, read from its caches:
+    ``rows[i]`` is (the column of row ``i``'s first token, the tokens it fed since, in
+    order), rows in block order; tokens past the columns the caches hold are left out.
+    Returns the pages added (0 where the caches do not hold exact rows)."""
+    layers = engine.cfg.num_layers
+    added, first, batch = 0, 0, 0
+    while first < len(rows):
+        per_layer = [engine.cached_kv(layer, batch) for layer in range(layers)]
+        if any(x is None for x in per_layer):
+            return added
+        size, columns = per_layer[0][0].shape[:2]
+        for r in range(size):
+            column, seq = rows[first + r]
+            n = min(len(seq), columns - column)
+            n -= n % pages.page_tokens
+            if n <= 0:
+                continue
+            k = torch.stack([kv[0][r, column:column + n] for kv in per_layer])
+            v = torch.stack([kv[1][r, column:column + n] for kv in per_layer])
+            added += pages.add(seq[:n], k, v)
+        first += size
+        batch += 1
+    return added
