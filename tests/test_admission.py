@@ -43,9 +43,13 @@ def _text(r: ServeRequest) -> str:
     return "".join(piece for kind, piece, _ in r.events if kind in ("token", "done"))
 
 
-@pytest.fixture(scope="module")
-def lm(smollm2_store):
-    with OffloadedLM.load(path=smollm2_store, policy=Placement(gpu_batch_size=2),
+@pytest.fixture(scope="module", params=[dict(gpu_batch_size=2),
+                                        dict(gpu_batch_size=1, num_gpu_batches=2,
+                                             overlap=True)],
+                ids=["one-batch", "two-batches-overlapped"])
+def lm(smollm2_store, request):
+    """Blocks of two rows: in one GPU batch, or in two with the overlapped schedule."""
+    with OffloadedLM.load(path=smollm2_store, policy=Placement(**request.param),
                           progress=False) as lm:
         yield lm
 
