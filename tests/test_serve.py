@@ -323,7 +323,11 @@ def test_a_chats_second_turn_prefills_only_what_is_new(client, lm, server):
     block ended): usage reports the cached prompt tokens (whole pages), the metrics count
     them, and the answer is the library's, which prefills everything."""
     hits = _metric(server, "prefix_cache_hits_total")
+    firsts = _metric(server, "time_to_first_token_seconds_count")
     messages, two = _two_turns(client)
+    # two answers: each timed once to its first token and once to its end
+    assert _metric(server, "time_to_first_token_seconds_count") - firsts == 2
+    assert _metric(server, "e2e_request_latency_seconds_count") >= 2
     cached = two.usage.prompt_tokens_details.cached_tokens
     ids = chat_prompt_ids(lm.tokenizer, store_template(lm.store_path), messages)
     assert 64 <= cached < len(ids) and cached % 64 == 0  # whole pages, never the last token

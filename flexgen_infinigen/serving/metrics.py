@@ -47,6 +47,18 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  2.5, 5, 10, 20)
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 240, 480, 960, 1920, 3840)
 
+# attribute -> (name, help, buckets): the latency histograms, named as vLLM's
+HISTOGRAMS = {
+    "ttft": ("time_to_first_token_seconds",
+             "seconds from a request's arrival to its first token", TTFT_BUCKETS),
+    "between": ("inter_token_latency_seconds",
+                "seconds between a request's successive tokens", TOKEN_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds",
+            "seconds from a request's arrival to its end", REQUEST_BUCKETS),
+    "queued": ("request_queue_time_seconds",
+               "seconds a request waited before its block started", REQUEST_BUCKETS),
+}
+
 
 class Metrics:
     def __init__(self):
@@ -57,23 +69,13 @@ class Metrics:
         self.block_capacity = 0
         self.last_fill = 0.0
         self.registry = CollectorRegistry()  # one per server (tests run several)
-        hist = {"registry": self.registry}
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "seconds from a request's arrival to its first token",
-                              buckets=TTFT_BUCKETS, **hist)
-        self.between = Histogram(f"{PREFIX}_inter_token_latency_seconds",
-                                 "seconds between a request's successive tokens",
-                                 buckets=TOKEN_BUCKETS, **hist)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
-                             "seconds from a request's arrival to its end",
-                             buckets=REQUEST_BUCKETS, **hist)
-        self.queued = Histogram(f"{PREFIX}_request_queue_time_seconds",
-                                "seconds a request waited before its block started",
-                                buckets=REQUEST_BUCKETS, **hist)
+        for attr, (name, text, buckets) in HISTOGRAMS.items():
+            setattr(self, attr, Histogram(f"{PREFIX}_{name}", text, buckets=buckets,
+                                          registry=self.registry))
         self.running = Gauge(f"{PREFIX}_num_requests_running",
-                             "requests in the block being decoded", **hist)
+                             "requests in the block being decoded", registry=self.registry)
         self.waiting = Gauge(f"{PREFIX}_num_requests_waiting",
-                             "requests waiting for a block", **hist)
+                             "requests waiting for a block", registry=self.registry)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
