@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's line and headers, and "
                         "then its body; a half-sent request is answered 408 and closed "
                         "(default 30)")
+    g.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
+                   help="auto: a thinking model's <think> reasoning is returned as "
+                        "reasoning_content (streamed as its own deltas); none: it stays in "
+                        "content")
     g.add_argument("--sse-keepalive-s", type=float, default=10.0,
                    help="send an SSE comment this often while a streamed request waits or "
                         "prefills, so that proxies keep the connection (default 10)")
@@ -170,7 +174,8 @@ def limits_from_args(a):
         allowed = frozenset(hosts)
     return Limits(max_body_bytes=int(a.max_body_mb * 2**20),
                   request_timeout_s=a.request_timeout_s, max_json_depth=a.max_json_depth,
-                  allowed_hosts=allowed, docs=a.docs, sse_keepalive_s=a.sse_keepalive_s)
+                  allowed_hosts=allowed, docs=a.docs, sse_keepalive_s=a.sse_keepalive_s,
+                  reasoning_format=a.reasoning_format)
 
 
 def _check_listen(host: str, port: int) -> None:

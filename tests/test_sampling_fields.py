@@ -228,7 +228,7 @@ def test_generation_config_defaults_and_precedence(tmp_path):
 
 
 def test_server_parse_reads_the_store_defaults_and_logs_ignored_once(tmp_path, caplog):
-    from flexgen_infinigen.serving import requests
+    from flexgen_infinigen.serving import parse as requests
 
     folder = _folder_with(tmp_path, {"temperature": 0.5, "top_k": 7})
     lm = SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB, max_positions=64),

@@ -39,9 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(store, *flags) -> tuple[subprocess.Popen, str]:
+def _start(store, *flags, source: str = "--path") -> tuple[subprocess.Popen, str]:
+    """A server of the weight store ``store`` (``source="--model"``: a model file or name)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flexgen_infinigen.serve", "--path",
+    proc = subprocess.Popen([sys.executable, "-m", "flexgen_infinigen.serve", source,
                              str(store), "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -222,6 +223,16 @@ def test_malformed_bodies_get_openai_errors(server, body, status, words):
 def test_the_client_sees_a_bad_request(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+    # SmolLM2's template shows no tools: offering some is refused, naming the field; with
+    # tool_choice "none" they are left out of the prompt and the chat is answered
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError, match="shows no tools") as e:
+        client.chat.completions.create(model=MODEL, messages=ask, tools=[weather])
+    assert e.value.body["param"] == "tools"
+    out = client.chat.completions.create(model=MODEL, messages=ask, tools=[weather],
+                                         tool_choice="none", max_tokens=2, temperature=0)
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
 
 
 def test_a_bounded_load(client, server):
@@ -425,3 +436,33 @@ def _ask_together(url: str, n: int, max_tokens: int) -> tuple[list[int], list[st
     for t in threads:
         t.join()
     return codes, texts
+
+
+def test_a_thinking_models_reasoning_is_its_own_field(smollm2_store, tmp_path, lm):
+    """A template that opens the thought in the generation prompt (as DeepSeek-R1's does):
+    the answer, which never closes it, is all reasoning: ``reasoning_content`` holds the
+    library's text for the same prompt, streamed as reasoning deltas, and content is empty;
+    ``--reasoning-format none`` would leave it in content (tests/test_reasoning.py)."""
+    template = store_template(smollm2_store).replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'") + "{# </think> #}"
+    assert "<think>" in template
+    path = tmp_path / "thinking.jinja"
+    path.write_text(template)
+    proc, url = _start(smollm2_store, "--chat-template", str(path), "--api-key", KEY)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        ask = [{"role": "user", "content": "Why is the sky blue?"}]
+        out = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=6,
+                                             temperature=0)
+        ids = chat_prompt_ids(lm.tokenizer, template, ask)
+        expected = _in_thread(lm.generate, [ids], 6).texts[0].strip("\n")
+        message = out.choices[0].message
+        assert message.reasoning_content == expected and not message.content
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=6,
+                                                     temperature=0, stream=True))
+        thought = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                          for c in chunks if c.choices)
+        assert thought.strip("\n") == expected
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finally:
+        _stop(proc)

@@ -28,6 +28,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..sampling import SamplingConfig
 from . import openai_batch
+from . import message_checks
 from . import request_checks as checks
 
 # our format's length: gen_len, or its OpenAI names
@@ -139,7 +140,7 @@ def ours(item, where: str, defaults: dict) -> dict:
                                  "prompt or messages, gen_len, stop and "
                                  f"{', '.join(openai_batch.SAMPLING)})", unserved[0])
         if messages is not None:
-            request["messages"] = checks.messages(messages)
+            request["messages"] = message_checks.messages(messages)
         elif isinstance(prompt, str):
             checks.text(prompt, "prompt")
         for name, check in openai_batch.SAMPLING.items():  # token ids: checked once loaded

@@ -6,16 +6,17 @@ token ids). What a body may set (:data:`SERVED`): ``max_tokens`` (``max_completi
 ``temperature`` and ``top_p`` (OpenAI's defaults, 1.0, when absent), ``top_k``, ``min_p``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``
 (see :mod:`..sampling` for what each does), ``stop`` (strings; the text is cut at the first
-one), ``stop_token_ids`` and ``ignore_eos``, ``chat_template_kwargs`` and ``documents`` (a
-chat's, passed to its template), ``model`` (informational: the command's ``--model`` runs),
-``n`` 1, ``stream`` false. A field left out takes the model's ``generation_config.json``
-value where it has one (:func:`apply_model_defaults`). Fields that change nothing in the
-answer (:data:`IGNORED`: ``user``, ``metadata``, ...) are accepted and named in the
-request's ``ignored``. Anything else (``n`` > 1, ``logprobs``, ``tools``, ``echo``,
-``best_of``, ...) is refused for that line, and so is any value that
-:mod:`.request_checks` refuses (the layer the server shares): its output line carries an
-``error`` naming the field and the job goes on. A line that is not a request of this format
-(or a file that mixes formats) is one error naming the line, before any work.
+one), ``stop_token_ids`` and ``ignore_eos``, ``chat_template_kwargs``, ``documents`` and
+``tools`` with ``tool_choice`` ``auto`` or ``none`` (a chat's, passed to its template; calls
+in the answer come back as ``tool_calls``), ``model`` (informational: the command's
+``--model`` runs), ``n`` 1, ``stream`` false. A field left out takes the model's
+``generation_config.json`` value where it has one (:func:`apply_model_defaults`). Fields that
+change nothing in the answer (:data:`IGNORED`: ``user``, ``metadata``, ...) are accepted and
+named in the request's ``ignored``. Anything else (``n`` > 1, ``logprobs``, ``echo``,
+``best_of``, ...) is refused for that line, and so is any value that :mod:`.request_checks`
+refuses (the layer the server shares): its output line carries an ``error`` naming the field
+and the job goes on. A line that is not a request of this format (or a file that mixes
+formats) is one error naming the line, before any work.
 
 An output line is ``{"id", "custom_id", "response": {"status_code": 200, "request_id",
 "body": {... "choices": [{"message" | "text", "finish_reason"}], "usage"}}, "error": null}``,
@@ -27,6 +28,7 @@ import time
 import uuid
 
 from ..config import ConfigError
+from . import message_checks
 from . import request_checks as checks
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -49,10 +51,11 @@ SAMPLING = {
 # they ask for what one answer is)
 SERVED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "n",
           "stream", "response_format", "logprobs", "top_logprobs", "echo",
-          "chat_template_kwargs", "documents", *SAMPLING}
+          "chat_template_kwargs", "documents", "tools", "tool_choice", *SAMPLING}
 # body fields that change nothing in the answer: accepted, named once in a log line.
-# parallel_tool_calls only matters with tools (refused); prediction (Predicted Outputs) only
-# speeds OpenAI's answer up; stream_options reaches here only in a batch, which never streams
+# parallel_tool_calls: the model writes as many calls as it does; prediction (Predicted
+# Outputs) only speeds OpenAI's answer up; stream_options reaches here only in a batch,
+# which never streams
 IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier",
            "prompt_cache_key", "parallel_tool_calls", "prediction", "stream_options"}
 
@@ -82,14 +85,19 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
     request = {"id": str(item["custom_id"]), "format": "openai", "kind": kind,
                "prompt": None, "messages": None, "stop": [], "refused": None, "param": None,
                "model": None, "template_kwargs": None, "documents": None, "given": set(),
+               "tools": None, "tool_format": None,
                "ignored": sorted(str(k) for k in body if k in IGNORED)}
     settings = {**defaults, "temperature": 1.0, "top_p": 1.0}
     try:
         request["model"] = checks.model(body.get("model"))
         if kind == "chat":
-            request["messages"] = checks.messages(body.get("messages"))
-            request["template_kwargs"] = checks.template_kwargs(body.get("chat_template_kwargs"))
-            request["documents"] = checks.documents(body.get("documents"))
+            request["messages"] = message_checks.messages(body.get("messages"))
+            request["template_kwargs"] = message_checks.template_kwargs(
+                body.get("chat_template_kwargs"))
+            request["documents"] = message_checks.documents(body.get("documents"))
+            offered = message_checks.tools(body.get("tools"))
+            if message_checks.tool_choice(body.get("tool_choice"), offered) != "none":
+                request["tools"] = offered  # "none": the prompt shows no tools
         else:
             request["prompt"] = checks.prompt(body.get("prompt"), vocab_size)
         _check_options(body, kind)
@@ -119,12 +127,22 @@ def apply_model_defaults(request: dict, model_defaults: dict) -> None:
 
 
 def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = False) -> list[int]:
-    """A chat request's prompt ids through ``template``, with its ``documents`` and
-    ``chat_template_kwargs``."""
+    """A chat request's prompt ids through ``template``, with its ``tools``, ``documents``
+    and ``chat_template_kwargs``; a request with tools learns the format its answer's calls
+    take (``tool_format``), and one whose template shows no tools is refused."""
     from ..text.chat import chat_prompt_ids
+    from ..text.template import TemplateInputError
+    from ..text.tool_calls import format_of
 
+    if request.get("tools"):
+        request["tool_format"] = format_of(template)
+        if request["tool_format"] is None:
+            raise TemplateInputError("this model's chat template shows no tools, so it cannot "
+                                     "be offered any; drop \"tools\" (or give a template "
+                                     "that has them: --chat-template)", "tools")
     return chat_prompt_ids(tokenizer, template, request["messages"],
-                           control_tokens=control_tokens, documents=request.get("documents"),
+                           control_tokens=control_tokens, tools=request.get("tools"),
+                           documents=request.get("documents"),
                            template_kwargs=request.get("template_kwargs"))
 
 
@@ -144,7 +162,7 @@ def _check_options(body: dict, kind: str) -> None:
         raise checks.Refused("response_format other than text is not served",
                              "response_format")
     if kind != "chat":
-        for name in ("chat_template_kwargs", "documents"):
+        for name in ("chat_template_kwargs", "documents", "tools", "tool_choice"):
             if body.get(name) is not None:
                 raise checks.Refused(f"{name} goes with /v1/chat/completions (a completion's "
                                      "prompt is not rendered through a template)", name)
@@ -161,7 +179,9 @@ def response_line(request: dict, text: str, completion_tokens: int, prompt_token
     kind = request["kind"]
     choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = assistant_message(request, text)
+        if "tool_calls" in choice["message"]:
+            choice["finish_reason"] = "tool_calls"
     else:
         choice["text"] = text
     body = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
@@ -172,6 +192,18 @@ def response_line(request: dict, text: str, completion_tokens: int, prompt_token
     return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": request["id"],
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
             "error": None}
+
+
+def assistant_message(request: dict, text: str) -> dict:
+    """The answer as OpenAI's assistant message: its calls in ``tool_calls`` when the request
+    offered tools and the answer calls them (content: the text around them, or None)."""
+    from ..text.tool_calls import parse
+
+    names = {t["function"]["name"] for t in request.get("tools") or ()}
+    content, calls = parse(text, request.get("tool_format"), names)
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": content, "tool_calls": calls}
 
 
 def error_line(request: dict, message: str, param: str | None = None) -> dict:

@@ -25,11 +25,12 @@ engine fail:
 """
 from __future__ import annotations
 
+
 import math
 
 from ..sampling import BIAS_LIMIT, PENALTY_LIMIT, SEED_MAX, SEED_MIN, TOP_P_FLOOR
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class Refused(Exception):
@@ -124,46 +125,6 @@ def text(value, param: str) -> str:
 def model(value) -> str | None:
     """``model``: a string when given (None when absent)."""
     return None if value is None else text(value, "model")
-
-
-def messages(value) -> list[dict]:
-    """A chat: ``[{"role", "content"}]`` with content as text (text parts are joined)."""
-    if not isinstance(value, list) or not value:
-        raise Refused("\"messages\" must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise Refused(f"{where} must be an object with \"role\" and \"content\"", where)
-        for key in ("role", "content"):
-            if key not in m:
-                raise Refused(f"{where}.{key} is missing: every message needs \"role\" and "
-                              "\"content\"", f"{where}.{key}")
-        role = m["role"]
-        if role in ("tool", "function") or m.get("tool_calls"):
-            raise Refused(f"{where} is a tool call or result: tool calls are not served",
-                          f"{where}.role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise Refused(f"{where}.role must be one of {', '.join(ROLES)} (got "
-                          f"{_shown(role)})", f"{where}.role")
-        out.append({"role": role, "content": _content(m["content"], f"{where}.content")})
-    return out
-
-
-def _content(content, where: str) -> str:
-    if isinstance(content, list):  # content parts: text only
-        pieces = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise Refused(f"{where}[{j}].type is {_shown(kind)}: only text content parts "
-                              "are served (no images or audio)", f"{where}[{j}].type")
-            pieces.append(text(part.get("text"), f"{where}[{j}].text"))
-        return "".join(pieces)
-    if not isinstance(content, str):
-        raise Refused(f"message content must be text ({where} is {_type_name(content)})",
-                      where)
-    return text(content, where)
 
 
 def prompt(value, vocab_size: int | None = None) -> str | list[int]:
@@ -280,21 +241,3 @@ def stop_token_ids(value, vocab_size: int | None = None) -> tuple[int, ...]:
     return tuple(token_ids(value, vocab_size, "stop_token_ids"))
 
 
-def template_kwargs(value) -> dict | None:
-    """``chat_template_kwargs``: an object of names the chat template reads
-    (``enable_thinking``)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise Refused(f"chat_template_kwargs must be an object (got {_type_name(value)})",
-                      "chat_template_kwargs")
-    return value
-
-
-def documents(value) -> list[dict] | None:
-    """``documents``: a list of objects (``{"title", "text"}``) for a template that cites them."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(d, dict) for d in value):
-        raise Refused("documents must be a list of objects", "documents")
-    return value

@@ -96,3 +96,34 @@ class Block:
         """The cache of layer ``layer + 1`` for ``batch``, when it runs in this process."""
         following = self.attention_stage.get(layer + 1)
         return None if following is None else self.caches[(following, batch)]
+
+    # ---- between two steps of a running block -----------------------------------------------
+    def restart_row(self, batch: int, row: int, token: int) -> None:
+        """Row ``row`` of GPU batch ``batch`` starts over as a new sequence whose first token
+        is ``token``, fed at the next step at position 0. Every column the row had becomes
+        invisible to it (its ``valid`` is cleared), so its attention, positions and the KV
+        policies' choices see only what comes after; the caches keep their columns. A new
+        request's prompt then goes in one token a step (the caller's sampler gives the
+        rest), in the steps the other rows decode, each layer's weights read once for all
+        of them."""
+        self.states[batch].valid[row] = False
+        self.pending[batch][row] = token
+
+    def columns(self) -> int:
+        """Columns the caches hold: the prompt width and the steps fed since."""
+        return self.states[0].valid.shape[1]
+
+    def cached_kv(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s keys and values of GPU batch ``batch`` as its cache holds them,
+        every column so far (``[b, columns, KV, d]`` each, on the CPU); None where the cache
+        does not hold them exactly (4-bit) or the layer is not this process's."""
+        stage = self.attention_stage.get(layer)
+        if stage is None:
+            return None
+        valid = self.states[batch].valid
+        # after a step is yielded the cache holds a column for each of ``valid``'s
+        reader = self.caches[(stage, batch)].prompt_reader(*valid.shape[::-1])
+        if reader is None:
+            return None
+        k, v = reader()
+        return k.cpu(), v.cpu()

@@ -225,35 +225,16 @@ class Engine:
         return list(prefilled.logits)
 
     def restart_row(self, batch: int, row: int, token: int) -> None:
-        """Between two steps of a running block: row ``row`` of GPU batch ``batch`` starts
-        over as a new sequence whose first token is ``token``, fed at the next step at
-        position 0. Every column the row had becomes invisible to it (its ``valid`` is
-        cleared), so its attention, positions and the KV policies' choices see only what
-        comes after; the caches keep their columns. A new request's prompt then goes in one
-        token a step (the caller's sampler gives the rest), in the steps the other rows
-        decode, each layer's weights read once for all of them."""
-        state = self.block.states[batch]
-        state.valid[row] = False
-        self.block.pending[batch][row] = token
+        """Between two steps: a row starts over (:meth:`.block.Block.restart_row`)."""
+        self.block.restart_row(batch, row, token)
 
     def columns(self) -> int:
         """Columns the running block's caches hold (prompt width and steps fed since)."""
-        return self.block.states[0].valid.shape[1]
+        return self.block.columns()
 
     def cached_kv(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """While a block runs (between its steps): layer ``layer``'s keys and values of GPU
-        batch ``batch`` as its cache holds them, every column so far (``[b, columns, KV,
-        d]`` each, on the CPU); None where the cache does not hold them exactly (4-bit)."""
-        stage = self.block.attention_stage.get(layer)
-        if stage is None:
-            return None
-        state = self.block.states[batch]
-        # after a step is yielded the cache holds a column for each of ``valid``'s
-        reader = self.block.caches[(stage, batch)].prompt_reader(*state.valid.shape[::-1])
-        if reader is None:
-            return None
-        k, v = reader()
-        return k.cpu(), v.cpu()
+        """While a block runs: a layer's keys and values (:meth:`.block.Block.cached_kv`)."""
+        return self.block.cached_kv(layer, batch)
 
     def _logits(self, batch: int) -> torch.Tensor:
         return self.tiers.host_values(self.block.states[batch].logits)[0]

@@ -21,7 +21,10 @@ from starlette.requests import ClientDisconnect
 
 from .guard import Guard, Limits, decode_json, endpoint, log, read_body, server_error
 from . import tokens
-from .requests import ApiError, ServeRequest, parse
+from ..text.reasoning import ThinkStream
+from ..text.tool_calls import CallStream
+from .parse import parse
+from .requests import ApiError, ServeRequest
 from .scheduler import QueueFull, Scheduler
 
 GONE = ("gone", None, None)  # the event that says the client has disconnected
@@ -78,7 +81,7 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     def decode_and_parse(kind: str, raw: bytes) -> ServeRequest:
         return parse(kind, decode_json(raw, limits.max_json_depth), lm, template,
                      default_max_tokens, names, control_tokens=control_tokens,
-                     context=scheduler.context)
+                     context=scheduler.context, reasoning=limits.reasoning_format != "none")
 
     @app.get("/health")
     async def health():
@@ -205,6 +208,11 @@ async def _sse(served: ServeRequest, request: Request, keepalive_s: float):
     watch = asyncio.create_task(_watch(served, request))
     getter = None
     role_sent = served.kind != "chat"
+    # with tools offered, a call is held back until it is whole, then sent as one delta
+    calls = CallStream(served.tool_format, {t["function"]["name"] for t in served.tools or ()}) \
+        if served.tool_format else None
+    # a thinking model's reasoning goes out as reasoning_content deltas, before the answer
+    think = ThinkStream(served.reasoning == "inside") if served.reasoning else None
     try:
         while True:
             if getter is None:  # one get at a time, never cancelled by a keep-alive
@@ -222,7 +230,26 @@ async def _sse(served: ServeRequest, request: Request, keepalive_s: float):
             if not role_sent:  # with the first token: the time a client sees is honest
                 yield data(served.chunk("", None, [], first=True))
                 role_sent = True
+            if think is not None:
+                thought, piece = think.add(piece or "")
+                if kind == "done":
+                    more, rest = think.finish()
+                    thought, piece = thought + more, piece + rest
+                if thought:
+                    yield data(served.chunk("", None, [], reasoning=thought))
+            if calls is not None:
+                piece = calls.add(piece or "")
             if kind == "done":
+                found = None
+                if calls is not None:
+                    rest, found = calls.finish()
+                    piece += rest
+                if found:
+                    if piece:
+                        yield data(served.chunk(piece, None, []))
+                    yield data(served.chunk("", None, [], calls=found))
+                    extra = "tool_calls"
+                    piece = ""
                 yield data(served.chunk(piece, extra, []))
                 break
             if piece or extra is not None:

@@ -46,6 +46,8 @@ class Limits:
     # and clients with idle timeouts keep the connection (SSE parsers skip comments)
     sse_keepalive_s: float = 10.0
     max_model_len: int | None = None  # the context a request may fill (None: the model's)
+    # "auto": a thinking model's reasoning in reasoning_content; "none": left in content
+    reasoning_format: str = "auto"
 
 
 def is_loopback(host: str) -> bool:

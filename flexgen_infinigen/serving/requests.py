@@ -1,28 +1,20 @@
-"""One HTTP request to the server: its body checked (the OpenAI Batch format's rules of
-:mod:`..cli.openai_batch` and the value checks of :mod:`..cli.request_checks`, plus what only
-a server serves: ``stream``, ``stream_options`` and log-probabilities), its token ids, and
-what goes back: OpenAI's response, stream chunk and error objects. The request is also the
-channel between the engine thread, which adds its tokens (:meth:`ServeRequest.take`), and
-the event loop, which reads :attr:`ServeRequest.events`.
+"""One HTTP request to the server (its body is checked by :mod:`.parse`): its token ids,
+settings and what goes back: OpenAI's response, stream chunk and error objects. The request
+is also the channel between the engine thread, which adds its tokens
+(:meth:`ServeRequest.take`), and the event loop, which reads :attr:`ServeRequest.events`.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..cli import openai_batch
-from ..cli import request_checks as checks
-from ..config import ConfigError
-from ..sampling import SamplingConfig, generation_defaults
+from ..sampling import SamplingConfig
 from ..text.incremental import TextStream
-
-MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
-log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
+from ..text.reasoning import split as split_reasoning
 
 
 class ApiError(Exception):
@@ -62,6 +54,11 @@ class ServeRequest:
     generated: int = 0
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix pages
+    tool_format: str | None = None  # how the answer writes tool calls (tools offered)
+    tools: list | None = None  # the tools offered
+    # a thinking model's reasoning split out: None (not split), "inside" (the prompt opened
+    # the thought) or "outside"
+    reasoning: str | None = None
     # latencies: the histograms to observe (set when queued) and the times seen so far
     metrics: object = None
     arrived: float = field(default_factory=time.monotonic)
@@ -142,7 +139,15 @@ class ServeRequest:
         choice = {"index": 0, "finish_reason": reason,
                   "logprobs": self.logprobs_object(logprobs)}
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            thought = None
+            if self.reasoning is not None:
+                thought, text = split_reasoning(text, self.reasoning == "inside")
+            choice["message"] = openai_batch.assistant_message(
+                {"tool_format": self.tool_format, "tools": self.tools}, text)
+            if thought is not None:
+                choice["message"]["reasoning_content"] = thought
+            if "tool_calls" in choice["message"]:
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat"
@@ -150,13 +155,21 @@ class ServeRequest:
                 "choices": [choice], "usage": self.usage()}
 
     def chunk(self, text: str | None, reason: str | None, logprobs: list[dict],
-              first: bool = False) -> dict:
-        """One SSE chunk: new text (``None``: no choice, the usage chunk)."""
+              first: bool = False, calls: list[dict] | None = None,
+              reasoning: str | None = None) -> dict:
+        """One SSE chunk: new text (``None``: no choice, the usage chunk); ``calls``: the
+        answer's tool calls, whole, as deltas in OpenAI's shape; ``reasoning``: a piece of
+        a thinking model's reasoning."""
         choices = []
         if text is not None:
             choice = {"index": 0, "finish_reason": reason,
                       "logprobs": self.logprobs_object(logprobs)}
-            if self.kind == "chat":
+            if calls:
+                choice["delta"] = {"tool_calls": [{"index": i, **c}
+                                                  for i, c in enumerate(calls)]}
+            elif reasoning:
+                choice["delta"] = {"reasoning_content": reasoning}
+            elif self.kind == "chat":
                 choice["delta"] = {"role": "assistant", "content": text} if first \
                     else {"content": text} if text or reason is None else {}
             else:
@@ -188,139 +201,3 @@ class ServeRequest:
                 "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [dict(e["top"]) for e in entries] if self.top_logprobs
                 else None, "text_offset": offsets}
-
-
-def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
-          names: set[str], control_tokens: bool = False,
-          context: int | None = None) -> ServeRequest:
-    """A request from an HTTP body; :class:`ApiError` for anything that cannot be served as
-    asked (nothing is ever silently dropped that would change the answer). Every value goes
-    through :mod:`..cli.request_checks`, the layer ``batch`` uses too. ``control_tokens``:
-    control-token text in a prompt or message (``<|im_start|>``) is encoded as the control
-    token; by default it is plain text. ``context``: the tokens a prompt and its answer may
-    fill (``--max-model-len``; default the model's)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        model = checks.model(body.get("model"))
-    except checks.Refused as e:
-        raise _refused(e) from None
-    if model is None:
-        raise ApiError(400, "\"model\" is required (GET /v1/models lists it)", param="model")
-    if model not in names:
-        raise ApiError(404, f"the model {model!r} is not served here; this server serves "
-                            f"{sorted(names)[0]!r}", param="model", code="model_not_found")
-    served = {"stream", "stream_options", "logprobs", "top_logprobs"}
-    rest = {k: v for k, v in body.items() if k not in served}
-    url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    try:
-        request = openai_batch.parse({"custom_id": "http", "url": url, "body": rest}, "body",
-                                     {"gen_len": default_max_tokens, "repetition_penalty": 1.0},
-                                     vocab_size=lm.cfg.vocab_size)
-    except ConfigError as e:
-        raise ApiError(400, str(e)) from None
-    if request["refused"]:
-        raise ApiError(400, request["refused"], param=request["param"])
-    openai_batch.apply_model_defaults(request, _model_defaults(getattr(lm, "store_path", None)))
-    stream = _flag(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError(400, "stream_options may hold include_usage only",
-                       param="stream_options")
-    if options and not stream:
-        raise ApiError(400, "stream_options goes with stream: true", param="stream_options")
-    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
-    param = "messages" if kind == "chat" else "prompt"
-    settings = request["settings"]
-    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
-    try:
-        ids = checks.token_ids(_prompt_ids(request, lm, template, control_tokens),
-                               lm.cfg.vocab_size, param)
-        max_tokens = checks.room(len(ids), settings["gen_len"], given,
-                                 context or lm.cfg.max_positions, param)
-    except checks.Refused as e:
-        raise _refused(e) from None
-    if request["ignored"]:  # accepted, and changing nothing: said once, per request
-        log.info("request ignores fields that do not change its answer: %s",
-                 ", ".join(request["ignored"]))
-    return ServeRequest(kind, ids, max_tokens, sampling_config(settings), request["stop"],
-                        _top_logprobs(kind, body), stream, include_usage, model,
-                        ignore_eos=settings.get("ignore_eos", False),
-                        stop_token_ids=settings.get("stop_token_ids", ()))
-
-
-def sampling_config(settings: dict) -> SamplingConfig:
-    """A request's sampler settings (its checked values, and the model's defaults)."""
-    seed = settings.get("seed")
-    if seed is None:  # OpenAI: an unseeded request samples differently every time
-        seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
-    config = SamplingConfig(settings["temperature"], settings["top_p"], seed,
-                            settings.get("repetition_penalty", 1.0), settings.get("top_k", -1),
-                            settings.get("min_p", 0.0), settings.get("presence_penalty", 0.0),
-                            settings.get("frequency_penalty", 0.0),
-                            settings.get("logit_bias", ()))
-    try:
-        return config.validate()
-    except ConfigError as e:  # the checks refuse first; this is the sampler's own word
-        raise ApiError(400, str(e)) from None
-
-
-@functools.lru_cache(maxsize=8)
-def _model_defaults(store_path) -> dict:
-    """The store's generation_config.json defaults, read once per store."""
-    return generation_defaults(store_path)
-
-
-def _refused(e: checks.Refused) -> ApiError:
-    return ApiError(400, str(e), param=e.param, code=e.code)
-
-
-def _flag(body: dict, name: str, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"{param or name} must be true or false", param=param or name)
-    return bool(value)
-
-
-def _top_logprobs(kind: str, body: dict) -> int | None:
-    most = MAX_TOP_LOGPROBS[kind]
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if kind == "chat":
-        if _flag(body, "logprobs"):
-            n = 0 if top is None else top
-        elif top is not None:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        else:
-            return None
-    else:
-        if top is not None:
-            raise ApiError(400, "a completion takes logprobs: N (top_logprobs is the chat's)",
-                           param="top_logprobs")
-        if logprobs is None:
-            return None
-        n = logprobs
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
-        raise ApiError(400, f"the number of top log-probabilities must be 0 to {most}",
-                       param="top_logprobs" if kind == "chat" else "logprobs")
-    return n
-
-
-def _prompt_ids(request: dict, lm, template: str | None, control_tokens: bool) -> list[int]:
-    try:
-        if request["messages"] is not None:
-            if template is None or lm.tokenizer is None:
-                raise ApiError(400, "this model has no chat template; use /v1/completions")
-            return openai_batch.chat_ids(lm.tokenizer, template, request, control_tokens)
-        prompt = request["prompt"]
-        if isinstance(prompt, list):
-            return prompt
-        if lm.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer; give the prompt as token ids",
-                           param="prompt")
-        ids = lm.tokenizer.encode(prompt, control_tokens=control_tokens)
-        if not ids:
-            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-        return ids
-    except ConfigError as e:  # a TemplateInputError names the field it refuses
-        raise ApiError(400, str(e), param=getattr(e, "param", None) or (
-            "messages" if request["messages"] is not None else "prompt")) from None

@@ -13,6 +13,7 @@ encoded as text unless the server allows control tokens, ids must be in the voca
 """
 from __future__ import annotations
 
+from ..cli import message_checks
 from ..cli import request_checks as checks
 from .requests import ApiError
 
@@ -47,7 +48,7 @@ def tokenize(body, lm, template: str | None, control_tokens: bool,
             if template is None:
                 raise ApiError(400, "this model has no chat template; tokenize a text",
                                param="messages")
-            ids = chat_prompt_ids(tokenizer, template, checks.messages(body["messages"]),
+            ids = chat_prompt_ids(tokenizer, template, message_checks.messages(body["messages"]),
                                   control_tokens=control_tokens)
         else:
             ids = tokenizer.encode(checks.text(body[field], field),

@@ -1,0 +1,169 @@
+"""Tool calls (flexgen_infinigen.text.tool_calls and the request checks): each family's
+written form parses to OpenAI's ``tool_calls`` with the arguments as written, text around a
+call stays content, anything malformed or cut short stays text; a stream holds a call back
+until it is whole and sends the text before it; a request's tools, tool_choice and tool
+messages are checked field by field. With the real Qwen2.5 GGUF (FLEXGEN_INFINIGEN_QWEN_GGUF),
+a server answers a weather question with a call, streamed and not, and takes the result."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flexgen_infinigen.cli import openai_batch
+from flexgen_infinigen.text.tool_calls import CallStream, format_of, parse
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _calls(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_each_family_writes_its_calls_its_own_way():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>')
+    content, calls = parse(text, "hermes")
+    assert content == "Let me look." and _calls(calls) == [("get_weather", {"city": "Paris"}),
+                                                           ("get_weather", {"city": "Oslo"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+    old = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    new = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'
+    for text in (old, new):
+        content, calls = parse(text, "mistral")
+        assert content is None and _calls(calls) == [("get_weather", {"city": "Rome"})]
+
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; ' \
+           '{"name": "get_weather", "parameters": {"city": "Quito"}}'
+    assert _calls(parse(text, "llama3")[1]) == [("get_weather", {"city": "Lima"}),
+                                                ("get_weather", {"city": "Quito"})]
+
+
+@pytest.mark.parametrize("text,fmt", [
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', "hermes"),  # cut short
+    ('<tool_call>{"arguments": {}}</tool_call>', "hermes"),  # no name
+    ('<tool_call>{"name": "f", "arguments": "{not json"}</tool_call>', "hermes"),
+    ("[TOOL_CALLS]get_weather[ARGS]{oops", "mistral"),
+    ('{"name": "get_weather", "parameters": {"city": "Lim', "llama3"),
+    ("It is sunny in Paris.", "hermes"),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>', None),  # no tools offered
+])
+def test_what_does_not_parse_stays_text(text, fmt):
+    assert parse(text, fmt, {"get_weather", "f"}) == (text, [])
+
+
+def test_bare_json_counts_only_when_it_names_an_offered_tool():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert _calls(parse(text, "hermes", {"get_weather"})[1]) == [("get_weather",
+                                                                  {"city": "Paris"})]
+    assert parse(text, "hermes", {"other"}) == (text, [])
+    assert parse(text, "hermes") == (text, [])
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'Checking now. <tool_call>{"name": "get_weather", "arguments": '
+               '{"city": "Paris"}}</tool_call>'),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    ("hermes", "No call here, only <tool text that looks like one."),
+])
+def test_a_stream_sends_the_text_and_holds_the_call(fmt, text):
+    for size in (1, 3, 7):  # the marker split across pieces in every way
+        stream = CallStream(fmt, {"get_weather"})
+        sent = "".join(stream.add(text[i:i + size]) for i in range(0, len(text), size))
+        rest, calls = stream.finish()
+        content, expected = parse(text, fmt, {"get_weather"})
+        assert _calls(calls) == _calls(expected)
+        assert (sent + rest).strip() == (content or "").strip()
+        assert "tool_call" not in sent and "TOOL_CALLS" not in sent or not expected
+
+
+def _request(body: dict) -> dict:
+    return openai_batch.parse({"custom_id": "x", "url": "/v1/chat/completions",
+                               "body": {"model": "m", **body}}, "line", {"gen_len": 4})
+
+
+def test_tools_and_tool_messages_are_checked_field_by_field():
+    chat = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "18 C", "tool_call_id": "c1"}]
+    ok = _request({"messages": chat, "tools": [WEATHER]})
+    assert ok["refused"] is None and ok["tools"] == [WEATHER]
+    # arguments as an object, as templates write them with tojson
+    assert ok["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert ok["messages"][1]["content"] == "" and ok["messages"][2]["tool_call_id"] == "c1"
+    assert _request({"messages": chat[:1], "tools": [WEATHER],
+                     "tool_choice": "none"})["tools"] is None
+    for body, param in [({"tools": [{"type": "function"}]}, "tools[0]"),
+                        ({"tools": {"get_weather": 1}}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function":
+                                                              {"name": "get_weather"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "sometimes"}, "tool_choice")]:
+        refused = _request({"messages": chat[:1], **body})
+        assert refused["refused"] and refused["param"] == param, body
+    bad = [*chat[:1], {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]
+    assert _request({"messages": bad})["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_the_format_is_the_templates():
+    assert format_of("{% for tool in tools %}<tool_call>{% endfor %}") == "hermes"
+    assert format_of("[AVAILABLE_TOOLS] [TOOL_CALLS]") == "mistral"
+    assert format_of("<|python_tag|>{{ x }}") == "llama3"
+    assert format_of("{{ messages }}") is None and format_of(None) is None
+
+
+@pytest.fixture(scope="module")
+def qwen_server():
+    path = os.environ.get("FLEXGEN_INFINIGEN_QWEN_GGUF")
+    if not path or not Path(path).is_file():
+        pytest.skip("set FLEXGEN_INFINIGEN_QWEN_GGUF to the Qwen2.5-Coder-0.5B-Instruct GGUF "
+                    "(../shared/models/qwen2.5-coder-0.5b.sh assembles it)")
+    from test_serve import _start, _stop
+
+    proc, url = _start(path, source="--model")
+    yield url
+    _stop(proc)
+
+
+def test_a_server_answers_with_a_call_and_takes_its_result(qwen_server):
+    pytest.importorskip("openai")
+    import openai
+
+    client = openai.OpenAI(base_url=f"{qwen_server}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    out = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
+                                         max_tokens=40, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    chunks = list(client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
+                                                 max_tokens=40, temperature=0, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]
+    assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    follow = ask + [choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    again = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER],
+                                           max_tokens=20, temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
