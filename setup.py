@@ -14,11 +14,12 @@ setup(
                       "gguf", "huggingface_hub"],
     extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5",
                              # tests/test_serve.py: the server, and the official client
-                             "fastapi", "uvicorn", "prometheus-client", "httpx", "openai",
+                             "fastapi", "uvicorn", "prometheus-client", "llguidance", "httpx",
+                             "openai",
                              # tests of the benchmarks' reports, which draw their plots
                              "matplotlib"],
                     # python -m flexgen_infinigen.serve
-                    "serve": ["fastapi", "uvicorn", "prometheus-client"],
+                    "serve": ["fastapi", "uvicorn", "prometheus-client", "llguidance"],
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)
                     "eval": ["lm-eval>=0.4.8,<0.5"],
                     # accelerate: transformers loads a GGUF (the long-context reference) with it

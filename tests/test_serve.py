@@ -396,25 +396,6 @@ def test_prefix_pages_outlive_a_restart(smollm2_store, tmp_path, lm):
         _stop(proc)
 
 
-def test_sigterm_drains_and_exits(server):
-    """The last test of the module: SIGTERM while requests run and wait; every request
-    already taken is answered, then the server exits."""
-    proc = SERVERS[server]
-    result: dict = {}
-    admitted = _metric(server, "requests_admitted_total")
-    asking = threading.Thread(target=lambda: result.update(
-        zip(("codes", "texts"), _ask_together(server, 10, 6))))
-    asking.start()
-    deadline = time.monotonic() + 60  # every request taken (a later one would be refused)
-    while _metric(server, "requests_admitted_total") - admitted < 10:
-        assert time.monotonic() < deadline, "the requests were never taken"
-        time.sleep(0.05)
-    code, err = _stop(proc)
-    asking.join()
-    assert result["codes"] == [200] * 10 and all(result["texts"])
-    assert code in (0, 143) and "every request taken was answered" in err
-
-
 def _ask_together(url: str, n: int, max_tokens: int) -> tuple[list[int], list[str]]:
     body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": max_tokens, "temperature": 0}
     codes: list[int] = []
@@ -466,3 +447,62 @@ def test_a_thinking_models_reasoning_is_its_own_field(smollm2_store, tmp_path, l
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finally:
         _stop(proc)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_structured_output_holds_its_schema_beside_a_free_row(client, lm):
+    """A json_schema answer parses and holds the schema (llguidance's mask, row by row), and
+    a free request in the same block answers what it answers alone; a schema the library
+    cannot compile is a 400 with its reason; json_object gives an object."""
+    ask = [{"role": "user", "content": "Invent a person and give their name and age."}]
+    free = {}
+    other = threading.Thread(target=lambda: free.update(out=client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0)))
+    other.start()
+    out = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    other.join()
+    person = json.loads(out.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str)
+    assert len(person["name"]) <= 12 and isinstance(person["age"], int)
+    assert out.choices[0].finish_reason == "stop"  # the grammar ended: only the end was left
+    assert free["out"].choices[0].text == _in_thread(lm.generate, [PROMPTS[3]], 8).texts[0]
+
+    anything = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40,
+                                              temperature=0,
+                                              response_format={"type": "json_object"})
+    text = anything.choices[0].message.content
+    assert text.lstrip().startswith("{")
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    with pytest.raises(openai.BadRequestError, match="strin") as e:
+        client.chat.completions.create(
+            model=MODEL, messages=ask, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "object", "properties": {"a": {"type": "strin"}}}}})
+    assert e.value.body["param"] == "response_format"
+
+
+def test_sigterm_drains_and_exits(server):
+    """The last test of the module: SIGTERM while requests run and wait; every request
+    already taken is answered, then the server exits."""
+    proc = SERVERS[server]
+    result: dict = {}
+    admitted = _metric(server, "requests_admitted_total")
+    asking = threading.Thread(target=lambda: result.update(
+        zip(("codes", "texts"), _ask_together(server, 10, 6))))
+    asking.start()
+    deadline = time.monotonic() + 60  # every request taken (a later one would be refused)
+    while _metric(server, "requests_admitted_total") - admitted < 10:
+        assert time.monotonic() < deadline, "the requests were never taken"
+        time.sleep(0.05)
+    code, err = _stop(proc)
+    asking.join()
+    assert result["codes"] == [200] * 10 and all(result["texts"])
+    assert code in (0, 143) and "every request taken was answered" in err

@@ -167,3 +167,35 @@ def test_a_server_answers_with_a_call_and_takes_its_result(qwen_server):
     again = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER],
                                            max_tokens=20, temperature=0)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_required_call_holds_the_tools_schema(qwen_server):
+    """tool_choice "required" and a named function: the answer is a call of that tool whose
+    arguments hold its parameters' schema, even to a question that calls for none."""
+    pytest.importorskip("openai")
+    import openai
+
+    client = openai.OpenAI(base_url=f"{qwen_server}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    clock = {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a timezone",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                       "properties": {"zone": {"type": "string", "maxLength": 20}}}}}
+    ask = [{"role": "user", "content": "Say hello."}]
+    for choice, name in (("required", None), ({"type": "function",
+                                               "function": {"name": "get_time"}}, "get_time")):
+        out = client.chat.completions.create(model=model, messages=ask, max_tokens=60,
+                                             temperature=0, tools=[WEATHER, clock],
+                                             tool_choice=choice)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        args = json.loads(calls[0].function.arguments)
+        if calls[0].function.name == "get_time":
+            assert set(args) == {"zone"} and len(args["zone"]) <= 20
+        else:
+            assert name is None and "city" in args
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=model, messages=ask, max_tokens=5,
+                                       tools=[WEATHER], tool_choice={
+                                           "type": "function", "function": {"name": "nope"}})

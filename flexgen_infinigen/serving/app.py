@@ -23,6 +23,7 @@ from .guard import Guard, Limits, decode_json, endpoint, log, read_body, server_
 from . import tokens
 from ..text.reasoning import ThinkStream
 from ..text.tool_calls import CallStream
+from .grammar import Grammars
 from .parse import parse
 from .requests import ApiError, ServeRequest
 from .scheduler import QueueFull, Scheduler
@@ -39,6 +40,7 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     lm, metrics = scheduler.lm, scheduler.metrics
     limits = limits or Limits()
     created = int(time.time())
+    grammars = Grammars(lm)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -81,7 +83,8 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     def decode_and_parse(kind: str, raw: bytes) -> ServeRequest:
         return parse(kind, decode_json(raw, limits.max_json_depth), lm, template,
                      default_max_tokens, names, control_tokens=control_tokens,
-                     context=scheduler.context, reasoning=limits.reasoning_format != "none")
+                     context=scheduler.context, reasoning=limits.reasoning_format != "none",
+                     grammars=grammars)
 
     @app.get("/health")
     async def health():

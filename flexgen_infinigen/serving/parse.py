@@ -22,14 +22,17 @@ log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
 
 def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
           names: set[str], control_tokens: bool = False,
-          context: int | None = None, reasoning: bool = True) -> ServeRequest:
+          context: int | None = None, reasoning: bool = True,
+          grammars=None) -> ServeRequest:
     """A request from an HTTP body; :class:`ApiError` for anything that cannot be served as
     asked (nothing is ever silently dropped that would change the answer). Every value goes
     through :mod:`..cli.request_checks`, the layer ``batch`` uses too. ``control_tokens``:
     control-token text in a prompt or message (``<|im_start|>``) is encoded as the control
     token; by default it is plain text. ``context``: the tokens a prompt and its answer may
     fill (``--max-model-len``; default the model's). ``reasoning``: a thinking model's
-    reasoning goes in ``reasoning_content`` (``--reasoning-format none``: in ``content``)."""
+    reasoning goes in ``reasoning_content`` (``--reasoning-format none``: in ``content``).
+    ``grammars`` (:class:`.grammar.Grammars`): ``response_format`` JSON and ``tool_choice``
+    ``required`` or a named function are enforced through it (None: refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
@@ -41,7 +44,11 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     if model not in names:
         raise ApiError(404, f"the model {model!r} is not served here; this server serves "
                             f"{sorted(names)[0]!r}", param="model", code="model_not_found")
-    served = {"stream", "stream_options", "logprobs", "top_logprobs"}
+    served = {"stream", "stream_options", "logprobs", "top_logprobs", "response_format"}
+    forced = body.get("tool_choice")  # a call the answer must make: a grammar, below
+    forced = forced if forced == "required" or isinstance(forced, dict) else None
+    if forced is not None:
+        served.add("tool_choice")
     rest = {k: v for k, v in body.items() if k not in served}
     url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     try:
@@ -71,6 +78,7 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                                  context or lm.cfg.max_positions, param)
     except checks.Refused as e:
         raise _refused(e) from None
+    grammar = _grammar(body, request, forced, grammars)
     if request["ignored"]:  # accepted, and changing nothing: said once, per request
         log.info("request ignores fields that do not change its answer: %s",
                  ", ".join(request["ignored"]))
@@ -79,7 +87,38 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                         ignore_eos=settings.get("ignore_eos", False),
                         stop_token_ids=settings.get("stop_token_ids", ()),
                         tool_format=request.get("tool_format"), tools=request.get("tools"),
-                        reasoning=_thought(kind, reasoning, template, lm.tokenizer, ids))
+                        reasoning=_thought(kind, reasoning, template, lm.tokenizer, ids),
+                        constraint=grammars.constraint(grammar) if grammar else None)
+
+
+def _grammar(body: dict, request: dict, forced, grammars) -> str | None:
+    """The grammar the answer is held to: ``response_format``'s JSON, or the call
+    ``tool_choice`` requires; None: a free answer."""
+    fmt = body.get("response_format")
+    wants_json = fmt is not None and fmt != {"type": "text"}
+    if forced is None and not wants_json:
+        return None
+    if grammars is None:
+        raise ApiError(400, "response_format JSON and tool_choice \"required\" are not "
+                            "served here", param="tool_choice" if forced else "response_format")
+    if forced is not None:
+        if wants_json:
+            raise ApiError(400, "tool_choice \"required\" (or a named function) and a JSON "
+                                "response_format cannot both hold one answer",
+                           param="tool_choice")
+        if not request.get("tools"):
+            raise ApiError(400, "tool_choice asks for a call, but no tools are given",
+                           param="tool_choice")
+        name = None
+        if isinstance(forced, dict):
+            fn = forced.get("function")
+            if forced.get("type") != "function" or not isinstance(fn, dict) or \
+                    not isinstance(fn.get("name"), str):
+                raise ApiError(400, "a named tool_choice is {\"type\": \"function\", "
+                                    "\"function\": {\"name\": ...}}", param="tool_choice")
+            name = fn["name"]
+        return grammars.tool_call(request["tools"], name, request.get("tool_format"))
+    return grammars.response_format(fmt)
 
 
 def _thought(kind: str, reasoning: bool, template: str | None, tokenizer,

@@ -59,6 +59,7 @@ class ServeRequest:
     # a thinking model's reasoning split out: None (not split), "inside" (the prompt opened
     # the thought) or "outside"
     reasoning: str | None = None
+    constraint: object = None  # the grammar the answer is held to (.grammar.Constraint)
     # latencies: the histograms to observe (set when queued) and the times seen so far
     metrics: object = None
     arrived: float = field(default_factory=time.monotonic)

@@ -81,7 +81,13 @@ class RowChooser:
                 continue
             request = row.request
             try:
-                if request.sampling.temperature > 0 or request.sampling.moves_logits:
+                constraint = request.constraint
+                if constraint is not None:  # only the tokens its grammar allows
+                    tokens[r] = row.sampler(constraint.masked(logits[r:r + 1]), step, 0)[0]
+                    why = constraint.take(int(tokens[r]))
+                    if why is not None:
+                        raise ValueError(why)
+                elif request.sampling.temperature > 0 or request.sampling.moves_logits:
                     # the row's own chooser, on its row alone (its history is its own)
                     tokens[r] = row.sampler(logits[r:r + 1], step, 0)[0]
                 if request.top_logprobs is not None:
