@@ -23,7 +23,7 @@ setup(
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)
                     "eval": ["lm-eval>=0.4.8,<0.5"],
                     # accelerate: transformers loads a GGUF (the long-context reference) with it
-                    "bench": ["matplotlib", "transformers", "accelerate"]},
+                    "bench": ["matplotlib", "transformers", "accelerate", "jsonschema"]},
     entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main",
                                       "flexgen-infinigen-serve=flexgen_infinigen.serve:main",
                                       "flexgen-infinigen-eval=flexgen_infinigen.harness:main"]},

@@ -161,7 +161,8 @@ def result_files() -> list[Path]:
     return [ROOT / name for name in out.split("\0") if name and (ROOT / name).is_file()]
 
 
-RESULTS_MAX_LINES = 340
+# about 20 lines a benchmark's section, for the benchmarks there are
+RESULTS_MAX_LINES = 360
 
 
 def test_the_results_page_stays_one_page():
