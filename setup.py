@@ -17,7 +17,9 @@ setup(
                              "fastapi", "uvicorn", "prometheus-client", "llguidance", "httpx",
                              "openai",
                              # tests of the benchmarks' reports, which draw their plots
-                             "matplotlib"],
+                             "matplotlib",
+                             # the GPU path's Triton kernel, run by Triton's interpreter
+                             "triton"],
                     # python -m flexgen_infinigen.serve
                     "serve": ["fastapi", "uvicorn", "prometheus-client", "llguidance"],
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)

@@ -46,10 +46,13 @@ def _triton_kernel():
         @triton.jit
         def gather_rows(src, index, counts, out, cols, d, BLOCK_D: tl.constexpr):
             r = tl.program_id(0).to(tl.int64)  # output row: rank * cols + column
-            keep = (r // cols) < tl.load(counts + r % cols)
-            row = tl.load(index + r, mask=keep, other=0)
+            count = tl.load(counts + r % cols)
+            row = tl.load(index + r, mask=(r // cols) < count, other=0)
             offs = tl.arange(0, BLOCK_D)
             inside = offs < d
+            # the row's test as a block, not a scalar: Triton's interpreter cannot combine a
+            # scalar mask with a block one (the compiled kernel can)
+            keep = (offs * 0 + r // cols) < count
             vals = tl.load(src + row * d + offs, mask=inside & keep, other=0.0)
             tl.store(out + r * d + offs, vals, mask=inside)
 
@@ -71,6 +74,13 @@ def gather(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, cols: i
     if not out.is_cuda:
         torch.index_select(src, 0, index, out=out)
         return
+    launch(src, index, counts, cols, out)
+
+
+def launch(src: torch.Tensor, index: torch.Tensor, counts: torch.Tensor, cols: int,
+           out: torch.Tensor) -> None:
+    """The Triton kernel on :func:`gather`'s arguments (a CUDA device's path; on CPU tensors
+    under ``TRITON_INTERPRET=1``, Triton's interpreter, as the tests run it)."""
     d = src.shape[-1]
     block = triton_next_power_of_2(d)
     _triton_kernel()[(out.shape[0],)](src, index, counts, out, cols, d, BLOCK_D=block,
