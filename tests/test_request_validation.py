@@ -88,7 +88,8 @@ POISONS = [
     (COMPLETION, _completion(stop=[5]), "stop"),
     (COMPLETION, _completion(stop="\ud800"), "stop"),
     (COMPLETION, _completion(prompt="a\udc00b"), "prompt"),
-    (COMPLETION, _completion(n=2), "n"),
+    (COMPLETION, _completion(n=5), "n"),  # more than the 2 x 2 rows of a block
+    (COMPLETION, _completion(n="2"), "n"),
     (COMPLETION, _completion(presence_penalty="a lot"), "presence_penalty"),
     (COMPLETION, _completion(stream=True, stream_options={"include_usage": "yes"}),
      "stream_options.include_usage"),

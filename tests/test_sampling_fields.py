@@ -360,7 +360,7 @@ def test_refusals_name_the_field(served):
     cases = [(dict(extra_body={"top_k": -5}), "top_k"),
              (dict(logit_bias={"abc": 1}), "logit_bias"),
              (dict(presence_penalty=3), "presence_penalty"),
-             (dict(n=2), "n"), (dict(best_of=2), "best_of"),
+             (dict(n=999), "n"), (dict(best_of=2), "best_of"),
              (dict(extra_body={"tools": [{"type": "function"}]}), "tools")]
     for fields, param in cases:
         with pytest.raises(openai.BadRequestError) as e:

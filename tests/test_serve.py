@@ -203,7 +203,8 @@ def test_a_dropped_stream_frees_its_row(client, server):
 @pytest.mark.parametrize("body, status, words", [
     (b"{not json", 400, "not JSON"),
     (json.dumps({"model": MODEL}), 400, "prompt"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2}), 400, "n > 1"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 9}), 400, "n must be 1 to 8"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2, "stream": True}), 400, "stream"),
     (json.dumps({"model": MODEL, "prompt": "hi", "tools": []}), 400, "tools"),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}), 400, "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 9}), 400, "0 to 5"),
@@ -218,6 +219,32 @@ def test_malformed_bodies_get_openai_errors(server, body, status, words):
     error = r.json()["error"]
     assert words in error["message"] and error["type"]
     assert httpx.get(f"{server}/health").status_code == 200  # and the server goes on
+
+
+def test_n_choices_and_several_prompts_are_each_its_own_answer(client, lm):
+    """n > 1 and a list of prompts: choice ``i * n + j`` is prompt i's j-th answer, each
+    the library's for that prompt (greedy: all n alike); seeded sampling gives each choice
+    its own seed; usage counts every prompt once and every choice's tokens."""
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=4,
+                                    temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    ref = _in_thread(lm.generate, PROMPTS[:2], 4)
+    texts = ref.texts
+    assert [c.text for c in out.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert out.usage.prompt_tokens == sum(len(lm.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert out.usage.completion_tokens == 2 * sum(map(len, ref.token_ids))
+    seeded = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=3,
+        max_tokens=6, temperature=1.0, seed=5)
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=3,
+        max_tokens=6, temperature=1.0, seed=5)
+    texts = [c.message.content for c in seeded.choices]
+    assert texts == [c.message.content for c in again.choices]  # each choice repeats
+    one = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
+        temperature=1.0, seed=6)
+    assert one.choices[0].message.content == texts[1]  # choice j: seed + j
 
 
 def test_the_client_sees_a_bad_request(client):

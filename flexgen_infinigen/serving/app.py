@@ -24,7 +24,7 @@ from . import tokens
 from ..text.reasoning import ThinkStream
 from ..text.tool_calls import CallStream
 from .grammar import Grammars
-from .parse import parse
+from .parse import parse_all
 from .requests import ApiError, ServeRequest
 from .scheduler import QueueFull, Scheduler
 
@@ -80,11 +80,11 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
             headers["retry-after"] = str(scheduler.retry_after_s())
         return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
-    def decode_and_parse(kind: str, raw: bytes) -> ServeRequest:
-        return parse(kind, decode_json(raw, limits.max_json_depth), lm, template,
-                     default_max_tokens, names, control_tokens=control_tokens,
-                     context=scheduler.context, reasoning=limits.reasoning_format != "none",
-                     grammars=grammars)
+    def decode_and_parse(kind: str, raw: bytes) -> list[ServeRequest]:
+        return parse_all(kind, decode_json(raw, limits.max_json_depth), lm, template,
+                         default_max_tokens, names, scheduler.block_size,
+                         control_tokens=control_tokens, context=scheduler.context,
+                         reasoning=limits.reasoning_format != "none", grammars=grammars)
 
     @app.get("/health")
     async def health():
@@ -109,32 +109,39 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     async def complete(kind: str, endpoint: str, request: Request):
         try:
             raw = await read_body(request, limits)
-            served = await asyncio.to_thread(decode_and_parse, kind, raw)
-            served.loop, served.events = asyncio.get_running_loop(), asyncio.Queue()
+            every = await asyncio.to_thread(decode_and_parse, kind, raw)
+            for one in every:
+                one.loop, one.events = asyncio.get_running_loop(), asyncio.Queue()
+            queued = []
             try:
-                scheduler.submit(served)
+                for one in every:
+                    scheduler.submit(one)
+                    queued.append(one)
             except QueueFull as e:
+                for one in queued:  # all of a body's answers, or none
+                    one.cancelled.set()
                 raise ApiError(503, str(e), "server_overloaded") from None
         except ApiError as e:
             return error(endpoint, e)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             metrics.answered(endpoint, 499)
             return JSONResponse({}, status_code=499)
-        metrics.count("requests_admitted")
-        metrics.count("prompt_tokens", len(served.ids))
-        if served.stream:
+        metrics.count("requests_admitted", len(every))
+        metrics.count("prompt_tokens", sum(len(one.ids) for one in every))
+        served = every[0]
+        if served.stream:  # one answer (parsing refuses a streamed n > 1)
             metrics.answered(endpoint, 200)
             return StreamingResponse(_sse(served, request, limits.sse_keepalive_s),
                                      media_type="text/event-stream")
         try:
-            text, reason, entries = await _collect(served, request)
+            answers = await _collect(every, request)
         except ApiError as e:
             return error(endpoint, e)
-        if reason is None:  # the client left
+        if answers is None:  # the client left
             metrics.answered(endpoint, 499)
             return JSONResponse({}, status_code=499)
         metrics.answered(endpoint, 200)
-        return served.response(text, reason, entries)
+        return _combined(every, answers)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -170,36 +177,60 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     return Guard(app, limits, api_key, metrics)
 
 
-async def _watch(served: ServeRequest, request: Request) -> None:
-    """Waits for the client to disconnect, then cancels its row and wakes the handler. After
-    the body, the next message of a request is its disconnect: this sees it at once, where
-    a check between events would wait for an event to come."""
+async def _watch(served: ServeRequest | list[ServeRequest], request: Request) -> None:
+    """Waits for the client to disconnect, then cancels its rows and wakes the handler.
+    After the body, the next message of a request is its disconnect: this sees it at once,
+    where a check between events would wait for an event to come."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    served.cancelled.set()  # the engine drops the row at its next step
-    served.events.put_nowait(GONE)
+    for one in served if isinstance(served, list) else [served]:
+        one.cancelled.set()  # the engine drops the row at its next step
+        one.events.put_nowait(GONE)
 
 
-async def _collect(served: ServeRequest, request: Request):
-    """(text, finish reason, log-probability entries) of a whole answer; reason None when
-    the client left before it was done."""
-    pieces, entries = [], []
+async def _collect(served: list[ServeRequest], request: Request):
+    """Each answer's (text, finish reason, log-probability entries), whole; None when the
+    client left before they were done. One watch for all of a body's answers (a request's
+    messages go to one reader)."""
     watch = asyncio.create_task(_watch(served, request))
     try:
-        while True:
-            kind, piece, extra = await served.events.get()
-            if kind == "gone":
-                return "", None, []
-            if kind == "error":
-                raise piece
-            pieces.append(piece)
-            if kind == "done":
-                return "".join(pieces), extra, entries
-            if extra is not None:
-                entries.append(extra)
+        answers = await asyncio.gather(*(_answer(one) for one in served))
     finally:
         watch.cancel()
-        served.cancelled.set()  # a no-op once the row has finished
+        for one in served:
+            one.cancelled.set()  # a no-op once the row has finished
+    return None if any(a is None for a in answers) else answers
+
+
+async def _answer(served: ServeRequest):
+    pieces, entries = [], []
+    while True:
+        kind, piece, extra = await served.events.get()
+        if kind == "gone":
+            return None
+        if kind == "error":
+            raise piece
+        pieces.append(piece)
+        if kind == "done":
+            return "".join(pieces), extra, entries
+        if extra is not None:
+            entries.append(extra)
+
+
+def _combined(served: list[ServeRequest], answers: list) -> dict:
+    """One body's answer with every choice (n > 1, several prompts): usage counts each
+    prompt once and every choice's tokens."""
+    bodies = [one.response(*answer) for one, answer in zip(served, answers)]
+    out = bodies[0]
+    out["choices"] = [body["choices"][0] for body in bodies]
+    prompt = sum(len(one.ids) for one in served if one.first_of_prompt)
+    made = sum(one.generated for one in served)
+    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": made,
+                    "total_tokens": prompt + made}
+    cached = sum(one.cached_tokens for one in served if one.first_of_prompt)
+    if cached:
+        out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 async def _sse(served: ServeRequest, request: Request, keepalive_s: float):

@@ -20,6 +20,42 @@ MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
 log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
 
 
+def parse_all(kind: str, body, lm, template: str | None, default_max_tokens: int,
+              names: set[str], max_n: int, **kw) -> list[ServeRequest]:
+    """A body's answers, one :class:`ServeRequest` each, in the order of their ``index``:
+    a list of prompts on ``/v1/completions`` (several texts, or several lists of token
+    ids) times ``n`` choices each (at most ``max_n``, the block's rows). A request seeded
+    ``s`` gives its ``j``-th choice seed ``s + j``, so each choice differs and each repeats."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
+        raise ApiError(400, f"n must be 1 to {max_n} (the rows of a block)", param="n")
+    if n > 1 and body.get("stream"):
+        raise ApiError(400, "n > 1 is served without stream (one answer streamed at a "
+                            "time)", param="n")
+    prompts = [body.get("prompt")]
+    given = body.get("prompt")
+    if kind == "completion" and isinstance(given, list) and len(given) > 1 and \
+            all(isinstance(p, (str, list)) for p in given):
+        prompts = given  # several prompts (texts, or lists of token ids)
+        if body.get("stream"):
+            raise ApiError(400, "a list of prompts is served without stream", param="prompt")
+    out = []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            one = {**body, "n": 1}
+            if kind == "completion":
+                one["prompt"] = prompt
+            if j and isinstance(body.get("seed"), int):
+                one["seed"] = body["seed"] + j
+            served = parse(kind, one, lm, template, default_max_tokens, names, **kw)
+            served.index, served.first_of_prompt = i * n + j, j == 0
+            out.append(served)
+    return out
+
+
 def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
           names: set[str], control_tokens: bool = False,
           context: int | None = None, reasoning: bool = True,

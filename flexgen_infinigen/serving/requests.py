@@ -60,6 +60,8 @@ class ServeRequest:
     # the thought) or "outside"
     reasoning: str | None = None
     constraint: object = None  # the grammar the answer is held to (.grammar.Constraint)
+    index: int = 0  # the choice's index in the body's answer (n > 1, several prompts)
+    first_of_prompt: bool = True  # its prompt's tokens count in usage (once a prompt)
     # latencies: the histograms to observe (set when queued) and the times seen so far
     metrics: object = None
     arrived: float = field(default_factory=time.monotonic)
@@ -137,7 +139,7 @@ class ServeRequest:
         return out
 
     def response(self, text: str, reason: str, logprobs: list[dict]) -> dict:
-        choice = {"index": 0, "finish_reason": reason,
+        choice = {"index": self.index, "finish_reason": reason,
                   "logprobs": self.logprobs_object(logprobs)}
         if self.kind == "chat":
             thought = None
