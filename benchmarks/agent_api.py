@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +30,7 @@ sys.path.insert(0, str(HERE))
 
 import artifacts  # noqa: E402
 from machine import machine_info  # noqa: E402
+from serve_load import start_server, stop_server  # noqa: E402
 
 OUT = HERE / "results" / "agent_api"
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
@@ -52,33 +50,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string"},
                                   "unit": {"type": "string", "enum": ["C", "F"]}}}}}
-
-
-def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "flexgen_infinigen.serve", "--port",
-                             str(port), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(3000):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the server did not come up")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
 
 
 def client_of(url: str):
@@ -233,7 +204,7 @@ def main() -> int:
     if not a.report_only:
         run = {"meta": artifacts.run_meta(["benchmarks/agent_api.py", *sys.argv[1:]],
                                           machine_info=machine_info())}
-        proc, url = start_server("--gpu-batch-size", "8", "--max-wait-ms", "300")
+        proc, url = start_server((8, 1), 300)
         try:
             client = client_of(url)
             model = client.models.list().data[0].id
@@ -246,7 +217,7 @@ def main() -> int:
         finally:
             stop_server(proc)
         if a.qwen is not None:
-            proc, url = start_server("--model", str(a.qwen))
+            proc, url = start_server((1, 1), 50, "--model", str(a.qwen))
             try:
                 client = client_of(url)
                 run["tools"] = tool_part(client, client.models.list().data[0].id, a.requests)

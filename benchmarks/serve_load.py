@@ -55,16 +55,21 @@ STARTS = ["The capital of France is", "Once upon a time there was", "My favourit
 
 
 # ---- a server in a subprocess -----------------------------------------------------------------
-def start_server(block: tuple[int, int], wait_ms: float) -> tuple[subprocess.Popen, str]:
+def start_server(block: tuple[int, int], wait_ms: float, *args: str
+                 ) -> tuple[subprocess.Popen, str]:
+    """``serve`` in a subprocess with blocks of ``block`` rows and ``--max-wait-ms``
+    ``wait_ms`` (``args``: more flags); (the process, its URL) once it answers."""
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "flexgen_infinigen.serve", "--port",
                              str(port), "--gpu-batch-size", str(block[0]), "--num-gpu-batches",
-                             str(block[1]), "--max-wait-ms", str(wait_ms), "--max-queue", "1000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             str(block[1]), "--max-wait-ms", str(wait_ms), "--max-queue", "1000",
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1800):
+    for _ in range(3000):
         if proc.poll() is not None:
             raise SystemExit(f"the server exited: {proc.stderr.read()}")
         try:
