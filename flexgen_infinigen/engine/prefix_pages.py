@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import torch
 
 FORMAT = "1"
 SUFFIX = ".page.safetensors"
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass
@@ -47,7 +45,7 @@ class Page:
 
 class PrefixPages:
     """Pages by name, in CPU memory and (with ``folder``) on disk, least recently used out
-    first. Counts what it was asked and what it had (``queries``/``hits``, in tokens)."""
+    first."""
 
     def __init__(self, model_key: str, page_tokens: int = 64, memory_bytes: int = 1 << 30,
                  folder: str | os.PathLike | None = None, disk_bytes: int = 0,
@@ -61,7 +59,6 @@ class PrefixPages:
         self.memory: OrderedDict[str, Page] = OrderedDict()
         self.disk: OrderedDict[str, int] = OrderedDict()  # name -> file bytes
         self.in_memory = self.on_disk = 0
-        self.queries = self.hits = 0  # tokens asked for, tokens found
         self._page_ids: dict[str, list[int]] = {}  # a memory page's tokens (for its file)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -86,15 +83,13 @@ class PrefixPages:
     # ---- lookups ----------------------------------------------------------------------------
     def longest(self, ids: list[int], limit: int | None = None) -> int:
         """Tokens of ``ids``'s longest prefix held here, in whole pages, at most ``limit``
-        tokens; the query and its hit are counted."""
+        tokens."""
         names = self.names(ids[:limit] if limit is not None else ids)
         found = 0
         for name in names:
             if name not in self.memory and name not in self.disk:
                 break
             found += 1
-        self.queries += len(ids) if limit is None else min(len(ids), limit)
-        self.hits += found * self.page_tokens
         return found * self.page_tokens
 
     def gather(self, ids: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -207,32 +202,24 @@ class PrefixPages:
 
 def _write(path: Path, page: Page, model_key: str, name: str, ids: list[int]) -> None:
     """One page as a safetensors file, to a temporary name renamed when whole."""
+    from safetensors.torch import save_file
+
     tensors = {"k": page.k.contiguous(), "v": page.v.contiguous(),
                "ids": torch.tensor(ids, dtype=torch.int64)}
-    blobs = {n: t.view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
-    crc = 0
-    for n in ("k", "v", "ids"):
-        crc = zlib.crc32(blobs[n], crc)
-    header, offset = {"__metadata__": {"format": FORMAT, "model": model_key, "page": name,
-                                       "crc32": str(crc)}}, 0
-    for n in ("k", "v", "ids"):
-        t = tensors[n]
-        dtype = "I64" if t.dtype == torch.int64 else _DTYPES[t.dtype]
-        header[n] = {"dtype": dtype, "shape": list(t.shape),
-                     "data_offsets": [offset, offset + len(blobs[n])]}
-        offset += len(blobs[n])
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    meta = {"format": FORMAT, "model": model_key, "page": name, "crc32": _crc(tensors)}
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for n in ("k", "v", "ids"):
-                f.write(blobs[n])
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _crc(tensors: dict[str, torch.Tensor]) -> str:
+    crc = 0
+    for n in ("k", "v", "ids"):
+        crc = zlib.crc32(tensors[n].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return str(crc)
 
 
 def _read(path: Path, model_key: str, name: str, ids: list[int]) -> Page | None:
@@ -249,11 +236,6 @@ def _read(path: Path, model_key: str, name: str, ids: list[int]) -> Page | None:
             k, v, stored = f.get_tensor("k"), f.get_tensor("v"), f.get_tensor("ids")
     except Exception:  # noqa: BLE001 - cut short, not safetensors, unreadable: a miss
         return None
-    if stored.tolist() != list(ids):
-        return None
-    crc = 0
-    for t in (k, v, stored):
-        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    if str(crc) != meta.get("crc32"):
+    if stored.tolist() != list(ids) or _crc({"k": k, "v": v, "ids": stored}) != meta.get("crc32"):
         return None
     return Page(k, v)

@@ -72,11 +72,15 @@ def keep_rows(pages: PrefixPages, engine, rows: list[tuple[int, list[int]]]) -> 
     Returns the pages added (0 where the caches do not hold exact rows)."""
     layers = engine.cfg.num_layers
     added, first, batch = 0, 0, 0
+    size = engine.block.states[0].valid.shape[0]  # rows a GPU batch
     while first < len(rows):
+        if all(len(seq) < pages.page_tokens for _, seq in rows[first:first + size]):
+            first, batch = first + size, batch + 1  # nothing whole to keep: nothing read
+            continue
         per_layer = [engine.cached_kv(layer, batch) for layer in range(layers)]
         if any(x is None for x in per_layer):
             return added
-        size, columns = per_layer[0][0].shape[:2]
+        columns = per_layer[0][0].shape[1]
         for r in range(size):
             column, seq = rows[first + r]
             n = min(len(seq), columns - column)

@@ -61,13 +61,12 @@ class Scheduler:
         answer may fill (``--max-model-len``; default the model's)."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
-        # a running block takes new rows where the policy's caches allow it (not one that
-        # reads the prompt's queries at prefill, nor a pipeline rank)
-        self.admit_prompt_tokens = admit_prompt_tokens if prefix_reuse.usable(lm.engine) \
-            else 0
-        # None: every block prefills its whole prompts (also where the policy cannot reuse)
-        self.pages = prefix_pages if prefix_pages is not None and \
-            prefix_reuse.usable(lm.engine) else None
+        # a running block takes new rows, and prefills start from pages, where the policy's
+        # caches allow it (not one that reads the prompt's queries at prefill, nor a
+        # pipeline rank); else requests join at block boundaries and prefill everything
+        usable = prefix_reuse.usable(lm.engine)
+        self.admit_prompt_tokens = admit_prompt_tokens if usable else 0
+        self.pages = prefix_pages if usable else None
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
         self._pending: queue.Queue = queue.Queue()
