@@ -38,6 +38,17 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     qk_norm_full: bool = False  # the q/k RMSNorm spans all heads at once (OLMoE), not one head
     sliding_window: int = 0  # each token sees only the newest this many keys (Mistral); 0: all
+    # each layer's window when layers differ (Gemma 3: five windowed layers to one global);
+    # empty: every layer has ``sliding_window``
+    layer_windows: tuple = ()
+    # RoPE base of the windowed layers when it is not ``rope_theta`` (Gemma 3's local
+    # layers); their RoPE is never scaled
+    rope_local_theta: float = 0.0
+    # the attention's query scale when it is not 1/sqrt(head width) (Gemma's
+    # query_pre_attn_scalar ** -0.5); 0: the usual
+    query_scale: float = 0.0
+    # logits = cap * tanh(logits / cap) (Gemma 2/3 configs that ask for it); 0: none
+    final_logit_softcap: float = 0.0
     # mixture of experts (models/moe.py); 0 experts: every MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0  # the router's top-k
@@ -58,6 +69,20 @@ class ModelConfig:
         scaling = dict(self.rope_scaling or ())
         object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers or ())))
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ConfigError(f"layer_windows has {len(self.layer_windows)} entries for "
+                              f"{self.num_layers} layers")
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: it sees every key)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the layers (one for most models)."""
+        return tuple(sorted(set(self.layer_windows))) if self.layer_windows else \
+            (self.sliding_window,)
 
     @property
     def rope(self) -> dict:
@@ -130,6 +155,21 @@ _QWEN3 = dict(vocab=151936, max_pos=40960, theta=1000000.0, bos=151643, eos=1516
               eps=1e-6, qk_norm=True, attn_head_dim=128)
 
 
+_GEMMA3_ROPE = {"rope_type": "linear", "factor": 8.0}
+
+
+def _gemma3(name, hidden, layers, heads, kv_heads, head_dim, ffn, window, scalar, vocab,
+            rope) -> ModelConfig:
+    return ModelConfig(
+        name=name, family="gemma3", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=ffn, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        max_positions=131072 if rope else 32768, norm_eps=1e-6, rope_theta=1e6,
+        rope_local_theta=1e4, rope_scaling=rope, tie_word_embeddings=True, bos_token_id=2,
+        eos_token_id=1, pad_token_id=0, attn_head_dim=head_dim, qk_norm=True,
+        layer_windows=tuple(0 if (i + 1) % 6 == 0 else window for i in range(layers)),
+        query_scale=0.0 if scalar == head_dim else scalar ** -0.5, model_type="gemma3")
+
+
 DEFAULT_MODEL = "smollm2-135m"
 
 KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
@@ -164,6 +204,13 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
            qk_norm_full=True, model_type="olmoe"),
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab=49152, max_pos=8192, theta=100000.0,
            tie=True, bos=1, eos=2, pad=2),
+    # Gemma 3 (text), its published shapes: five windowed layers to one global
+    *[_gemma3(name, *shape) for name, shape in {
+        "gemma-3-1b": (1152, 26, 4, 1, 256, 6912, 512, 256, 262144, {}),
+        "gemma-3-4b": (2560, 34, 8, 4, 256, 10240, 1024, 256, 262208, _GEMMA3_ROPE),
+        "gemma-3-12b": (3840, 48, 16, 8, 256, 15360, 1024, 256, 262208, _GEMMA3_ROPE),
+        "gemma-3-27b": (5376, 62, 32, 16, 128, 21504, 1024, 168, 262208, _GEMMA3_ROPE),
+    }.items()],
 ]}
 
 

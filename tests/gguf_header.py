@@ -13,7 +13,8 @@ def add_model_metadata(w, c, arch: str, vocab_model: str) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if "rope_theta" in c.rope_parameters:  # one RoPE for every layer (a Gemma 3 adds its own)
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     if arch in ("qwen3", "qwen3moe"):  # its head size is not hidden / heads
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)

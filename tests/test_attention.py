@@ -7,13 +7,15 @@ from flexgen_infinigen.kernels import attention
 from flexgen_infinigen.kernels.attention import attend, mask_bias
 
 
-def _inputs(b=2, s=37, heads=6, kv=2, d=16):
+def _inputs(b=2, s=37, heads=6, kv=2, d=16, hole=False):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, s, heads, d, generator=gen)
     k = torch.randn(b, s, kv, d, generator=gen)
     v = torch.randn(b, s, kv, d, generator=gen)
     valid = torch.ones(b, s, dtype=torch.bool)
     valid[1, :5] = False  # a left-padded row
+    if hole:
+        valid[0, 9:12] = False  # masked keys after real ones: not left padding alone
     return q, k, v, mask_bias(valid, s, torch.float32)
 
 
@@ -37,12 +39,12 @@ def test_chunked_equals_whole_with_key_mass(monkeypatch):
 
 
 def test_masked_gqa_prompt_chunks_with_k_v_repeated_once_equal_the_broadcast(monkeypatch):
-    """Padded prompts of a GQA model: the masked chunks attend over K and V repeated once per
-    layer (what CUDA does, so that a fused kernel takes them) and give what the GQA broadcast
-    and an independent softmax reference give."""
+    """Masked prompts of a GQA model (keys masked after real ones): the masked chunks attend
+    over K and V repeated once per layer (what CUDA does, so that a fused kernel takes them)
+    and give what the GQA broadcast and an independent softmax reference give."""
     from flexgen_infinigen.kernels.attention import attend_prompt
 
-    q, k, v, bias = _inputs(s=45)
+    q, k, v, bias = _inputs(s=45, hole=True)
     valid = bias[:, 0, -1] == 0  # the last query sees every real key
     group = q.shape[2] // k.shape[2]
     kr, vr = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
@@ -61,3 +63,23 @@ def test_masked_gqa_prompt_chunks_with_k_v_repeated_once_equal_the_broadcast(mon
     assert set(calls) == {q.shape[2]} and len(calls) == 6  # every chunk, query heads
     assert (expanded - broadcast).abs().max() < 1e-5
     assert (expanded - ref.reshape(expanded.shape)).abs().max() < 1e-5
+
+
+def test_a_left_padded_prompt_attends_as_it_does_alone():
+    """Left-padded rows take the causal call of their real tokens: each row's output, to the
+    last bit, is the output of its prompt alone with no padding (what keeps a request's
+    answer at temperature 0 independent of the rows beside it), and padding rows are zero."""
+    from flexgen_infinigen.kernels.attention import attend_prompt
+
+    gen = torch.Generator().manual_seed(1)
+    b, s, heads, kv, d = 4, 70, 6, 2, 32
+    q, k, v = (torch.randn(b, s, n, d, generator=gen) for n in (heads, kv, kv))
+    pads = [0, 3, 41, s]  # the last row is padding only
+    valid = torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]
+    out = attend_prompt(q, k, v, valid).view(b, s, heads, d)
+    for r, pad in enumerate(pads):
+        assert not out[r, :pad].any()
+        if pad < s:
+            alone = attend_prompt(q[r:r + 1, pad:], k[r:r + 1, pad:], v[r:r + 1, pad:],
+                                  valid[r:r + 1, pad:])
+            assert torch.equal(out[r, pad:].reshape(1, s - pad, -1), alone), r

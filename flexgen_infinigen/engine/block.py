@@ -23,9 +23,16 @@ class BatchState:
     pos_enc: object = None  # the family's encoding of ``positions`` (rotary cos/sin)
     bias: torch.Tensor | None = None  # additive attention mask [b, 1, s, length]
     visible: torch.Tensor | None = None  # [b, length]: keys the newest token may see
+    # (pos_enc, bias, visible) of each window when the layers' windows differ (Gemma 3);
+    # empty: every layer takes the three above
+    by_window: dict = field(default_factory=dict)
     hidden: object = None
     logits: torch.Tensor | None = None
     handoff: torch.Tensor | None = None  # the last layer's attention input, for the next rank
+
+    def attention_inputs(self, window: int):
+        """(pos_enc, bias, visible) for a layer with sliding window ``window``."""
+        return self.by_window.get(window) or (self.pos_enc, self.bias, self.visible)
 
 
 @dataclass

@@ -263,7 +263,8 @@ class Engine:
             for batch in range(len(block.states)):
                 spec = CacheSpec(self.tiers, s.layer, batch, batch_size, max_len,
                                  cfg.num_kv_heads, cfg.head_dim, self.dtype, p.cache_split,
-                                 p.compress_cache, p.cpu_cache_compute, cfg.sliding_window)
+                                 p.compress_cache, p.cpu_cache_compute,
+                                 cfg.window_of(s.layer))
                 block.caches[(stage, batch)] = self.kv_policy.make_cache(spec)
                 block.attention_stage[s.layer] = stage
 
@@ -278,12 +279,18 @@ class Engine:
 
     def _prepare(self, state: BatchState) -> BatchState:
         """What every layer of this iteration shares: position encodings and the mask bias."""
-        state.pos_enc = self.family.encode_positions(self.cfg, state.positions)
-        # decode's mask (one query row); a prompt's is built per chunk by attend_prompt
-        state.bias = mask_bias(state.valid, 1, self.dtype, self.cfg.sliding_window) \
-            if state.ids.shape[1] == 1 else None
-        # what the newest token may attend to (the KV policies select among these only)
-        state.visible = visible(state.valid, self.cfg.sliding_window)
+        state.by_window = {}
+        for window in self.cfg.windows:
+            # the family's positions of this kind of layer (Gemma 3's windowed layers have
+            # their own RoPE base); decode's mask (one query row; a prompt's is built per
+            # chunk by attend_prompt); what the newest token may attend to (the KV policies
+            # select among these only)
+            state.pos_enc = self.family.encode_positions(self.cfg, state.positions, window)
+            state.bias = mask_bias(state.valid, 1, self.dtype, window) \
+                if state.ids.shape[1] == 1 else None
+            state.visible = visible(state.valid, window)
+            if len(self.cfg.windows) > 1:
+                state.by_window[window] = (state.pos_enc, state.bias, state.visible)
         return state
 
     # ---- the schedule -----------------------------------------------------------------------

@@ -52,7 +52,8 @@ class StageCompute:
         if s.kind in ("mlp", "layer") and (plan is None or plan.call is None):
             h = self._mlp(p, w, h)
         if s.kind == "head":
-            state.logits = fam.head(cfg, w, h[:, -1:, :])[:, -1]
+            # contiguous: the same kernels, whatever the batch, read the last token alone
+            state.logits = fam.head(cfg, w, h[:, -1:, :].contiguous())[:, -1]
             h = None
         state.hidden = self._keep_hidden(block, batch, h)
         return new
@@ -93,28 +94,31 @@ class StageCompute:
                 return out, None
         x, q, k, v = call.attention_inputs(h, state)
         self._speculate_next(block, stage, batch, x)
-        out = block.caches[(stage, batch)].attend(loaded, q, k, v, state.visible, state.bias)
+        _, bias, seen = state.attention_inputs(self.cfg.window_of(self.stages[stage].layer))
+        out = block.caches[(stage, batch)].attend(loaded, q, k, v, seen, bias)
         return call.attention_output(h, out), (q, k, v, state.valid)
 
     def _speculate_next(self, block: Block, stage: int, batch: int, x: torch.Tensor) -> None:
         """The next layer's cache may choose what to read from this layer's input ``x``."""
         state, layer = block.states[batch], self.stages[stage].layer
         following = block.next_cache(layer, batch)
-        if following is not None:
-            following.speculate(x, state.pos_enc, state.valid, state.visible)
+        if following is not None:  # with the next layer's positions and window
+            pos_enc, _, seen = state.attention_inputs(self.cfg.window_of(layer + 1))
+            following.speculate(x, pos_enc, state.valid, seen)
         elif layer + 1 < self.cfg.num_layers:
             state.handoff = x  # the next layer is on the next pipeline rank
 
     def _attention(self, block: Block, p: Pass, stage: int, batch: int, w: dict,
                    h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, block.states[batch]
+        window = cfg.window_of(self.stages[stage].layer)
+        pos_enc, bias, seen = state.attention_inputs(window)
         x = fam.attn_input(cfg, w, h)
         if p.decode:
             self._speculate_next(block, stage, batch, x)
-        q, k, v = fam.attn_qkv(cfg, w, x, state.pos_enc)
+        q, k, v = fam.attn_qkv(cfg, w, x, pos_enc)
         if p.decode:
-            out = block.caches[(stage, batch)].attend(loaded, q, k, v, state.visible,
-                                                      state.bias)
+            out = block.caches[(stage, batch)].attend(loaded, q, k, v, seen, bias)
         else:
             known = block.prefix.kv.get((self.stages[stage].layer, batch)) \
                 if block.prefix is not None else None
@@ -122,7 +126,7 @@ class StageCompute:
                 k = torch.cat([known[0].to(k.device, k.dtype), k], 1)
                 v = torch.cat([known[1].to(v.device, v.dtype), v], 1)
             rows = min(p.mode.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
-            out = attend_prompt(q, k, v, state.valid, cfg.sliding_window, rows=rows)
+            out = attend_prompt(q, k, v, state.valid, window, rows=rows)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
 
     def _experts_for_block(self, block: Block, p: Pass, stage: int, w: dict) -> None:

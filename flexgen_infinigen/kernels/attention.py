@@ -181,6 +181,25 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
         # no padding, no prefix, no window: one causal call (torch's kernel skips the
         # masked blocks itself and needs no mask; equal to the chunks)
         return _sdpa(qt, kt, vt, None, causal=True).transpose(1, 2).reshape(b, s, heads * d)
+    pads = _left_padding(valid) if offset == 0 and not window else None
+    if pads is not None:
+        # left padding only: the rows of each padding length take the causal call of their
+        # real tokens alone, the call a prompt gets by itself, so that each row's floats
+        # do not depend on the rows beside it (a mask would change the kernel's sums, and
+        # 8-bit activations turn the last bit into a different token)
+        out = torch.zeros(b, s, heads, d, dtype=q.dtype, device=q.device)
+        for pad in sorted(set(pads.tolist())):
+            if pad == s:
+                continue  # a row of padding only: zeros
+            rows = (pads == pad).nonzero()[:, 0]
+            if len(rows) == b:
+                got = _sdpa(qt[:, :, pad:], kt[:, :, pad:], vt[:, :, pad:], None, causal=True)
+                out[:, pad:] = got.transpose(1, 2)
+            else:
+                got = _sdpa(qt[rows, :, pad:], kt[rows, :, pad:], vt[rows, :, pad:], None,
+                            causal=True)
+                out[rows, pad:] = got.transpose(1, 2)
+        return out.reshape(b, s, heads * d)
     rows = min(rows or FUSED_ROWS, FUSED_ROWS, max(1, FUSED_MASK_BYTES // max(1, b * t)))
     if kt.shape[1] != heads and q.device.type in EXPAND_GQA_ON:
         # a mask rules out the flash kernel, and the other fused kernels take no GQA
@@ -198,6 +217,14 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
         real = valid[:, offset + start:offset + stop, None, None]  # padding queries: zeros
         out[:, start:stop] = torch.where(real, got.transpose(1, 2), 0.0)
     return out.reshape(b, s, heads * d)
+
+
+def _left_padding(valid: torch.Tensor) -> torch.Tensor | None:
+    """Each row's count of leading padding [b] when every row of ``valid`` [b, t] is padding
+    then real tokens, else None."""
+    pads = (~valid).sum(1)
+    expected = torch.arange(valid.shape[1], device=valid.device)[None, :] >= pads[:, None]
+    return pads if bool((expected == valid).all()) else None
 
 
 def _sdpa(q, k, v, mask, causal: bool = False):

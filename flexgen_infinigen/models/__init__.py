@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import ModelConfig
-from . import llama, opt
+from . import gemma3, llama, opt
 
 
 @runtime_checkable
@@ -38,8 +38,10 @@ class Family(Protocol):
         ``layers.{i}.`` prefix."""
         ...
 
-    def encode_positions(self, cfg: ModelConfig, positions: torch.Tensor) -> object:
-        """What every layer's attention takes of ``positions`` [b, s] (``pos_enc``)."""
+    def encode_positions(self, cfg: ModelConfig, positions: torch.Tensor,
+                         window: int = 0) -> object:
+        """What the attention of every layer with sliding window ``window`` (0: none) takes
+        of ``positions`` [b, s] (``pos_enc``)."""
         ...
 
     def embed(self, cfg: ModelConfig, w: dict, ids: torch.Tensor,
@@ -74,7 +76,7 @@ class Family(Protocol):
         ...
 
 
-FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama}
+FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3}
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -103,10 +103,15 @@ def inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv
 
 
-def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
+def encode_positions(cfg: ModelConfig, positions: torch.Tensor, window: int = 0):
     """cos [b, s, 1, d] of the rotary angles at ``positions`` [b, s], and their sin with the
-    first half negated (what :func:`rotary` multiplies the halves, swapped, with)."""
-    inv = inverse_frequencies(cfg, positions.device)
+    first half negated (what :func:`rotary` multiplies the halves, swapped, with). Every
+    layer has the same RoPE, windowed or not."""
+    return rotary_tables(inverse_frequencies(cfg, positions.device), positions)
+
+
+def rotary_tables(inv: torch.Tensor, positions: torch.Tensor):
+    """:func:`encode_positions` for the frequencies ``inv`` [d/2]."""
     angles = positions.float()[..., None] * inv  # [b, s, d/2]
     sin = angles.sin()
     return (torch.cat([angles, angles], -1)[:, :, None, :].cos(),

@@ -64,7 +64,7 @@ def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor)
     return x + lookup(w["pos_embed.weight"], positions + POSITION_OFFSET)
 
 
-def encode_positions(cfg: ModelConfig, positions: torch.Tensor):
+def encode_positions(cfg: ModelConfig, positions: torch.Tensor, window: int = 0):
     return None  # learned positions are added by ``embed``
 
 

@@ -122,7 +122,8 @@ class PipelineEngine(Engine):
             x = self._wait(link.recv, (b, 1, self.cfg.hidden_size), self.dtype,
                            link.previous, "speculation_input")
             first = self.attention_stage[self.part.start]
-            self.caches[(first, m)].speculate(x, state.pos_enc, state.valid, state.visible)
+            pos_enc, _, seen = state.attention_inputs(self.cfg.window_of(self.part.start))
+            self.caches[(first, m)].speculate(x, pos_enc, state.valid, seen)
 
     def _pass_on(self, decode: bool, m: int, mode: BlockMode) -> None:
         state, link = self.states[m], self.link

@@ -1,6 +1,6 @@
 """A GGUF model's header: the file opened (a split model's shards read as one), its metadata
-fields, and the model config they describe (llama, qwen2, qwen3 and the mixture-of-experts
-types of :mod:`.gguf_moe`). Reads no tensor data.
+fields, and the model config they describe (llama, qwen2, qwen3, gemma3 and the
+mixture-of-experts types of :mod:`.gguf_moe`). Reads no tensor data.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from . import gguf_moe
 from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3")
 
 
 def _open_reader(path: Path):
@@ -49,6 +49,29 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "gguf-model"
 
 
+def _gemma3(reader, p: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 3's fields as llama.cpp reads them: windowed layers by the file's pattern (a flag
+    a layer, or every n-th layer global; 6 when absent), their RoPE base (10000 when
+    absent), the logits' soft cap, and the query scale (the 27B's, 62 layers, is
+    hidden/heads; every other size's the head width)."""
+    window = int(field_value(reader, p + "attention.sliding_window", 0) or 0)
+    pattern = field_value(reader, p + "attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        windowed = [bool(x) for x in pattern]
+    else:
+        windowed = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(windowed) != layers:
+        raise ConfigError(f"GGUF sliding_window_pattern has {len(windowed)} entries for "
+                          f"{layers} layers; the file is inconsistent")
+    scalar = hidden / heads if layers == 62 else head_dim
+    return dict(family="gemma3",
+                layer_windows=tuple(window if w else 0 for w in windowed),
+                rope_local_theta=float(field_value(reader, p + "rope.freq_base_swa", 10000.0)),
+                query_scale=0.0 if scalar == head_dim else scalar ** -0.5,
+                final_logit_softcap=float(field_value(reader, p + "final_logit_softcapping",
+                                                      0.0) or 0.0))
+
+
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
     arch = field_value(reader, "general.architecture")
@@ -78,14 +101,16 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
                           "does not read; convert the Hugging Face checkpoint instead")
     moe = gguf_moe.experts_from_gguf(reader, arch, source)
+    layers = int(field_value(reader, p + "block_count"))
+    extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     meta = ModelConfig(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
-        family="llama",
+        family=extra.pop("family", "llama"),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(field_value(reader, p + "feed_forward_length", 0)
                               or moe.get("expert_intermediate_size", 0)),
-        num_layers=int(field_value(reader, p + "block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(field_value(reader, p + "attention.head_count_kv", heads)),
         max_positions=int(field_value(reader, p + "context_length", 2048)),
@@ -98,7 +123,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
         qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
         qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
-        **{"model_type": arch, **moe},
+        **{"model_type": arch, **moe, **extra},
     )
     if name is None or name not in KNOWN_MODELS:
         return meta

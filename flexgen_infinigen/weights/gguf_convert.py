@@ -1,6 +1,6 @@
 """A GGUF file's tensors as a weight store's: checked and named here (:func:`prepare`, also
 for the index that reads them in place, :mod:`.gguf_index`), or copied into a store of their
-own (:func:`convert_gguf`). The llama, qwen2 and qwen3 architectures, and
+own (:func:`convert_gguf`). The llama, qwen2, qwen3 and gemma3 architectures, and
 the mixture-of-experts qwen3moe, qwen2moe, olmoe and llama with experts (Mixtral), whose
 fused expert tensors are cut into one store tensor per expert matrix (:mod:`.gguf_moe`).
 The header and config are read by :mod:`.gguf_config`.
@@ -15,7 +15,8 @@ undo that (moving whole rows, codes unchanged) so the store matches Hugging Face
 (the ``rotate_half`` convention that :func:`flexgen_infinigen.models.llama.rotary`
 implements). qwen2 files keep Hugging Face's order (llama.cpp rotates them the NeoX way)
 and carry q/k/v biases; qwen3 files keep it too and add per-head q/k RMSNorm weights (the
-MoE types likewise: qwen3moe as qwen3, qwen2moe as qwen2, olmoe's q/k norms span all heads). The
+MoE types likewise: qwen3moe as qwen3, qwen2moe as qwen2, olmoe's q/k norms span all heads;
+gemma3 files keep it and hold Gemma's norm scales already shifted by 1, as our store does). The
 vocabulary becomes a Hugging Face ``tokenizer.json`` stored next to the weights
 (:mod:`.gguf_tokenizer`: byte-level BPE by its pre-tokenizer type, or SentencePiece).
 """
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from ..guards import raise_if_interrupted
-from ..models import llama
+from ..models import family_of
 from ..text.chat import CHAT_FILE
 from . import gguf_codes, gguf_moe
 # the header's reading, kept importable from here
@@ -52,11 +53,13 @@ _LAYER_NAMES = {
     "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
     "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm",
     "attn_k_norm": "k_norm",
+    # Gemma 3's norms of the attention's and the MLP's outputs
+    "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
-            "qwen2moe": False, "olmoe": False}
+            "qwen2moe": False, "olmoe": False, "gemma3": False}
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
@@ -160,7 +163,7 @@ def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
     shapes checked against the config before anything is written; one error for a tensor
     the model does not have, a shape (or expert count) the metadata does not imply, or a
     tensor the file lacks."""
-    expected = llama.weight_shapes(cfg)
+    expected = family_of(cfg).weight_shapes(cfg)
     plan, seen = [], set()
     for t in reader.tensors:
         keys = store_names(t.name, cfg)

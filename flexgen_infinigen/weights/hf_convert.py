@@ -1,6 +1,6 @@
 """Convert a local Hugging Face checkpoint folder (OPT, Llama 1-3.x, Mistral, Qwen2/2.5,
-Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE with one tensor per
-expert matrix, as the Hub writes them) into a weight store.
+Qwen3, Gemma 3's text model, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
+OLMoE with one tensor per expert matrix, as the Hub writes them) into a weight store.
 
 Reads ``config.json`` (:mod:`.hf_config` refuses what we do not compute, before any tensor
 is read) and the weights: ``*.safetensors``, sharded with ``model.safetensors.index.json``
@@ -65,10 +65,26 @@ _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LLAMA_TOP = {"embed_tokens.weight": "embed.weight", "norm.weight": "final_norm.weight",
               "lm_head.weight": "lm_head.weight"}
+# Gemma 3: a norm after the attention and around the MLP (Llama's post_attention_layernorm
+# is its MLP's input norm; Gemma's is the attention output's)
+_GEMMA3_LAYER = {**_LLAMA_LAYER, "post_attention_layernorm": "post_attn_norm",
+                 "pre_feedforward_layernorm": "mlp_norm",
+                 "post_feedforward_layernorm": "post_mlp_norm"}
+# where a multimodal Gemma 3 folder keeps its text model (transformers 4 and 5 writers)
+_GEMMA3_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|"
+                            r"language_model\.|model\.)")
 
 
 def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
     """The store's name for a Hugging Face tensor name (None for tensors we do not keep)."""
+    if cfg.family == "gemma3":
+        name = _GEMMA3_PREFIX.sub("", hf_name)
+        m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+        if m and m.group(2) in _GEMMA3_LAYER:
+            return f"layers.{m.group(1)}.{_GEMMA3_LAYER[m.group(2)]}.{m.group(3)}"
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None
+        return _LLAMA_TOP.get(name)
     name = re.sub(r"^(model\.)", "", hf_name)
     if cfg.family == "opt":
         if name == "lm_head.weight":
@@ -89,6 +105,16 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return _LLAMA_TOP.get(name)
+
+
+def stored_value(cfg: ModelConfig, ours: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the store keeps of a checkpoint tensor: itself, except Gemma's norm scales,
+    which the model multiplies as 1 + w; the store keeps 1 + w in float32 (as a GGUF of
+    Gemma does, and before any rounding to 16 bits), so that the runtime's norms are
+    plain."""
+    if cfg.family == "gemma3" and ours.endswith("norm.weight"):
+        return tensor.float() + 1.0
+    return tensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -275,7 +301,7 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
             if tuple(tensor.shape) != expected[ours]:
                 raise ConfigError(f"{hf_name} has shape {tuple(tensor.shape)}, config.json "
                                   f"implies {expected[ours]}; the checkpoint is inconsistent")
-            w.add(ours, *to_numpy(tensor))
+            w.add(ours, *to_numpy(stored_value(cfg, ours, tensor)))
             seen.add(ours)
             del tensor
         missing = sorted(set(expected) - seen)

@@ -6,17 +6,18 @@
 
 /* Attention over every row: row t of column c of k and v is at t * st + c * sc floats
    (token-major [T, C, D]: st = C * D, sc = D; head-major [C, T, D]: st = D, sc = T' * D).
-   q: [C, G, D]; bias: [C, T]; out: [C, G, D]. Work items are (column, range of rows),
-   each walked in order, so that a head-major cache is read as one stream per item. */
+   q: [C, G, D]; bias: [C, T]; out: [C, G, D]. Work items are (column, range of rows; see
+   ranges_of), each walked in order, so that a head-major cache is read as one stream per item. */
 void attend_rows(const float *q, const float *k, const float *v, const float *bias,
                  float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
                  int64_t sc, int64_t nthreads) {
-    const int64_t R = ranges_per_column(C, T, nthreads), S = G * (D + 2);
+    const int64_t R = ranges_of(T), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t item = 0; item < C * R; item++) {
         const int64_t c = item / R, r = item % R;
-        const int64_t lo = T * r / R, hi = T * (r + 1) / R;
+        const int64_t lo = first_unmasked(bias + c * T, T) + r * RANGE;
+        const int64_t hi = lo + RANGE < T ? lo + RANGE : T;
         float *state = part + (r * C + c) * S;
         float s[16 * TB];
         const float *kr[TB], *vr[TB], *ahead[2 * TB];
@@ -47,12 +48,12 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
                     const int64_t *counts, int64_t n, const float *k_new, const float *v_new,
                     float *out, int64_t C, int64_t G, int64_t D, int64_t st, int64_t sc,
                     int64_t nthreads) {
-    const int64_t R = ranges_per_column(C, n + 1, nthreads), S = G * (D + 2);
+    const int64_t R = ranges_of(n + 1), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t item = 0; item < C * R; item++) {
         const int64_t c = item / R, r = item % R, used = counts[c] + 1;
-        const int64_t lo = used * r / R, hi = used * (r + 1) / R;
+        const int64_t lo = r * RANGE, hi = lo + RANGE < used ? lo + RANGE : used;
         const int64_t *idx = index + c * n;
         float *state = part + (r * C + c) * S;
         float s[16 * TB];

@@ -272,11 +272,28 @@ static void merge_states(float *out, const float *part, int64_t CG, int64_t D, i
     }
 }
 
-/* Ranges a column's rows are cut into, so that every thread has work when columns are few. */
-static int64_t ranges_per_column(int64_t C, int64_t rows, int64_t nthreads) {
-    int64_t r = (2 * nthreads + C - 1) / C;
-    const int64_t most = (rows + TB - 1) / TB;
-    r = r < most ? r : most;
+/* A column's rows are walked from its first unmasked one (a bias above MASKED; left
+   padding and keys past a sliding window are masked) in ranges of RANGE rows, and the
+   ranges' states merged in order. The cut depends on the column's own rows only, never on
+   how many columns or threads there are: a row's sums fall in the same ranges, blocks and
+   lanes alone, left-padded, or beside any other rows, so that at temperature 0 a request
+   answers what it answers alone (8-bit activations turn the last bit of a difference into
+   a different token). A column whose every row is masked is walked whole. */
+#define RANGE (8 * TB)
+#define MASKED (-1.0e30f)
+
+static inline int64_t first_unmasked(const float *bias, int64_t T) {
+    if (!bias)
+        return 0;
+    for (int64_t t = 0; t < T; t++)
+        if (bias[t] > MASKED)
+            return t;
+    return 0;
+}
+
+/* Ranges of the longest column (a shorter column's last ones are empty). */
+static inline int64_t ranges_of(int64_t rows) {
+    const int64_t r = (rows + RANGE - 1) / RANGE;
     return r < 1 ? 1 : r;
 }
 

@@ -28,7 +28,7 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
                     const int64_t *index, const float *k_new, const float *v_new, float *out,
                     int64_t T, int64_t C, int64_t G, int64_t D, int64_t cs0, int64_t cs1,
                     int64_t ss0, int64_t ss1, int64_t nthreads) {
-    const int64_t R = ranges_per_column(C, T + 1, nthreads), S = G * (D + 2);
+    const int64_t R = ranges_of(T + 1), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
     #pragma omp parallel num_threads(nthreads)
     {
@@ -38,7 +38,8 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < C * R; item++) {
             const int64_t c = item / R, r = item % R;
-            const int64_t lo = (T + 1) * r / R, hi = (T + 1) * (r + 1) / R;
+            const int64_t lo = first_unmasked(bias + c * T, T) + r * RANGE;
+            const int64_t hi = lo + RANGE < T + 1 ? lo + RANGE : T + 1;
             float *state = part + (r * C + c) * S;
             float s[16 * TB], b[TB];
             const float *kr[TB], *vr[TB];
