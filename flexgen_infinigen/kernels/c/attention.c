@@ -29,7 +29,7 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
                 vr[i] = v + (t0 + i) * st + c * sc;
             }
             int64_t na = 0;  /* the next block's K and V rows, asked for while this one scores */
-            for (int64_t j = t0 + NEXT; j < t0 + NEXT + n && j < hi; j++) {
+            for (int64_t j = t0 + NEXT; j < t0 + NEXT + n && j < T; j++) {
                 ahead[na++] = k + j * st + c * sc;
                 ahead[na++] = v + j * st + c * sc;
             }
@@ -70,7 +70,7 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
                rows while it adds values: one ask a row read, not the block's in one burst
                that would fill the line-fill buffers while scoring waits */
             int64_t na = 0;
-            for (int64_t j = t0 + AHEAD; j < t0 + AHEAD + m && j < counts[c] && j < hi; j++) {
+            for (int64_t j = t0 + AHEAD; j < t0 + AHEAD + m && j < counts[c]; j++) {
                 ahead[na] = k + idx[j] * st + c * sc;
                 vahead[na++] = v + idx[j] * st + c * sc;
             }

@@ -279,7 +279,7 @@ static void merge_states(float *out, const float *part, int64_t CG, int64_t D, i
    lanes alone, left-padded, or beside any other rows, so that at temperature 0 a request
    answers what it answers alone (8-bit activations turn the last bit of a difference into
    a different token). A column whose every row is masked is walked whole. */
-#define RANGE (8 * TB)
+#define RANGE (16 * TB)
 #define MASKED (-1.0e30f)
 
 static inline int64_t first_unmasked(const float *bias, int64_t T) {
