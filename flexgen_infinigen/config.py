@@ -56,6 +56,17 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k router weights renormalised to sum to 1
     shared_expert_size: int = 0  # FFN width of a shared expert with a sigmoid gate (Qwen2-MoE)
     dense_layers: tuple = ()  # layers whose MLP is dense (intermediate_size) in a MoE model
+    shared_expert_gated: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE; not GLM)
+    # GLM-4.5 / DeepSeek-V3 routers: sigmoid scores, the top k chosen by score plus a learned
+    # bias (``router.choice_bias``) within the best ``router_topk_groups`` of
+    # ``router_groups`` groups of experts (a group ranked by its two best), and the chosen
+    # scores, renormalised when ``norm_topk_prob``, times ``routed_scaling``
+    router_sigmoid: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling: float = 1.0
+    # RoPE on the first this many dims of each head only (GLM's partial rotary); 0: all
+    rotary_dim: int = 0
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
@@ -70,6 +81,8 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers or ())))
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        if self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", 0)  # one way to say "every dim"
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ConfigError(f"layer_windows has {len(self.layer_windows)} entries for "
                               f"{self.num_layers} layers")
@@ -102,6 +115,11 @@ class ModelConfig:
         if self.qkv_bias:
             return "qwen2"
         return "mistral" if self.sliding_window else "llama"
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -155,6 +173,10 @@ _QWEN3 = dict(vocab=151936, max_pos=40960, theta=1000000.0, bos=151643, eos=1516
               eps=1e-6, qk_norm=True, attn_head_dim=128)
 
 
+_GLM45 = dict(vocab=151552, max_pos=131072, theta=1000000.0, bos=151329, eos=151329,
+              pad=151329, qkv_bias=True, attn_head_dim=128, rotary_dim=64, experts_per_token=8,
+              norm_topk_prob=True, shared_expert_gated=False, router_sigmoid=True,
+              model_type="glm4_moe")
 _GEMMA3_ROPE = {"rope_type": "linear", "factor": 8.0}
 
 
@@ -204,6 +226,13 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
            qk_norm_full=True, model_type="olmoe"),
     _llama("smollm2-135m", 576, 30, 9, 3, 1536, vocab=49152, max_pos=8192, theta=100000.0,
            tie=True, bos=1, eos=2, pad=2),
+    # GLM-4.5-Air and GLM-4.5: sigmoid router, one shared expert, dense first layers, RoPE
+    # on half of each head (their multi-token-prediction layer is not computed)
+    _llama("glm-4.5-air", 4096, 46, 96, 8, 10944, **_GLM45, num_experts=128,
+           expert_intermediate_size=1408, shared_expert_size=1408, dense_layers=(0,)),
+    _llama("glm-4.5", 5120, 92, 96, 8, 12288, **_GLM45, num_experts=160,
+           expert_intermediate_size=1536, shared_expert_size=1536, dense_layers=(0, 1, 2),
+           qk_norm=True, routed_scaling=2.5),
     # Gemma 3 (text), its published shapes: five windowed layers to one global
     *[_gemma3(name, *shape) for name, shape in {
         "gemma-3-1b": (1152, 26, 4, 1, 256, 6912, 512, 256, 262144, {}),

@@ -38,6 +38,14 @@ FAMILIES = {
                        shared_expert_intermediate_size=80, norm_topk_prob=False), ()),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_experts=8, intermediate_size=32, norm_topk_prob=False), ()),
+    # GLM-4.5: sigmoid scores chosen with a bias in the best 2 of 4 groups, scaled; a shared
+    # expert without gate; a dense first layer; RoPE on half of each head; q/k norms and
+    # q/k/v biases
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
+                      n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                      first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                      head_dim=24, partial_rotary_factor=0.5), ()),
 }
 PLACEMENTS = {
     "all-on-device": Placement(),
@@ -80,6 +88,9 @@ def family(request, tmp_path_factory):
                 p.copy_(torch.randn_like(p) * 0.5 + ("norm" in pname))
         for i, router in _routers(model).items():  # routes far apart (no near-ties) ...
             router.weight.copy_(torch.randn_like(router.weight) * (0 if i in tied else 1))
+            if hasattr(router, "e_score_correction_bias"):  # a buffer, zeros at first
+                router.e_score_correction_bias.copy_(
+                    torch.randn_like(router.e_score_correction_bias) * 0.3)
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder)
     ref = getattr(transformers, model_cls).from_pretrained(folder, dtype=torch.float32).eval()

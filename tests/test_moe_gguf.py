@@ -47,9 +47,22 @@ FAMILIES = {
     "olmoe": ("olmoe", "Olmoe", dict(num_experts=8, intermediate_size=32, num_key_value_heads=4,
                                      norm_topk_prob=False), {}),
     "mixtral": ("llama", "Mixtral", dict(num_local_experts=8, intermediate_size=64), {}),
+    # GLM-4.5: sigmoid router with exp_probs_b in the best 2 of 4 groups, scaled; an ungated
+    # shared expert; a dense first block; RoPE on half of each head; a drafting (MTP) block
+    # past the model's, which is not read
+    "glm4moe": ("glm4moe", "Glm4Moe",
+                dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                     head_dim=24, partial_rotary_factor=0.5),
+                {"expert_feed_forward_length": 32, "expert_shared_count": 1,
+                 "leading_dense_block_count": 1, "expert_gating_func": 2,
+                 "expert_weights_scale": 2.5, "expert_weights_norm": True,
+                 "expert_group_count": 4, "expert_group_used_count": 2,
+                 "rope.dimension_count": 12, "nextn_predict_layers": 1}),
 }
 EXPERT_TYPE = {"qwen3moe": "Q8_0", "qwen3moe-unnormalised": "Q4_0", "qwen2moe": "Q4_0",
-               "olmoe": "Q8_0", "mixtral": "Q4_0"}
+               "olmoe": "Q8_0", "mixtral": "Q4_0", "glm4moe": "Q8_0"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -58,7 +71,11 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
-          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_experts.up_proj": "ffn_up_shexp",
+          "mlp.shared_experts.down_proj": "ffn_down_shexp",
+          "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}
 CPU_MEMORY = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
                                  expert_cpu_percent=100)
 ON_DISK = Placement.from_percent([100, 0, 100, 0, 100, 0], expert_gpu_percent=0,
@@ -79,12 +96,17 @@ def _tiny(name: str):
                 p.copy_(torch.randn_like(p) * 0.5 + ("norm" in pname))
             elif pname.endswith("mlp.gate.weight"):  # routes far apart (no near-ties)
                 p.copy_(torch.randn_like(p))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # GLM's: zeros at first
+                b.copy_(torch.randn_like(b) * 0.3)
     return model
 
 
-def _fused(state: dict) -> dict:
+def _fused(state: dict, arch: str = "") -> dict:
     """transformers' tensors under llama.cpp's names; experts as ``[experts, out, in]``."""
     out = {}
+    names = {**_LAYER, "post_attention_layernorm": "post_attention_norm"} \
+        if arch == "glm4moe" else _LAYER
     for name, t in state.items():
         name = name.removeprefix("model.")
         if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
@@ -99,8 +121,11 @@ def _fused(state: dict) -> dict:
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{i}.ffn_down_exps.weight"] = t
         else:
+            if rest in names:  # a name whose last part is not weight/bias
+                out[f"blk.{i}.{names[rest]}"] = t
+                continue
             part, kind = rest.rsplit(".", 1)
-            out[f"blk.{i}.{_LAYER[part]}.{kind}"] = t
+            out[f"blk.{i}.{names[part]}.{kind}"] = t
     return out
 
 
@@ -120,7 +145,8 @@ def write_moe_gguf(model, name: str, path, expert_type: str | dict | None = None
     arch, _, _, family_meta = FAMILIES[name]
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    add_model_metadata(w, c, arch, "llama")
+    drafting = family_meta.get("nextn_predict_layers", 0)
+    add_model_metadata(w, c, arch, "llama", extra_blocks=drafting)
     keys = {"expert_count": getattr(c, "num_experts", None) or c.num_local_experts,
             "expert_used_count": c.num_experts_per_tok, **family_meta}
     if arch in ("qwen3moe", "qwen2moe"):
@@ -133,7 +159,13 @@ def write_moe_gguf(model, name: str, path, expert_type: str | dict | None = None
         add = {bool: w.add_bool, float: w.add_float32}.get(type(value), w.add_uint32)
         add(f"{arch}.{key}", value)
     state = model.state_dict()
-    tensors = _fused(state)
+    tensors = _fused(state, arch)
+    last = c.num_hidden_layers - 1
+    for d in range(drafting):  # a drafting block: the last block's tensors and its own
+        n = c.num_hidden_layers + d
+        tensors.update({k.replace(f"blk.{last}.", f"blk.{n}."): v for k, v in tensors.items()
+                        if k.startswith(f"blk.{last}.")})
+        tensors[f"blk.{n}.nextn.eh_proj.weight"] = torch.zeros(c.hidden_size, 2 * c.hidden_size)
     if gate_up:
         for i in range(c.num_hidden_layers):
             if f"blk.{i}.ffn_gate_exps.weight" in tensors:
@@ -321,8 +353,12 @@ def test_config_and_expert_tensors(family):
     assert (cfg.experts_per_token, cfg.norm_topk_prob) == (2, bool(hf.norm_topk_prob)
                                                            if hf.model_type != "mixtral"
                                                            else True)
-    assert cfg.shared_expert_size == getattr(hf, "shared_expert_intermediate_size", 0)
-    assert set(cfg.dense_layers) == set(getattr(hf, "mlp_only_layers", []))
+    shared = getattr(hf, "shared_expert_intermediate_size", 0) or \
+        getattr(hf, "n_shared_experts", 0) * getattr(hf, "moe_intermediate_size", 0)
+    assert cfg.shared_expert_size == shared
+    dense = getattr(hf, "mlp_only_layers", None) or range(getattr(hf, "first_k_dense_replace", 0))
+    assert set(cfg.dense_layers) == set(dense)
+    assert cfg.num_layers == hf.num_hidden_layers  # a drafting block is not one of them
     assert cfg.qk_norm_full == (name == "olmoe")
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     layer = 2  # an MoE layer in every family

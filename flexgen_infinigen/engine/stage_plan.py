@@ -72,7 +72,7 @@ def supports(cfg: ModelConfig, dtype: torch.dtype, is_cuda: bool) -> bool:
     load): a family whose math the call computes, float32 on a CPU, shapes it is written
     for."""
     return (enabled() and not is_cuda and dtype == torch.float32
-            and family_of(cfg).FUSED_DECODE
+            and family_of(cfg).FUSED_DECODE and not cfg.rotary_dim
             and cfg.q_dim == cfg.num_heads * cfg.head_dim and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 256 and cfg.num_heads % cfg.num_kv_heads == 0
             and cfg.num_heads // cfg.num_kv_heads <= 16)

@@ -4,8 +4,10 @@ The variants are flags of :class:`~flexgen_infinigen.config.ModelConfig`, not se
 Llama 3.x RoPE scaling (``rope_scaling``), Mistral's sliding window (applied by the mask,
 see :func:`flexgen_infinigen.kernels.attention.mask_bias`), Qwen2's q/k/v biases (``qkv_bias``),
 Qwen3's per-head q/k RMSNorm (``qk_norm``; OLMoE's spans all heads, ``qk_norm_full``), a
-head width that is not hidden/heads (``attn_head_dim``) and mixture-of-experts MLPs
-(``num_experts``: the math is in :mod:`.moe`; a config's ``dense_layers`` keep a dense MLP).
+head width that is not hidden/heads (``attn_head_dim``), GLM's RoPE on part of each head
+(``rotary_dim``) and mixture-of-experts MLPs (``num_experts``: the math is in :mod:`.moe`,
+GLM-4.5's sigmoid group router and ungated shared expert included; a config's
+``dense_layers`` keep a dense MLP).
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     low frequencies (wavelengths past ``original / low_freq_factor``) by ``factor``, keeps
     the high ones (past ``original / high_freq_factor`` the other way) and blends between.
     """
-    d = cfg.head_dim
+    d = cfg.rope_dim
     exponent = torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d
     inv = 1.0 / cfg.rope_theta ** exponent
     rope = cfg.rope
@@ -120,8 +122,12 @@ def rotary_tables(inv: torch.Tensor, positions: torch.Tensor):
 
 def rotary(x: torch.Tensor, rope) -> torch.Tensor:
     """Rotate ``x`` [b, s, heads, d] (half-split layout, as Hugging Face Llama):
-    x cos + (-x2, x1) sin, the swapped halves from one roll and the sign in the sin."""
+    x cos + (-x2, x1) sin, the swapped halves from one roll and the sign in the sin. Tables
+    narrower than a head (partial rotary, GLM) rotate its first dims and pass the rest."""
     cos, signed_sin = rope
+    if cos.shape[-1] < x.shape[-1]:
+        rd = cos.shape[-1]
+        return torch.cat([rotary(x[..., :rd].contiguous(), rope), x[..., rd:]], -1)
     fused = cpu_layers.rotary(x, cos, signed_sin)  # float32 on a CPU: one kernel call
     if fused is not None:
         return fused

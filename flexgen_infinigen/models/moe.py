@@ -1,5 +1,7 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): a softmax top-k router,
-routed SwiGLU experts and, in Qwen2-MoE, a shared expert behind a sigmoid gate.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5): a softmax top-k
+router (GLM-4.5: sigmoid scores, chosen with a learned bias within the best groups of
+experts, then scaled), routed SwiGLU experts and a shared expert (Qwen2-MoE's behind a
+sigmoid gate, GLM's without).
 
 The math here routes the tokens and multiplies; an :class:`ExpertRunner` (as mlx-lm's
 ``SwitchGLU``: the module that applies the routed experts to the tokens, given the routing)
@@ -21,6 +23,7 @@ from ..config import ModelConfig
 from ..kernels.layers import MOE_MAX_ROWS, linear, moe_experts
 
 ROUTER = "router.weight"
+CHOICE_BIAS = "router.choice_bias"  # added to the scores for choosing only (GLM's)
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 SHARED = "shared_expert"
 SHARED_GATE = "shared_expert_gate.weight"
@@ -47,11 +50,14 @@ def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A MoE layer's MLP weights, named as a ``layers.{i}.`` prefix completes them."""
     h = cfg.hidden_size
     shapes = {"mlp_norm.weight": (h,), ROUTER: (cfg.num_experts, h)}
+    if cfg.router_sigmoid:
+        shapes[CHOICE_BIAS] = (cfg.num_experts,)
     for e in range(cfg.num_experts):
         shapes.update(_swiglu_shapes(f"experts.{e}", cfg.expert_intermediate_size, h))
     if cfg.shared_expert_size:
         shapes.update(_swiglu_shapes(SHARED, cfg.shared_expert_size, h))
-        shapes[SHARED_GATE] = (1, h)
+        if cfg.shared_expert_gated:
+            shapes[SHARED_GATE] = (1, h)
     return shapes
 
 
@@ -60,16 +66,42 @@ def expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return 3 * cfg.expert_intermediate_size * cfg.hidden_size * itemsize
 
 
-def route(cfg: ModelConfig, x: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: ModelConfig, x: torch.Tensor, router,
+          choice_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [n, k] in ``x``'s dtype, experts [n, k]) for the tokens ``x`` [n, h]: the
     softmax over every expert (in float32), its top k (equal values as ``torch.topk``
     breaks the tie, as transformers' routers do: in no index order), renormalised to sum to
-    1 when ``norm_topk_prob``."""
+    1 when ``norm_topk_prob``. A sigmoid router (``cfg.router_sigmoid``) is
+    :func:`route_sigmoid`."""
+    if cfg.router_sigmoid:
+        return route_sigmoid(cfg, x, router, choice_bias)
     probs = torch.softmax(linear(x, router).float(), dim=-1)
     top, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
     if cfg.norm_topk_prob:
         top = top / top.sum(-1, keepdim=True)
     return top.to(x.dtype), experts
+
+
+def route_sigmoid(cfg: ModelConfig, x: torch.Tensor, router, choice_bias):
+    """GLM-4.5's (and DeepSeek-V3's) routing: sigmoid scores in float32; the experts are
+    chosen by score + ``choice_bias``, only among the ``router_topk_groups`` best of
+    ``router_groups`` equal groups (a group ranked by the sum of its two best biased
+    scores; the others' scores count as 0); a chosen expert's weight is its unbiased score,
+    renormalised over the k when ``norm_topk_prob``, times ``routed_scaling``."""
+    scores = torch.sigmoid(linear(x, router).float())
+    choice = scores + choice_bias.float() if choice_bias is not None else scores
+    groups = cfg.router_groups
+    if groups > 1:
+        n, e = choice.shape
+        best = choice.view(n, groups, e // groups).topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(best).scatter_(
+            1, best.topk(cfg.router_topk_groups, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(kept.repeat_interleave(e // groups, 1) == 0, 0.0)
+    experts = choice.topk(cfg.experts_per_token, dim=-1).indices
+    top = scores.gather(1, experts)
+    if cfg.norm_topk_prob:
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    return (top * cfg.routed_scaling).to(x.dtype), experts
 
 
 def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
@@ -164,7 +196,7 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     runner ``w`` carries under :data:`RUNNER`, else :class:`LocalExperts` of ``w``); the
     shared expert, if any, takes every token, scaled by the sigmoid of its gate."""
     flat = x.reshape(-1, x.shape[-1])
-    weights, experts = route(cfg, flat, w[ROUTER])
+    weights, experts = route(cfg, flat, w[ROUTER], w.get(CHOICE_BIAS))
     used = sorted(set(experts.reshape(-1).tolist()))  # the experts the tokens use, in order
     runner: ExpertRunner | None = w.get(RUNNER)
     if runner is None:
@@ -172,5 +204,6 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     out = runner(flat, weights, experts, used)
     if cfg.shared_expert_size:
         shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
-        out += torch.sigmoid(linear(flat, w[SHARED_GATE])) * shared
+        gate = w.get(SHARED_GATE)
+        out += shared if gate is None else torch.sigmoid(linear(flat, gate)) * shared
     return out.view_as(x)

@@ -13,7 +13,8 @@ from . import gguf_moe
 from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3",
+                 "glm4moe")
 
 
 def _open_reader(path: Path):
@@ -88,10 +89,10 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     hidden = int(field_value(reader, p + "embedding_length"))
     heads = int(field_value(reader, p + "attention.head_count"))
     head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = field_value(reader, p + "rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    rope_dim = int(field_value(reader, p + "rope.dimension_count") or head_dim)
+    if rope_dim != head_dim and (arch != "glm4moe" or rope_dim % 2 or rope_dim > head_dim):
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
-                          f"{head_dim} dims), which this runtime does not support")
+                          f"{head_dim} dims), which this runtime computes for glm4moe only")
     scaling = field_value(reader, p + "rope.scaling.type")
     rope = {}
     if scaling == "linear":
@@ -100,8 +101,10 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     elif scaling not in (None, "none"):
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
                           "does not read; convert the Hugging Face checkpoint instead")
-    moe = gguf_moe.experts_from_gguf(reader, arch, source)
-    layers = int(field_value(reader, p + "block_count"))
+    # block_count counts GLM's multi-token-prediction layers, which only draft tokens
+    layers = int(field_value(reader, p + "block_count")) - int(
+        field_value(reader, p + "nextn_predict_layers", 0) or 0)
+    moe = gguf_moe.experts_from_gguf(reader, arch, source, layers)
     extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     meta = ModelConfig(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
@@ -123,6 +126,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
         qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
         qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
+        rotary_dim=rope_dim,
         **{"model_type": arch, **moe, **extra},
     )
     if name is None or name not in KNOWN_MODELS:

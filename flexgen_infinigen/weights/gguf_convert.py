@@ -53,31 +53,43 @@ _LAYER_NAMES = {
     "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
     "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm",
     "attn_k_norm": "k_norm",
-    # Gemma 3's norms of the attention's and the MLP's outputs
-    "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_mlp_norm",
+    # GLM-4.5 names its MLP's input norm so (Hugging Face's post_attention_layernorm)
+    "post_attention_norm": "mlp_norm",
 }
+# Gemma 3's norms of the attention's and the MLP's outputs (its MLP input norm is ffn_norm)
+_GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attn_norm",
+                 "post_ffw_norm": "post_mlp_norm"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
-            "qwen2moe": False, "olmoe": False, "gemma3": False}
+            "qwen2moe": False, "olmoe": False, "gemma3": False, "glm4moe": False}
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
-    """The store names of a GGUF tensor (one per expert for a fused MoE tensor);
-    ConfigError for tensors we cannot use."""
-    m = _LAYER_RE.fullmatch(gguf_name)
+    """The store names of a GGUF tensor (one per expert for a fused MoE tensor; none for a
+    block past the model's layers: GLM's multi-token-prediction layers, which only draft
+    tokens); ConfigError for tensors we cannot use."""
+    m = _LAYER_RE.fullmatch(gguf_name) or _NEXTN_RE.fullmatch(gguf_name)
+    if m and cfg is not None and int(m.group(1)) >= cfg.num_layers:
+        return []
+    if m and cfg is not None and m.group(2) == "exp_probs_b" and cfg.router_sigmoid:
+        return [f"layers.{m.group(1)}.router.choice_bias"]
     moe = m and cfg is not None and m.group(3) == "weight" and gguf_moe.store_names(
         int(m.group(1)), m.group(2), cfg)
-    return moe or [store_name(gguf_name)]
+    return moe or [store_name(gguf_name, cfg)]
 
 
-def store_name(gguf_name: str) -> str:
+_NEXTN_RE = re.compile(r"blk\.(\d+)\.(nextn\.\w+)\.(weight|bias)")
+
+
+def store_name(gguf_name: str, cfg: ModelConfig | None = None) -> str:
     """The store name of a dense model's GGUF tensor; ConfigError for tensors we cannot use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if cfg is not None and cfg.family == "gemma3" else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", gguf_name):
         raise ConfigError(f"GGUF tensor {gguf_name!r} is one expert of an old Mixtral layout "
                           "(one tensor per expert), which this runtime does not read; convert "
@@ -167,6 +179,8 @@ def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
     plan, seen = [], set()
     for t in reader.tensors:
         keys = store_names(t.name, cfg)
+        if not keys:
+            continue  # a drafting layer past the model's (GLM's multi-token prediction)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         for key in keys:
             if key not in expected:

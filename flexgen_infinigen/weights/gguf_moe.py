@@ -1,5 +1,8 @@
-"""Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with
-experts (Mixtral), read into the same per-expert store tensors a Hugging Face folder gives.
+"""Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``glm4moe`` and
+``llama`` with experts (Mixtral), read into the same per-expert store tensors a Hugging Face
+folder gives. ``glm4moe``'s router is sigmoid (:data:`SIGMOID_ROUTERS`: its choice bias
+``exp_probs_b``, groups, weight scale and ungated shared experts are read; the others keep
+the rules below).
 
 llama.cpp writes a MoE layer's routed experts as three fused 3-D tensors,
 ``blk.N.ffn_{gate,up,down}_exps.weight``, each ``[experts, out, in]`` (GGUF lists the dims
@@ -30,7 +33,8 @@ from ..config import ConfigError, ModelConfig
 
 # GGUF architecture -> (our model_type, top-k weights renormalised when the file is silent)
 MOE_ARCHITECTURES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False),
-                     "olmoe": ("olmoe", False), "llama": ("mixtral", True)}
+                     "olmoe": ("olmoe", False), "llama": ("mixtral", True),
+                     "glm4moe": ("glm4_moe", True)}
 # what llama.cpp divides the dense width by when a Qwen MoE file has no expert width
 _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 # metadata read here (after the ``{arch}.`` prefix); any other key naming experts or MoE
@@ -38,9 +42,13 @@ _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 READ = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
                   "expert_shared_feed_forward_length", "expert_shared_count",
                   "expert_weights_norm", "expert_weights_scale", "expert_gating_func",
-                  "leading_dense_block_count", "interleave_moe_layer_step"})
+                  "leading_dense_block_count", "interleave_moe_layer_step",
+                  "expert_group_count", "expert_group_used_count"})
 HINTS = ("expert", "moe", "dense", "sparse")
-SOFTMAX = 1  # llama.cpp's gating function number for a softmax router (0: unset)
+SOFTMAX, SIGMOID = 1, 2  # llama.cpp's gating function numbers (0: unset)
+# architectures whose router is GLM-4.5's: sigmoid scores chosen with exp_probs_b, groups,
+# a weight scale, shared experts without a gate (llama.cpp's default gating: sigmoid)
+SIGMOID_ROUTERS = ("glm4moe",)
 
 # fused expert tensors -> the matrices each expert's run of rows holds, in order (llama.cpp's
 # --fuse-gate-up-exps writes gate and up as one tensor, each expert's gate rows first)
@@ -109,9 +117,10 @@ def _dense_layers(reader, arch: str, layers: int, source: str) -> tuple[int, ...
     return dense
 
 
-def experts_from_gguf(reader, arch: str, source: str) -> dict:
-    """The mixture-of-experts fields of our config (none for a file without experts); one
-    error for a field the runtime does not compute or metadata that cannot be right."""
+def experts_from_gguf(reader, arch: str, source: str, layers: int) -> dict:
+    """The mixture-of-experts fields of our config (none for a file without experts) for
+    the model's ``layers`` blocks; one error for a field the runtime does not compute or
+    metadata that cannot be right."""
     if arch not in MOE_ARCHITECTURES:
         return {}
     p = arch + "."
@@ -124,6 +133,8 @@ def experts_from_gguf(reader, arch: str, source: str) -> dict:
                           "> 0; the file disagrees with its metadata")
     top_k = _top_k(reader, arch, experts, source)
     gating = _field(reader, p + "expert_gating_func")
+    if arch in SIGMOID_ROUTERS:
+        return _sigmoid_router(reader, arch, source, experts, top_k, gating, layers)
     if gating not in (None, 0, SOFTMAX):
         raise ConfigError(f"GGUF {source}: {p}expert_gating_func = {gating} is not computed by "
                           "this runtime (it computes softmax routers only)")
@@ -138,8 +149,7 @@ def experts_from_gguf(reader, arch: str, source: str) -> dict:
     out = dict(model_type=model_type, num_experts=experts, experts_per_token=top_k,
                expert_intermediate_size=width,
                norm_topk_prob=bool(_field(reader, p + "expert_weights_norm", renormalise)),
-               dense_layers=_dense_layers(reader, arch, int(_field(reader, p + "block_count")),
-                                          source))
+               dense_layers=_dense_layers(reader, arch, layers, source))
     shared = _field(reader, p + "expert_shared_count")
     if arch == "qwen2moe":
         if shared not in (None, 1):
@@ -151,6 +161,29 @@ def experts_from_gguf(reader, arch: str, source: str) -> dict:
         raise ConfigError(f"GGUF {source}: {p}expert_shared_* (a shared expert) is not "
                           f"computed by this runtime for {arch}; only qwen2moe has one")
     return out
+
+
+def _sigmoid_router(reader, arch: str, source: str, experts: int, top_k: int, gating,
+                    layers: int) -> dict:
+    """GLM-4.5's MoE fields (see :data:`SIGMOID_ROUTERS`)."""
+    p = arch + "."
+    if gating not in (None, 0, SIGMOID):
+        raise ConfigError(f"GGUF {source}: {p}expert_gating_func = {gating}; this runtime "
+                          f"computes {arch} with its sigmoid router")
+    groups = int(_field(reader, p + "expert_group_count", 0) or 1)
+    best = int(_field(reader, p + "expert_group_used_count", 0) or 1)
+    if experts % groups or not 0 < best <= groups or experts // groups < 2:
+        raise ConfigError(f"GGUF {source}: {p}expert_group_count = {groups} (using {best}) "
+                          f"does not cut {experts} experts into groups of two or more")
+    width = int(_field(reader, p + "expert_feed_forward_length", 0))
+    return dict(model_type=MOE_ARCHITECTURES[arch][0], num_experts=experts,
+                experts_per_token=top_k, expert_intermediate_size=width,
+                norm_topk_prob=bool(_field(reader, p + "expert_weights_norm", True)),
+                dense_layers=_dense_layers(reader, arch, layers, source),
+                shared_expert_size=width * int(_field(reader, p + "expert_shared_count", 0) or 0),
+                shared_expert_gated=False, router_sigmoid=True, router_groups=groups,
+                router_topk_groups=best,
+                routed_scaling=float(_field(reader, p + "expert_weights_scale", 1.0) or 1.0))
 
 
 def store_names(block: int, part: str, cfg: ModelConfig) -> list[str] | None:

@@ -4,11 +4,14 @@ compute.
 Every field of a config is either read (it sets our math), known not to change inference
 (metadata, training-only settings), or refused with one error naming it. An unknown field
 is refused too: a converter that ignores a field that changes the math gives wrong text
-without a word. The lists below are the one place that says which is which.
+without a word. The lists below (Gemma 3's in :mod:`.hf_gemma3`) are the one place that says
+which is which.
 """
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
+from .hf_fields import ROPE_TYPES, _first, _require, rope_from_hf  # noqa: F401
+from .hf_gemma3 import GEMMA3_FIELDS, GEMMA3_VISION, gemma3, text_config
 
 # present in most configs, no effect on the numbers of inference
 METADATA = frozenset({
@@ -42,22 +45,15 @@ EXPERT_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_
                            "router_jitter_noise"})
 QWEN_MOE = EXPERT_FIELDS | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
                             "mlp_only_layers"}
-GEMMA3_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq",
-    "tie_word_embeddings", "hidden_activation", "hidden_act", "attention_bias",
-    "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
-    "_sliding_window_pattern", "layer_types", "final_logit_softcapping",
-    "attn_logit_softcapping", "use_bidirectional_attention",
-    # how transformers allocates its cache, not the math
-    "cache_implementation"})
-# a multimodal Gemma 3 folder: the text model is read from text_config; the image fields
-# only matter to images, which this runtime does not take
-GEMMA3_VISION = frozenset({"text_config", "vision_config", "boi_token_index",
-                           "eoi_token_index", "image_token_index", "mm_tokens_per_image",
-                           "initializer_range"})
+# GLM-4.5/4.6 (and Air): the sigmoid group router, shared experts, dense first layers,
+# partial rotary; the multi-token-prediction layers (num_nextn_predict_layers) only draft
+# tokens for speculative decoding, and their tensors are not read
+GLM4_MOE = EXPERT_FIELDS | {"moe_intermediate_size", "n_shared_experts", "n_routed_experts",
+                            "routed_scaling_factor", "n_group", "topk_group",
+                            "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
+                            "partial_rotary_factor", "num_nextn_predict_layers"}
 UNDERSTOOD = {
+    "glm4_moe": LLAMA_FIELDS | GLM4_MOE,
     "gemma3_text": GEMMA3_FIELDS,
     "gemma3": GEMMA3_VISION,
     "llama": LLAMA_FIELDS,
@@ -74,13 +70,6 @@ UNDERSTOOD = {
         "max_position_embeddings", "word_embed_proj_dim", "do_layer_norm_before",
         "activation_function", "enable_bias", "layer_norm_elementwise_affine",
         "_remove_final_layer_norm", "tie_word_embeddings"}),
-}
-# RoPE scaling kinds we compute and the parameters each reads
-ROPE_TYPES = {
-    "default": {"rope_type", "type", "rope_theta"},
-    "linear": {"rope_type", "type", "rope_theta", "factor"},
-    "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
-               "high_freq_factor", "original_max_position_embeddings"},
 }
 MOE_HINTS = ("expert", "moe", "router")
 # architectures whose attention this runtime does not compute, refused by what it lacks
@@ -109,45 +98,15 @@ def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
             f"change the model's math; if it does not, pass --allow-field {field} to convert")
 
 
-def _require(ok: bool, field: str, value, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"config.json has {field}={value!r}; this runtime computes only "
-                          f"{what}")
-
-
-def rope_from_hf(hf: dict) -> tuple[float, dict]:
-    """(theta, scaling dict) from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
-    ``rope_scaling`` (earlier configs); unknown kinds and parameters are refused."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ConfigError(f"config.json asks for RoPE scaling {kind!r}, which this runtime does "
-                          f"not compute (it does: {', '.join(ROPE_TYPES)})")
-    extra = sorted(set(params) - ROPE_TYPES[kind])
-    if extra:
-        raise ConfigError(f"config.json RoPE parameter {extra[0]!r} (with rope_type {kind!r}) "
-                          "is not computed by this runtime")
-    if kind == "default":
-        return theta, {}
-    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
-    scaling["rope_type"] = kind
-    return theta, scaling
-
-
-def _first(x, default):
-    if isinstance(x, list):
-        return x[0] if x else default
-    return default if x is None else x
-
-
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 
 
 def experts_from_hf(hf: dict, kind: str) -> dict:
     """The mixture-of-experts fields of our config (none for a dense model type)."""
     if kind not in MOE_TYPES:
         return {}
+    if kind == "glm4_moe":
+        return _glm4_moe_experts(hf)
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     top_k = int(hf.get("num_experts_per_tok") or 0)
     _require(0 < top_k <= experts, "num_experts_per_tok", top_k,
@@ -169,6 +128,31 @@ def experts_from_hf(hf: dict, kind: str) -> dict:
     return out
 
 
+def _glm4_moe_experts(hf: dict) -> dict:
+    experts, top_k = int(hf["n_routed_experts"]), int(hf.get("num_experts_per_tok") or 0)
+    groups, best = int(hf.get("n_group") or 1), int(hf.get("topk_group") or 1)
+    _require(0 < top_k <= experts, "num_experts_per_tok", top_k,
+             f"a top-k between 1 and the number of experts ({experts})")
+    _require(experts % groups == 0 and 0 < best <= groups and experts // groups >= 2,
+             "n_group", groups, "groups of at least two experts that divide the experts")
+    size = int(hf["moe_intermediate_size"])
+    return dict(num_experts=experts, experts_per_token=top_k, expert_intermediate_size=size,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                dense_layers=tuple(range(int(hf.get("first_k_dense_replace") or 0))),
+                shared_expert_size=size * int(hf.get("n_shared_experts") or 0),
+                shared_expert_gated=False, router_sigmoid=True, router_groups=groups,
+                router_topk_groups=best,
+                routed_scaling=float(hf.get("routed_scaling_factor") or 1.0))
+
+
+def _partial_rotary(hf: dict) -> tuple[dict, float]:
+    """(``hf`` without its partial rotary factor, the factor): transformers 5 keeps it in
+    ``rope_parameters``, earlier configs at the top."""
+    params = dict(hf.get("rope_parameters") or {})
+    factor = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return {**hf, "rope_parameters": params or None}, factor
+
+
 def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
     """Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3 and the mixture-of-experts Qwen3-MoE,
     Qwen2-MoE, Mixtral and OLMoE: one family with flags."""
@@ -185,8 +169,12 @@ def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
     if kind in ("mistral", "mixtral"):
         window = int(hf.get("sliding_window") or 0)
     heads = hf["num_attention_heads"]
+    hf, partial = _partial_rotary(hf)
     theta, scaling = rope_from_hf(hf)
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rotary_dim = int(head_dim * partial)
+    _require(0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, "partial_rotary_factor",
+             partial, "RoPE on an even number of a head's dims")
     bias = bool(hf.get("attention_bias", False))
     eos = _first(hf.get("eos_token_id"), 2)
     return ModelConfig(
@@ -201,67 +189,11 @@ def llama_like(hf: dict, name: str, kind: str) -> ModelConfig:
         eos_token_id=eos, pad_token_id=_first(hf.get("pad_token_id"), eos),  # pads are masked
         attn_head_dim=head_dim if head_dim * heads != hf["hidden_size"] else 0,
         qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
-        o_bias=bias, qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe"), qk_norm_full=kind == "olmoe",
+        o_bias=bias and kind != "glm4_moe",  # GLM: biases on q, k and v only
+        qk_norm=kind in ("qwen3", "qwen3_moe", "olmoe") or bool(hf.get("use_qk_norm")),
+        qk_norm_full=kind == "olmoe", rotary_dim=rotary_dim,
         sliding_window=window, rope_scaling=scaling, model_type=kind,
         **experts_from_hf(hf, kind))
-
-
-def gemma3(hf: dict, name: str) -> ModelConfig:
-    """Gemma 3's text model (``gemma3_text``, or a multimodal folder's ``text_config``)."""
-    if hf.get("model_type") == "gemma3":
-        text = dict(hf.get("text_config") or {})
-        text.pop("model_type", None)
-        check_fields(text, "gemma3_text")
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            text.setdefault(key, hf.get(key))
-        hf = text
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    _require(act == "gelu_pytorch_tanh", "hidden_activation", act,
-             "Gemma 3's tanh-approximated GELU")
-    _require(hf.get("attn_logit_softcapping") is None, "attn_logit_softcapping",
-             hf.get("attn_logit_softcapping"), "Gemma 3 without attention soft-capping")
-    _require(not hf.get("use_bidirectional_attention"), "use_bidirectional_attention",
-             hf.get("use_bidirectional_attention"), "causal attention")
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if not types:
-        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
-                      or 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(layers)]
-    _require(len(types) == layers and set(types) <= {"full_attention", "sliding_attention"},
-             "layer_types", types, "sliding_attention and full_attention layers, one a layer")
-    window = int(hf.get("sliding_window") or 0)
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: one set of RoPE parameters a layer type
-        theta, scaling = rope_from_hf({"rope_parameters": params["full_attention"]})
-        local = params.get("sliding_attention") or {}
-        local_theta, local_scaling = rope_from_hf({"rope_parameters": local})
-        _require(not local_scaling, "rope_parameters.sliding_attention", local,
-                 "unscaled RoPE in the windowed layers")
-    else:
-        theta, scaling = rope_from_hf(hf)
-        local_theta = float(hf.get("rope_local_base_freq") or 10000.0)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    scalar = float(hf.get("query_pre_attn_scalar") or head_dim)
-    eos = _first(hf.get("eos_token_id"), 1)
-    bias = bool(hf.get("attention_bias", False))
-    return ModelConfig(
-        name=name, family="gemma3", vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        max_positions=hf.get("max_position_embeddings", 32768),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        rope_local_theta=local_theta, tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        bos_token_id=_first(hf.get("bos_token_id"), 2), eos_token_id=eos,
-        pad_token_id=_first(hf.get("pad_token_id"), 0),
-        attn_head_dim=head_dim if head_dim * heads != hf["hidden_size"] else 0,
-        qkv_bias=bias, o_bias=bias, qk_norm=True,
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-        query_scale=0.0 if scalar == head_dim else scalar ** -0.5,
-        final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-        model_type="gemma3")
 
 
 def opt(hf: dict, name: str) -> ModelConfig:
@@ -302,6 +234,8 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
     try:
         if kind == "opt":
             return opt(hf, name)
+        if kind == "gemma3":  # the text model's own fields, checked as gemma3_text's
+            check_fields(text_config(hf), "gemma3_text")
         if kind in ("gemma3", "gemma3_text"):
             return gemma3(hf, name)
         return llama_like(hf, name, kind)

@@ -58,8 +58,11 @@ _LLAMA_LAYER = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
 # down) and Qwen2-MoE's shared expert with its gate
 _MOE_LAYER = {"mlp.gate": "router", "block_sparse_moe.gate": "router",
               "mlp.shared_expert_gate": "shared_expert_gate",
-              **{f"mlp.shared_expert.{m}": f"shared_expert.{m}"
-                 for m in ("gate_proj", "up_proj", "down_proj")}}
+              **{f"mlp.{shared}.{m}": f"shared_expert.{m}"
+                 for m in ("gate_proj", "up_proj", "down_proj")
+                 for shared in ("shared_expert", "shared_experts")}}  # GLM: plural
+# GLM-4.5's router bias for choosing experts
+_CHOICE_BIAS = re.compile(r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -93,6 +96,9 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
         if m and m.group(2) in _OPT_LAYER:
             return f"layers.{m.group(1)}.{_OPT_LAYER[m.group(2)]}.{m.group(3)}"
         return _OPT_TOP.get(name)
+    bias = _CHOICE_BIAS.match(name)
+    if bias:
+        return f"layers.{bias.group(1)}.router.choice_bias"
     m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias)$", name)
     if m and m.group(2) in _LLAMA_LAYER:
         return f"layers.{m.group(1)}.{_LLAMA_LAYER[m.group(2)]}.{m.group(3)}"
