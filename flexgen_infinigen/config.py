@@ -67,6 +67,13 @@ class ModelConfig:
     routed_scaling: float = 1.0
     # RoPE on the first this many dims of each head only (GLM's partial rotary); 0: all
     rotary_dim: int = 0
+    # multi-head latent attention (DeepSeek-V3, models/mla.py): the latent's width (the cache
+    # holds it and the rotary key, ``rotary_dim`` wide: ``attn_head_dim`` is their sum), the
+    # query's low rank (0: a full q_proj), and each head's unrotated key and value widths
+    mla_kv_rank: int = 0
+    mla_q_rank: int = 0
+    mla_nope_dim: int = 0
+    mla_v_dim: int = 0
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
@@ -233,6 +240,18 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
     _llama("glm-4.5", 5120, 92, 96, 8, 12288, **_GLM45, num_experts=160,
            expert_intermediate_size=1536, shared_expert_size=1536, dense_layers=(0, 1, 2),
            qk_norm=True, routed_scaling=2.5),
+    # DeepSeek-V3 / R1 (671B): multi-head latent attention, 256 routed experts in groups,
+    # three dense layers. Shapes for --dummy and planning (its YaRN RoPE is not computed:
+    # the registry's RoPE is plain)
+    dataclasses.replace(_llama(
+           "deepseek-v3", 7168, 61, 128, 1, 18432, vocab=129280, max_pos=163840, theta=10000.0,
+           bos=0, eos=1, pad=1, eps=1e-6, attn_head_dim=576, rotary_dim=64,
+           mla_kv_rank=512, mla_q_rank=1536, mla_nope_dim=128, mla_v_dim=128,
+           query_scale=192 ** -0.5, num_experts=256, experts_per_token=8,
+           expert_intermediate_size=2048, shared_expert_size=2048, dense_layers=(0, 1, 2),
+           norm_topk_prob=True, shared_expert_gated=False, router_sigmoid=True,
+           router_groups=8, router_topk_groups=4, routed_scaling=2.5,
+           model_type="deepseek_v3"), family="mla"),
     # Gemma 3 (text), its published shapes: five windowed layers to one global
     *[_gemma3(name, *shape) for name, shape in {
         "gemma-3-1b": (1152, 26, 4, 1, 256, 6912, 512, 256, 262144, {}),

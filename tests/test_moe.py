@@ -46,6 +46,14 @@ FAMILIES = {
                       n_group=4, topk_group=2, routed_scaling_factor=2.5,
                       first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
                       head_dim=24, partial_rotary_factor=0.5), ()),
+    # DeepSeek-V3: multi-head latent attention (a 40-dim cached row: a 32-dim latent and an
+    # 8-dim rotary key, interleaved), a low-rank query, the same router as GLM-4.5
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
+                         n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                         first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         num_key_value_heads=4), ()),
 }
 PLACEMENTS = {
     "all-on-device": Placement(),
@@ -357,7 +365,8 @@ def test_refused_by_name(tmp_path):
 
     base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                 num_attention_heads=4, num_key_value_heads=2)
-    for kind, words in [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks")]:
+    for kind, words in [("deepseek_v2", "softmax group-limited router"),
+                        ("gpt_oss", "attention sinks")]:
         with pytest.raises(ConfigError, match=words):
             config_from_hf({**base, "model_type": kind}, "x")
     with pytest.raises(ConfigError, match="num_local_experts"):  # experts on a dense type

@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import ModelConfig
-from . import gemma3, llama, opt
+from . import gemma3, llama, mla, opt
 
 
 @runtime_checkable
@@ -76,7 +76,7 @@ class Family(Protocol):
         ...
 
 
-FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3}
+FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3, "mla": mla}
 
 
 def family_of(cfg: ModelConfig) -> Family:

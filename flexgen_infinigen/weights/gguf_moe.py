@@ -135,6 +135,11 @@ def experts_from_gguf(reader, arch: str, source: str, layers: int) -> dict:
     gating = _field(reader, p + "expert_gating_func")
     if arch in SIGMOID_ROUTERS:
         return _sigmoid_router(reader, arch, source, experts, top_k, gating, layers)
+    for key in ("expert_group_count", "expert_group_used_count"):  # a sigmoid router's
+        if _field(reader, p + key) not in (None, 0, 1):
+            raise ConfigError(f"GGUF {source}: metadata field {p + key!r} is not computed by "
+                              f"this runtime for {arch} (groups of experts: "
+                              f"{', '.join(SIGMOID_ROUTERS)} only)")
     if gating not in (None, 0, SOFTMAX):
         raise ConfigError(f"GGUF {source}: {p}expert_gating_func = {gating} is not computed by "
                           "this runtime (it computes softmax routers only)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
 from .hf_fields import ROPE_TYPES, _first, _require, rope_from_hf  # noqa: F401
+from .hf_deepseek import DEEPSEEK_V3_FIELDS, deepseek_v3
 from .hf_gemma3 import GEMMA3_FIELDS, GEMMA3_VISION, gemma3, text_config
 
 # present in most configs, no effect on the numbers of inference
@@ -53,6 +54,7 @@ GLM4_MOE = EXPERT_FIELDS | {"moe_intermediate_size", "n_shared_experts", "n_rout
                             "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
                             "partial_rotary_factor", "num_nextn_predict_layers"}
 UNDERSTOOD = {
+    "deepseek_v3": DEEPSEEK_V3_FIELDS,
     "glm4_moe": LLAMA_FIELDS | GLM4_MOE,
     "gemma3_text": GEMMA3_FIELDS,
     "gemma3": GEMMA3_VISION,
@@ -74,8 +76,8 @@ UNDERSTOOD = {
 MOE_HINTS = ("expert", "moe", "router")
 # architectures whose attention this runtime does not compute, refused by what it lacks
 NOT_COMPUTED = {
-    "deepseek_v2": "DeepSeek's multi-head latent attention (MLA)",
-    "deepseek_v3": "DeepSeek's multi-head latent attention (MLA)",
+    "deepseek_v2": "DeepSeek-V2's softmax group-limited router (V3's MLA and sigmoid router "
+                   "are computed: model_type deepseek_v3)",
     "gpt_oss": "gpt-oss's attention sinks",
 }
 
@@ -98,14 +100,14 @@ def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
             f"change the model's math; if it does not, pass --allow-field {field} to convert")
 
 
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 
 
 def experts_from_hf(hf: dict, kind: str) -> dict:
     """The mixture-of-experts fields of our config (none for a dense model type)."""
     if kind not in MOE_TYPES:
         return {}
-    if kind == "glm4_moe":
+    if kind in ("glm4_moe", "deepseek_v3"):  # the same router, and the same fields
         return _glm4_moe_experts(hf)
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     top_k = int(hf.get("num_experts_per_tok") or 0)
@@ -238,6 +240,8 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
             check_fields(text_config(hf), "gemma3_text")
         if kind in ("gemma3", "gemma3_text"):
             return gemma3(hf, name)
+        if kind == "deepseek_v3":
+            return deepseek_v3(hf, name, experts_from_hf(hf, kind))
         return llama_like(hf, name, kind)
     except KeyError as e:
         raise ConfigError(f"config.json lacks {e.args[0]!r}; the checkpoint folder is "

@@ -1,6 +1,7 @@
 """Convert a local Hugging Face checkpoint folder (OPT, Llama 1-3.x, Mistral, Qwen2/2.5,
-Qwen3, Gemma 3's text model, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
-OLMoE with one tensor per expert matrix, as the Hub writes them) into a weight store.
+Qwen3, Gemma 3's text model, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
+GLM-4.5 and DeepSeek-V3 with one tensor per expert matrix, as the Hub writes them) into a
+weight store.
 
 Reads ``config.json`` (:mod:`.hf_config` refuses what we do not compute, before any tensor
 is read) and the weights: ``*.safetensors``, sharded with ``model.safetensors.index.json``
@@ -53,7 +54,11 @@ _LLAMA_LAYER = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
                 "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm",
                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
                 "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj",
-                "mlp.down_proj": "down_proj"}
+                "mlp.down_proj": "down_proj",
+                # DeepSeek-V3's multi-head latent attention (models/mla.py)
+                "self_attn.q_a_proj": "q_a_proj", "self_attn.q_a_layernorm": "q_a_norm",
+                "self_attn.q_b_proj": "q_b_proj", "self_attn.kv_a_proj_with_mqa": "kv_a_proj",
+                "self_attn.kv_a_layernorm": "kv_a_norm", "self_attn.kv_b_proj": "kv_b_proj"}
 # mixture-of-experts MLPs: the router, the routed experts (Mixtral's w1/w3/w2 are gate/up/
 # down) and Qwen2-MoE's shared expert with its gate
 _MOE_LAYER = {"mlp.gate": "router", "block_sparse_moe.gate": "router",
