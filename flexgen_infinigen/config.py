@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,13 +242,15 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
            expert_intermediate_size=1536, shared_expert_size=1536, dense_layers=(0, 1, 2),
            qk_norm=True, routed_scaling=2.5),
     # DeepSeek-V3 / R1 (671B): multi-head latent attention, 256 routed experts in groups,
-    # three dense layers. Shapes for --dummy and planning (its YaRN RoPE is not computed:
-    # the registry's RoPE is plain)
+    # three dense layers, YaRN RoPE (40x of 4K; the scores' correction in query_scale)
     dataclasses.replace(_llama(
            "deepseek-v3", 7168, 61, 128, 1, 18432, vocab=129280, max_pos=163840, theta=10000.0,
            bos=0, eos=1, pad=1, eps=1e-6, attn_head_dim=576, rotary_dim=64,
            mla_kv_rank=512, mla_q_rank=1536, mla_nope_dim=128, mla_v_dim=128,
-           query_scale=192 ** -0.5, num_experts=256, experts_per_token=8,
+           query_scale=192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, rope_scaling={
+               "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+           num_experts=256, experts_per_token=8,
            expert_intermediate_size=2048, shared_expert_size=2048, dense_layers=(0, 1, 2),
            norm_topk_prob=True, shared_expert_gated=False, router_sigmoid=True,
            router_groups=8, router_topk_groups=4, routed_scaling=2.5,

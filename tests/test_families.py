@@ -1,8 +1,8 @@
 """Llama 3.x (RoPE scaling), Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3 (q/k
-norms, a head width that is not hidden/heads): tiny random models built by transformers, saved
-sharded in bf16, converted by us and run under several placements, equal transformers'
-logits and greedy tokens; InfiniGen keeping everything equals the full cache; H2O and
-InfiniGen stay inside a sliding window."""
+norms, a head width that is not hidden/heads; YaRN RoPE): tiny random models built by
+transformers, saved sharded in bf16, converted by us and run under several placements,
+equal transformers' logits and greedy tokens; InfiniGen keeping everything equals the full
+cache; H2O and InfiniGen stay inside a sliding window."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +32,10 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=48)),
+    # YaRN: frequencies ramped between kept and interpolated, the tables scaled
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=48, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0})),
 }
 PLACEMENTS = {
     "all-on-device": Placement(),

@@ -66,7 +66,7 @@ def test_real_configs_match_the_registry():
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"rope_scaling": {**LLAMA31["rope_scaling"], "attention_factor": 1.2}}, "attention_factor"),
     ({"num_experts": 8}, "num_experts"),

@@ -58,8 +58,17 @@ def test_the_cache_holds_the_latent_row(tmp_path):
     assert 2 * row < per_head
 
 
-def test_a_full_query_projection_equals_transformers(tmp_path):
-    model, store = _store(tmp_path, q_lora_rank=None)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.7, "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_a_full_query_projection_equals_transformers(tmp_path, rope):
+    """No low-rank query (V2-Lite's shape); with DeepSeek's YaRN (its tables' factor and the
+    scores' mscale_all_dim correction) past the original context."""
+    extra = dict(rope_parameters=YARN) if rope == "yarn" else {}
+    model, store = _store(tmp_path, q_lora_rank=None, **extra)
     prompts = [[1] + [(7 * i + 3) % 200 + 2 for i in range(13)]]
     with OffloadedLM.load(path=store, policy=Placement(), progress=False) as lm:
         assert "layers.0.q_proj.weight" in lm.weight_formats

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.layers import linear
 from ..memory.codes import lookup
-from .llama import inverse_frequencies, rms_norm, rotary, rotary_tables
+from .llama import attention_factor, inverse_frequencies, rms_norm, rotary, rotary_tables
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -73,7 +73,8 @@ def encode_positions(cfg: ModelConfig, positions: torch.Tensor, window: int = 0)
         d = cfg.head_dim
         exponent = torch.arange(0, d, 2, device=positions.device, dtype=torch.int64).float() / d
         return rotary_tables(1.0 / cfg.rope_local_theta ** exponent, positions)
-    return rotary_tables(inverse_frequencies(cfg, positions.device), positions)
+    return rotary_tables(inverse_frequencies(cfg, positions.device), positions,
+                         attention_factor(cfg))
 
 
 def embed(cfg: ModelConfig, w: dict, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -100,24 +100,68 @@ def inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
         smooth = (1 - blend) * scaled / factor + blend * scaled
         medium = (wavelength >= original / high) & (wavelength <= original / low)
         return torch.where(medium, smooth, scaled)
+    if kind == "yarn":
+        return _yarn(inv, rope, d, cfg.rope_theta)
     if kind != "default":  # the converter refuses these; a hand-made config must too
         raise ValueError(f"RoPE scaling {kind!r} is not implemented")
     return inv
+
+
+def _yarn(inv: torch.Tensor, rope: dict, d: int, base: float) -> torch.Tensor:
+    """YaRN (NTK-by-parts): the high frequencies kept, the low ones divided by ``factor``,
+    and a linear ramp between the dims that turn ``beta_fast`` and ``beta_slow`` times over
+    the original context."""
+    factor = rope["factor"]
+    original = rope["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(rope.get("beta_fast") or 32), dim_of(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotary tables by (1 for every other RoPE)."""
+    rope = cfg.rope
+    if rope.get("rope_type") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, mscale, every = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and every:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, every)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``factor`` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def encode_positions(cfg: ModelConfig, positions: torch.Tensor, window: int = 0):
     """cos [b, s, 1, d] of the rotary angles at ``positions`` [b, s], and their sin with the
     first half negated (what :func:`rotary` multiplies the halves, swapped, with). Every
     layer has the same RoPE, windowed or not."""
-    return rotary_tables(inverse_frequencies(cfg, positions.device), positions)
+    return rotary_tables(inverse_frequencies(cfg, positions.device), positions,
+                         attention_factor(cfg))
 
 
-def rotary_tables(inv: torch.Tensor, positions: torch.Tensor):
-    """:func:`encode_positions` for the frequencies ``inv`` [d/2]."""
+def rotary_tables(inv: torch.Tensor, positions: torch.Tensor, scale: float = 1.0):
+    """:func:`encode_positions` for the frequencies ``inv`` [d/2], both tables times
+    ``scale`` (YaRN's attention factor)."""
     angles = positions.float()[..., None] * inv  # [b, s, d/2]
     sin = angles.sin()
-    return (torch.cat([angles, angles], -1)[:, :, None, :].cos(),
-            torch.cat([-sin, sin], -1)[:, :, None, :])
+    cos = torch.cat([angles, angles], -1)[:, :, None, :].cos()
+    signed = torch.cat([-sin, sin], -1)[:, :, None, :]
+    return (cos, signed) if scale == 1.0 else (cos * scale, signed * scale)
 
 
 def rotary(x: torch.Tensor, rope) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..models.llama import yarn_mscale
 from .hf_fields import _first, _require, rope_from_hf
 
 DEEPSEEK_V3_FIELDS = frozenset({
@@ -36,6 +37,9 @@ def deepseek_v3(hf: dict, name: str, experts: dict) -> ModelConfig:
     rope, nope = int(hf["qk_rope_head_dim"]), int(hf["qk_nope_head_dim"])
     rank = int(hf["kv_lora_rank"])
     eos = _first(hf.get("eos_token_id"), 1)
+    scale = (nope + rope) ** -0.5
+    if scaling.get("mscale_all_dim"):  # YaRN's correction, on the scores of every dim
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     return ModelConfig(
         name=name, family="mla", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
@@ -47,5 +51,5 @@ def deepseek_v3(hf: dict, name: str, experts: dict) -> ModelConfig:
         pad_token_id=_first(hf.get("pad_token_id"), eos),
         attn_head_dim=rank + rope, rotary_dim=rope, mla_kv_rank=rank,
         mla_q_rank=int(hf.get("q_lora_rank") or 0), mla_nope_dim=nope,
-        mla_v_dim=int(hf["v_head_dim"]), query_scale=(nope + rope) ** -0.5,
+        mla_v_dim=int(hf["v_head_dim"]), query_scale=scale,
         model_type="deepseek_v3", **experts)

@@ -11,6 +11,9 @@ ROPE_TYPES = {
     "linear": {"rope_type", "type", "rope_theta", "factor"},
     "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+             "truncate"},
 }
 def _require(ok: bool, field: str, value, what: str) -> None:
     if not ok:
@@ -33,8 +36,14 @@ def rope_from_hf(hf: dict) -> tuple[float, dict]:
                           "is not computed by this runtime")
     if kind == "default":
         return theta, {}
-    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+    scaling = {k: v for k, v in params.items()
+               if k not in ("type", "rope_theta") and v is not None}
     scaling["rope_type"] = kind
+    if kind == "yarn":  # transformers' defaults, made explicit
+        scaling.setdefault("original_max_position_embeddings",
+                           hf.get("max_position_embeddings", 4096))
+        scaling.setdefault("factor", hf.get("max_position_embeddings", 4096)
+                           / scaling["original_max_position_embeddings"])
     return theta, scaling
 
 
