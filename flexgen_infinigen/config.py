@@ -75,6 +75,9 @@ class ModelConfig:
     mla_q_rank: int = 0
     mla_nope_dim: int = 0
     mla_v_dim: int = 0
+    # kv_b_proj kept as llama.cpp splits it: W_UK^T per head (k_b_proj, [heads * kv_rank,
+    # nope]) and W_UV (v_b_proj, [heads * v, kv_rank])
+    mla_kv_b_split: bool = False
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);

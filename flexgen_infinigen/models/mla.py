@@ -35,8 +35,13 @@ def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"attn_norm.weight": (h,),
               "kv_a_proj.weight": (cfg.mla_kv_rank + cfg.rope_dim, h),
               "kv_a_norm.weight": (cfg.mla_kv_rank,),
-              "kv_b_proj.weight": (heads * (cfg.mla_nope_dim + cfg.mla_v_dim), cfg.mla_kv_rank),
               "o_proj.weight": (h, heads * cfg.mla_v_dim)}
+    if cfg.mla_kv_b_split:
+        shapes.update({"k_b_proj.weight": (heads * cfg.mla_kv_rank, cfg.mla_nope_dim),
+                       "v_b_proj.weight": (heads * cfg.mla_v_dim, cfg.mla_kv_rank)})
+    else:
+        shapes["kv_b_proj.weight"] = (heads * (cfg.mla_nope_dim + cfg.mla_v_dim),
+                                      cfg.mla_kv_rank)
     if cfg.mla_q_rank:
         shapes.update({"q_a_proj.weight": (cfg.mla_q_rank, h),
                        "q_a_norm.weight": (cfg.mla_q_rank,),
@@ -74,7 +79,7 @@ def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
 
 # the absorbed query needs W_UK, which is part of kv_b_proj
 QUERY_WEIGHTS = ("q_proj.weight", "q_a_proj.weight", "q_a_norm.weight", "q_b_proj.weight",
-                 "kv_b_proj.weight")
+                 "kv_b_proj.weight", "k_b_proj.weight")
 SKEW_FOLDS_INTO_WEIGHTS = False
 FUSED_DECODE = False
 
@@ -96,11 +101,22 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
 
 
-def _kv_b(cfg: ModelConfig, w: dict) -> torch.Tensor:
-    """kv_b_proj as [heads, nope + v, kv_rank]: W_UK_h are the first ``nope`` rows, W_UV_h
-    the rest."""
-    return dense(w["kv_b_proj.weight"]).view(cfg.num_heads, cfg.mla_nope_dim + cfg.mla_v_dim,
-                                              cfg.mla_kv_rank)
+def _w_uk(cfg: ModelConfig, w: dict) -> torch.Tensor:
+    """W_UK as [heads, nope, kv_rank]: the first ``nope`` rows of each head's kv_b_proj, or
+    llama.cpp's k_b_proj (each head's transposed) turned back."""
+    if cfg.mla_kv_b_split:
+        return dense(w["k_b_proj.weight"]).view(cfg.num_heads, cfg.mla_kv_rank,
+                                                 cfg.mla_nope_dim).transpose(1, 2)
+    return dense(w["kv_b_proj.weight"]).view(
+        cfg.num_heads, cfg.mla_nope_dim + cfg.mla_v_dim, cfg.mla_kv_rank)[:, :cfg.mla_nope_dim]
+
+
+def _w_uv(cfg: ModelConfig, w: dict) -> torch.Tensor:
+    """W_UV as [heads, v, kv_rank]."""
+    if cfg.mla_kv_b_split:
+        return dense(w["v_b_proj.weight"]).view(cfg.num_heads, cfg.mla_v_dim, cfg.mla_kv_rank)
+    return dense(w["kv_b_proj.weight"]).view(
+        cfg.num_heads, cfg.mla_nope_dim + cfg.mla_v_dim, cfg.mla_kv_rank)[:, cfg.mla_nope_dim:]
 
 
 def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:
@@ -115,8 +131,7 @@ def query(cfg: ModelConfig, w: dict, x: torch.Tensor, pos_enc) -> torch.Tensor:
         q = linear(latent, w["q_b_proj.weight"])
     q = q.view(b, s, cfg.num_heads, cfg.mla_nope_dim + cfg.rope_dim)
     nope, pe = q[..., :cfg.mla_nope_dim], q[..., cfg.mla_nope_dim:]
-    absorbed = torch.einsum("bshn,hnc->bshc", nope, _kv_b(cfg, w)[:, :cfg.mla_nope_dim]
-                            .to(q.dtype))
+    absorbed = torch.einsum("bshn,hnc->bshc", nope, _w_uk(cfg, w).to(q.dtype))
     pe = llama.rotary(_deinterleave(pe).contiguous(), pos_enc)
     return torch.cat([absorbed, pe], -1) * (cfg.query_scale * math.sqrt(cfg.head_dim))
 
@@ -138,7 +153,6 @@ def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> 
     ``W_UV_h``, then ``o_proj``."""
     b, s, _ = attn.shape
     heads = attn.view(b, s, cfg.num_heads, cfg.head_dim)[..., :cfg.mla_kv_rank]
-    values = torch.einsum("bshc,hvc->bshv", heads, _kv_b(cfg, w)[:, cfg.mla_nope_dim:]
-                          .to(attn.dtype))
+    values = torch.einsum("bshc,hvc->bshv", heads, _w_uv(cfg, w).to(attn.dtype))
     return h + linear(values.reshape(b, s, -1), w["o_proj.weight"])
 

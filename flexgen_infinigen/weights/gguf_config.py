@@ -14,7 +14,7 @@ from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3",
-                 "glm4moe")
+                 "glm4moe", "deepseek2")
 
 
 def _open_reader(path: Path):
@@ -73,6 +73,40 @@ def _gemma3(reader, p: str, layers: int, hidden: int, heads: int, head_dim: int)
                                                       0.0) or 0.0))
 
 
+def _deepseek_yarn(reader, p: str) -> dict:
+    """DeepSeek's YaRN as llama.cpp's converter writes it (its log multiplier is 0.1 x
+    mscale_all_dim; mscale equals it, so the rotary tables are unscaled)."""
+    every = float(field_value(reader, p + "rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+    return {"rope_type": "yarn", "factor": float(field_value(reader, p + "rope.scaling.factor")),
+            "original_max_position_embeddings": int(field_value(
+                reader, p + "rope.scaling.original_context_length")),
+            "beta_fast": float(field_value(reader, p + "rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(field_value(reader, p + "rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": every, "mscale_all_dim": every}
+
+
+def _deepseek2(reader, p: str, source: str, rope_dim: int, rope: dict, tensors) -> dict:
+    """DeepSeek-V3's latent attention as llama.cpp writes it: one KV head of ``kv_lora_rank
+    + rope`` dims, the per-head widths in ``key_length_mla``/``value_length_mla`` (older
+    files: ``key_length``/``value_length``), kv_b_proj whole or split into k_b and v_b."""
+    from ..models.llama import yarn_mscale
+
+    rank = int(field_value(reader, p + "attention.kv_lora_rank"))
+    key = int(field_value(reader, p + "attention.key_length_mla", 0)
+              or field_value(reader, p + "attention.key_length"))
+    value = int(field_value(reader, p + "attention.value_length_mla", 0)
+                or field_value(reader, p + "attention.value_length"))
+    scale = key ** -0.5
+    if rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return dict(family="mla", num_kv_heads=1, attn_head_dim=rank + rope_dim, rotary_dim=rope_dim,
+                mla_kv_rank=rank, mla_q_rank=int(field_value(reader, p + "attention.q_lora_rank",
+                                                             0) or 0),
+                mla_nope_dim=key - rope_dim, mla_v_dim=value, query_scale=scale,
+                mla_kv_b_split="blk.0.attn_k_b.weight" in tensors,
+                norm_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)))
+
+
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
     arch = field_value(reader, "general.architecture")
@@ -90,7 +124,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     heads = int(field_value(reader, p + "attention.head_count"))
     head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field_value(reader, p + "rope.dimension_count") or head_dim)
-    if rope_dim != head_dim and (arch != "glm4moe" or rope_dim % 2 or rope_dim > head_dim):
+    if rope_dim != head_dim and (arch not in ("glm4moe", "deepseek2") or rope_dim % 2
+                                 or rope_dim > head_dim):
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
                           f"{head_dim} dims), which this runtime computes for glm4moe only")
     scaling = field_value(reader, p + "rope.scaling.type")
@@ -98,6 +133,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     if scaling == "linear":
         rope = {"rope_type": "linear", "factor": float(field_value(reader,
                                                                    p + "rope.scaling.factor"))}
+    elif scaling == "yarn" and arch == "deepseek2":
+        rope = _deepseek_yarn(reader, p)
     elif scaling not in (None, "none"):
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
                           "does not read; convert the Hugging Face checkpoint instead")
@@ -105,8 +142,9 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     layers = int(field_value(reader, p + "block_count")) - int(
         field_value(reader, p + "nextn_predict_layers", 0) or 0)
     moe = gguf_moe.experts_from_gguf(reader, arch, source, layers)
-    extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
-    meta = ModelConfig(
+    extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else \
+        _deepseek2(reader, p, source, rope_dim, rope, tensors) if arch == "deepseek2" else {}
+    fields = dict(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family=extra.pop("family", "llama"),
         vocab_size=int(vocab),
@@ -126,9 +164,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         attn_head_dim=head_dim if head_dim * heads != hidden else 0,
         qkv_bias="blk.0.attn_q.bias" in tensors, rope_scaling=rope,
         qk_norm="blk.0.attn_q_norm.weight" in tensors, qk_norm_full=arch == "olmoe",
-        rotary_dim=rope_dim,
-        **{"model_type": arch, **moe, **extra},
-    )
+        rotary_dim=rope_dim, model_type=arch)
+    meta = ModelConfig(**{**fields, **moe, **extra})
     if name is None or name not in KNOWN_MODELS:
         return meta
     known = KNOWN_MODELS[name]

@@ -55,6 +55,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "k_norm",
     # GLM-4.5 names its MLP's input norm so (Hugging Face's post_attention_layernorm)
     "post_attention_norm": "mlp_norm",
+    # DeepSeek-V3's latent attention (kv_b whole, or split by llama.cpp into k_b and v_b)
+    "attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_norm", "attn_q_b": "q_b_proj",
+    "attn_kv_a_mqa": "kv_a_proj", "attn_kv_a_norm": "kv_a_norm", "attn_kv_b": "kv_b_proj",
+    "attn_k_b": "k_b_proj", "attn_v_b": "v_b_proj",
 }
 # Gemma 3's norms of the attention's and the MLP's outputs (its MLP input norm is ffn_norm)
 _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attn_norm",
@@ -62,7 +66,8 @@ _GEMMA3_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attn_norm",
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
-            "qwen2moe": False, "olmoe": False, "gemma3": False, "glm4moe": False}
+            "qwen2moe": False, "olmoe": False, "gemma3": False, "glm4moe": False,
+            "deepseek2": False}
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
@@ -188,6 +193,8 @@ def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
                                   "the file does not match the model config")
         if gguf_moe.is_moe_key(keys[0]):
             shape = gguf_moe.check_shape(t.name, shape, keys, expected, cfg, str(src))
+        elif len(shape) == 3 and (shape[0] * shape[1], shape[2]) == expected[keys[0]]:
+            shape = expected[keys[0]]  # per-head matrices (k_b, v_b): their rows, stacked
         elif shape != expected[keys[0]]:
             raise ConfigError(f"GGUF tensor {t.name!r} has shape {shape}, {cfg.name} "
                               f"wants {expected[keys[0]]}; the file does not match the model")

@@ -34,7 +34,7 @@ from ..config import ConfigError, ModelConfig
 # GGUF architecture -> (our model_type, top-k weights renormalised when the file is silent)
 MOE_ARCHITECTURES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False),
                      "olmoe": ("olmoe", False), "llama": ("mixtral", True),
-                     "glm4moe": ("glm4_moe", True)}
+                     "glm4moe": ("glm4_moe", True), "deepseek2": ("deepseek_v3", True)}
 # what llama.cpp divides the dense width by when a Qwen MoE file has no expert width
 _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 # metadata read here (after the ``{arch}.`` prefix); any other key naming experts or MoE
@@ -48,7 +48,7 @@ HINTS = ("expert", "moe", "dense", "sparse")
 SOFTMAX, SIGMOID = 1, 2  # llama.cpp's gating function numbers (0: unset)
 # architectures whose router is GLM-4.5's: sigmoid scores chosen with exp_probs_b, groups,
 # a weight scale, shared experts without a gate (llama.cpp's default gating: sigmoid)
-SIGMOID_ROUTERS = ("glm4moe",)
+SIGMOID_ROUTERS = ("glm4moe", "deepseek2")
 
 # fused expert tensors -> the matrices each expert's run of rows holds, in order (llama.cpp's
 # --fuse-gate-up-exps writes gate and up as one tensor, each expert's gate rows first)
@@ -172,9 +172,11 @@ def _sigmoid_router(reader, arch: str, source: str, experts: int, top_k: int, ga
                     layers: int) -> dict:
     """GLM-4.5's MoE fields (see :data:`SIGMOID_ROUTERS`)."""
     p = arch + "."
-    if gating not in (None, 0, SIGMOID):
+    # a deepseek2 file without it is DeepSeek-V2's softmax router (llama.cpp's rule)
+    if gating not in ((SIGMOID,) if arch == "deepseek2" else (None, 0, SIGMOID)):
         raise ConfigError(f"GGUF {source}: {p}expert_gating_func = {gating}; this runtime "
-                          f"computes {arch} with its sigmoid router")
+                          f"computes {arch} with the sigmoid router of DeepSeek-V3 and GLM-4.5 "
+                          "only (DeepSeek-V2's softmax router is not computed)")
     groups = int(_field(reader, p + "expert_group_count", 0) or 1)
     best = int(_field(reader, p + "expert_group_used_count", 0) or 1)
     if experts % groups or not 0 < best <= groups or experts // groups < 2:
