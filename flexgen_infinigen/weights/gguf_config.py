@@ -1,6 +1,6 @@
 """A GGUF model's header: the file opened (a split model's shards read as one), its metadata
-fields, and the model config they describe (llama, qwen2, qwen3, gemma3 and the
-mixture-of-experts types of :mod:`.gguf_moe`). Reads no tensor data.
+fields, and the model config they describe (llama, qwen2, qwen3, gemma3, deepseek2's latent
+attention and the mixture-of-experts types of :mod:`.gguf_moe`). Reads no tensor data.
 """
 from __future__ import annotations
 

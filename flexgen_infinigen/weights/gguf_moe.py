@@ -1,8 +1,8 @@
-"""Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``glm4moe`` and
-``llama`` with experts (Mixtral), read into the same per-expert store tensors a Hugging Face
-folder gives. ``glm4moe``'s router is sigmoid (:data:`SIGMOID_ROUTERS`: its choice bias
-``exp_probs_b``, groups, weight scale and ungated shared experts are read; the others keep
-the rules below).
+"""Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``glm4moe``,
+``deepseek2`` and ``llama`` with experts (Mixtral), read into the same per-expert store
+tensors a Hugging Face folder gives. ``glm4moe``'s and ``deepseek2``'s routers are sigmoid
+(:data:`SIGMOID_ROUTERS`: their choice bias ``exp_probs_b``, groups, weight scale and
+ungated shared experts are read; the others keep the rules below).
 
 llama.cpp writes a MoE layer's routed experts as three fused 3-D tensors,
 ``blk.N.ffn_{gate,up,down}_exps.weight``, each ``[experts, out, in]`` (GGUF lists the dims
