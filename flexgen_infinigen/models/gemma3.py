@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.layers import linear
 from ..memory.codes import lookup
-from .llama import attention_factor, inverse_frequencies, rms_norm, rotary, rotary_tables
+from .llama import (attention_factor, head_weights, inverse_frequencies, model_shapes,
+                    rms_norm, rotary, rotary_tables)
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -41,21 +42,14 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h = cfg.hidden_size
-    shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     per_layer = {n: s for part in _layer_shapes(cfg).values() for n, s in part.items()}
-    for i in range(cfg.num_layers):
-        shapes.update({f"layers.{i}.{n}": s for n, s in per_layer.items()})
-    return shapes
+    return model_shapes(cfg, lambda i: per_layer)
 
 
 def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
-    head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     parts = _layer_shapes(cfg)
     return {"embed": ["embed.weight"], "attn": list(parts["attn"]), "mlp": list(parts["mlp"]),
-            "head": head}
+            "head": head_weights(cfg)}
 
 
 QUERY_WEIGHTS = ("q_proj.weight", "q_proj.bias", "q_norm.weight")

@@ -44,24 +44,35 @@ def _layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, dict[str, tuple
     return {"attn": attn, "mlp": mlp}
 
 
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def model_shapes(cfg: ModelConfig, layer_shapes) -> dict[str, tuple[int, ...]]:
+    """Every weight of a model with a token embedding, a final RMSNorm and a head (tied or
+    not), and the weights ``layer_shapes(i)`` gives of each layer (the Llama-like families
+    share this)."""
     h = cfg.hidden_size
     shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
-        per_layer = {n: s for part in _layer_shapes(cfg, i).values() for n, s in part.items()}
-        shapes.update({f"layers.{i}.{n}": s for n, s in per_layer.items()})
+        shapes.update({f"layers.{i}.{n}": s for n, s in layer_shapes(i).items()})
     return shapes
+
+
+def head_weights(cfg: ModelConfig) -> list[str]:
+    """The head stage's weights: the final norm and the head (the embedding when tied)."""
+    return ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return model_shapes(cfg, lambda i: {n: s for part in _layer_shapes(cfg, i).values()
+                                        for n, s in part.items()})
 
 
 def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
     """Weight names used by each schedule stage; layer stages (of layer ``layer``) use a
     ``layers.{i}.`` prefix."""
-    head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     layer = _layer_shapes(cfg, layer)
     return {"embed": ["embed.weight"], "attn": list(layer["attn"]), "mlp": list(layer["mlp"]),
-            "head": head}
+            "head": head_weights(cfg)}
 
 
 # the weights the query alone needs (InfiniGen's rehearsal keeps these on the device)

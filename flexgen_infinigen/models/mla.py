@@ -60,21 +60,13 @@ def _mlp_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h = cfg.hidden_size
-    shapes = {"embed.weight": (cfg.vocab_size, h), "final_norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     attn = _attn_shapes(cfg)
-    for i in range(cfg.num_layers):
-        per_layer = {**attn, **_mlp_shapes(cfg, i)}
-        shapes.update({f"layers.{i}.{n}": s for n, s in per_layer.items()})
-    return shapes
+    return llama.model_shapes(cfg, lambda i: {**attn, **_mlp_shapes(cfg, i)})
 
 
 def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
-    head = ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     return {"embed": ["embed.weight"], "attn": list(_attn_shapes(cfg)),
-            "mlp": list(_mlp_shapes(cfg, layer)), "head": head}
+            "mlp": list(_mlp_shapes(cfg, layer)), "head": llama.head_weights(cfg)}
 
 
 # the absorbed query needs W_UK, which is part of kv_b_proj
