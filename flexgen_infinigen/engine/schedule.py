@@ -279,18 +279,17 @@ class Engine:
 
     def _prepare(self, state: BatchState) -> BatchState:
         """What every layer of this iteration shares: position encodings and the mask bias."""
-        state.by_window = {}
-        for window in self.cfg.windows:
-            # the family's positions of this kind of layer (Gemma 3's windowed layers have
-            # their own RoPE base); decode's mask (one query row; a prompt's is built per
-            # chunk by attend_prompt); what the newest token may attend to (the KV policies
-            # select among these only)
-            state.pos_enc = self.family.encode_positions(self.cfg, state.positions, window)
-            state.bias = mask_bias(state.valid, 1, self.dtype, window) \
-                if state.ids.shape[1] == 1 else None
-            state.visible = visible(state.valid, window)
-            if len(self.cfg.windows) > 1:
-                state.by_window[window] = (state.pos_enc, state.bias, state.visible)
+        # per window the layers have: the family's positions of that kind of layer (Gemma 3's
+        # windowed layers have their own RoPE base); decode's mask (one query row; a
+        # prompt's is built per chunk by attend_prompt); what the newest token may attend
+        # to (the KV policies select among these only)
+        inputs = {window: (self.family.encode_positions(self.cfg, state.positions, window),
+                           mask_bias(state.valid, 1, self.dtype, window)
+                           if state.ids.shape[1] == 1 else None,
+                           visible(state.valid, window))
+                  for window in self.cfg.windows}
+        state.pos_enc, state.bias, state.visible = inputs[self.cfg.window_of(0)]
+        state.by_window = inputs if len(inputs) > 1 else {}
         return state
 
     # ---- the schedule -----------------------------------------------------------------------

@@ -76,11 +76,9 @@ SKEW_FOLDS_INTO_WEIGHTS = False
 FUSED_DECODE = False
 
 
-def encode_positions(cfg: ModelConfig, positions: torch.Tensor, window: int = 0):
-    """Rotary tables of the ``rope_dim`` rotated dims (Llama's, with the config's scaling)."""
-    return llama.encode_positions(cfg, positions, window)
-
-
+# Llama's: the rotary tables of the ``rope_dim`` rotated dims, with the config's scaling;
+# the embedding, the attention input's norm, the MLP (dense or MoE) and the head
+encode_positions = llama.encode_positions
 embed = llama.embed
 attn_input = llama.attn_input
 mlp = llama.mlp

@@ -85,7 +85,7 @@ def _deepseek_yarn(reader, p: str) -> dict:
             "mscale": every, "mscale_all_dim": every}
 
 
-def _deepseek2(reader, p: str, source: str, rope_dim: int, rope: dict, tensors) -> dict:
+def _deepseek2(reader, p: str, rope_dim: int, rope: dict, tensors) -> dict:
     """DeepSeek-V3's latent attention as llama.cpp writes it: one KV head of ``kv_lora_rank
     + rope`` dims, the per-head widths in ``key_length_mla``/``value_length_mla`` (older
     files: ``key_length``/``value_length``), kv_b_proj whole or split into k_b and v_b."""
@@ -103,8 +103,7 @@ def _deepseek2(reader, p: str, source: str, rope_dim: int, rope: dict, tensors) 
                 mla_kv_rank=rank, mla_q_rank=int(field_value(reader, p + "attention.q_lora_rank",
                                                              0) or 0),
                 mla_nope_dim=key - rope_dim, mla_v_dim=value, query_scale=scale,
-                mla_kv_b_split="blk.0.attn_k_b.weight" in tensors,
-                norm_eps=float(field_value(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)))
+                mla_kv_b_split="blk.0.attn_k_b.weight" in tensors)
 
 
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
@@ -127,7 +126,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     if rope_dim != head_dim and (arch not in ("glm4moe", "deepseek2") or rope_dim % 2
                                  or rope_dim > head_dim):
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
-                          f"{head_dim} dims), which this runtime computes for glm4moe only")
+                          f"{head_dim} dims), which this runtime computes for glm4moe and "
+                          "deepseek2 only")
     scaling = field_value(reader, p + "rope.scaling.type")
     rope = {}
     if scaling == "linear":
@@ -143,7 +143,7 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         field_value(reader, p + "nextn_predict_layers", 0) or 0)
     moe = gguf_moe.experts_from_gguf(reader, arch, source, layers)
     extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else \
-        _deepseek2(reader, p, source, rope_dim, rope, tensors) if arch == "deepseek2" else {}
+        _deepseek2(reader, p, rope_dim, rope, tensors) if arch == "deepseek2" else {}
     fields = dict(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family=extra.pop("family", "llama"),

@@ -71,12 +71,9 @@ PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
-    """The store names of a GGUF tensor (one per expert for a fused MoE tensor; none for a
-    block past the model's layers: GLM's multi-token-prediction layers, which only draft
-    tokens); ConfigError for tensors we cannot use."""
-    m = _LAYER_RE.fullmatch(gguf_name) or _NEXTN_RE.fullmatch(gguf_name)
-    if m and cfg is not None and int(m.group(1)) >= cfg.num_layers:
-        return []
+    """The store names of a GGUF tensor (one per expert for a fused MoE tensor);
+    ConfigError for tensors we cannot use."""
+    m = _LAYER_RE.fullmatch(gguf_name)
     if m and cfg is not None and m.group(2) == "exp_probs_b" and cfg.router_sigmoid:
         return [f"layers.{m.group(1)}.router.choice_bias"]
     moe = m and cfg is not None and m.group(3) == "weight" and gguf_moe.store_names(
@@ -84,7 +81,8 @@ def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
     return moe or [store_name(gguf_name, cfg)]
 
 
-_NEXTN_RE = re.compile(r"blk\.(\d+)\.(nextn\.\w+)\.(weight|bias)")
+# any tensor of a block, drafting ones (blk.N.nextn.eh_proj) included
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def store_name(gguf_name: str, cfg: ModelConfig | None = None) -> str:
@@ -181,11 +179,16 @@ def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
     the model does not have, a shape (or expert count) the metadata does not imply, or a
     tensor the file lacks."""
     expected = family_of(cfg).weight_shapes(cfg)
+    # the file's multi-token-prediction blocks (GLM, DeepSeek) come after the model's; they
+    # only draft tokens, and are not read
+    drafting = int(field_value(reader, f"{field_value(reader, 'general.architecture')}."
+                               "nextn_predict_layers", 0) or 0)
     plan, seen = [], set()
     for t in reader.tensors:
+        block = _BLOCK_RE.match(t.name)
+        if drafting and block and int(block.group(1)) >= cfg.num_layers:
+            continue
         keys = store_names(t.name, cfg)
-        if not keys:
-            continue  # a drafting layer past the model's (GLM's multi-token prediction)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         for key in keys:
             if key not in expected:

@@ -170,7 +170,7 @@ def experts_from_gguf(reader, arch: str, source: str, layers: int) -> dict:
 
 def _sigmoid_router(reader, arch: str, source: str, experts: int, top_k: int, gating,
                     layers: int) -> dict:
-    """GLM-4.5's MoE fields (see :data:`SIGMOID_ROUTERS`)."""
+    """GLM-4.5's and DeepSeek-V3's MoE fields (see :data:`SIGMOID_ROUTERS`)."""
     p = arch + "."
     # a deepseek2 file without it is DeepSeek-V2's softmax router (llama.cpp's rule)
     if gating not in ((SIGMOID,) if arch == "deepseek2" else (None, 0, SIGMOID)):

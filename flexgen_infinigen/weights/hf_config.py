@@ -10,7 +10,7 @@ which is which.
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
-from .hf_fields import ROPE_TYPES, _first, _require, rope_from_hf  # noqa: F401
+from .hf_fields import _first, _require, rope_from_hf
 from .hf_deepseek import DEEPSEEK_V3_FIELDS, deepseek_v3
 from .hf_gemma3 import GEMMA3_FIELDS, GEMMA3_VISION, gemma3, text_config
 

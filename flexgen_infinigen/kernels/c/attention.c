@@ -13,10 +13,11 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
                  int64_t sc, int64_t nthreads) {
     const int64_t R = ranges_of(T), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
+    int64_t *first = first_rows(bias, C, T);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t item = 0; item < C * R; item++) {
         const int64_t c = item / R, r = item % R;
-        const int64_t lo = first_unmasked(bias + c * T, T) + r * RANGE;
+        const int64_t lo = first[c] + r * RANGE;
         const int64_t hi = lo + RANGE < T ? lo + RANGE : T;
         float *state = part + (r * C + c) * S;
         float s[16 * TB];
@@ -39,6 +40,7 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
     }
     merge_states(out, part, C * G, D, R);
     free(part);
+    free(first);
 }
 
 /* Attention over chosen rows read where the cache keeps them (InfiniGen's selected tokens):

@@ -283,12 +283,19 @@ static void merge_states(float *out, const float *part, int64_t CG, int64_t D, i
 #define MASKED (-1.0e30f)
 
 static inline int64_t first_unmasked(const float *bias, int64_t T) {
-    if (!bias)
-        return 0;
     for (int64_t t = 0; t < T; t++)
         if (bias[t] > MASKED)
             return t;
     return 0;
+}
+
+/* Each column's first unmasked row (bias [C, T], or NULL: row 0), found once for all the
+   column's ranges; the caller frees it. */
+static int64_t *first_rows(const float *bias, int64_t C, int64_t T) {
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (C > 0 ? C : 1));
+    for (int64_t c = 0; c < C; c++)
+        first[c] = bias ? first_unmasked(bias + c * T, T) : 0;
+    return first;
 }
 
 /* Ranges of the longest column (a shorter column's last ones are empty). */

@@ -30,6 +30,7 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
                     int64_t ss0, int64_t ss1, int64_t nthreads) {
     const int64_t R = ranges_of(T + 1), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
+    int64_t *first = first_rows(bias, C, T);
     #pragma omp parallel num_threads(nthreads)
     {
         static __thread void *buf;
@@ -38,7 +39,7 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < C * R; item++) {
             const int64_t c = item / R, r = item % R;
-            const int64_t lo = first_unmasked(bias + c * T, T) + r * RANGE;
+            const int64_t lo = first[c] + r * RANGE;
             const int64_t hi = lo + RANGE < T + 1 ? lo + RANGE : T + 1;
             float *state = part + (r * C + c) * S;
             float s[16 * TB], b[TB];
@@ -70,4 +71,5 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
     }
     merge_states(out, part, C * G, D, R);
     free(part);
+    free(first);
 }
