@@ -83,11 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="the tokens a prompt and its answer may fill, at most the model's "
                         "context (default: the model's); a longer prompt is answered 400")
-    g.add_argument("--admit-prompt-tokens", type=int, default=256,
+    g.add_argument("--admit-prompt-tokens", type=int, default=1024,
                    help="a waiting request whose prompt is at most this long takes a row of "
-                        "the running block as soon as one ends, its prompt fed a token a "
-                        "step beside the others' decoding; a longer one waits for the next "
-                        "block's prefill (0: requests join at block boundaries only)")
+                        "the running block as soon as one ends, its prompt prefilled alone "
+                        "between two decode steps (the other rows wait for that prefill); a "
+                        "longer one waits for the next block's prefill (0: requests join at "
+                        "block boundaries only)")
     g.add_argument("--prefix-cache-gb", type=float, default=1.0,
                    help="CPU memory for the keys and values of prompts and answers seen "
                         "before, so that a request that starts the same way (a chat's next "

@@ -1,11 +1,17 @@
-"""Requests that join a running block (serving.scheduler, Engine.restart_row): a waiting
-request takes a row whose answer has ended, feeds its prompt a token a step beside the other
-rows' decoding, and answers, at temperature 0, exactly what it answers alone (the
-independent reference: ``generate`` on its prompt by itself); the rows beside it answer as
-they would without it, and keeping pages of a joined row keeps its own tokens."""
+"""Requests that join a running block (serving.scheduler, engine.join): a waiting request
+takes a row whose answer has ended, its prompt prefilled alone into the row between two
+decode steps, and answers, at temperature 0, exactly what it answers alone: the same tokens
+and the same log-probability of every token, to the last bit (the independent reference:
+``generate`` on its prompt by itself). This holds on the default model's 8-bit codes, with
+InfiniGen choosing rows from a per-prompt skew, and with the overlapped schedule of two GPU
+batches. Where the caches cannot take a row's columns (KIVI's groups), a joiner feeds its
+prompt a token a step and the rows beside it answer as they would without it. Keeping pages
+of a joined row keeps its own tokens.
+"""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.engine.prefill_cache import model_key
@@ -32,7 +38,7 @@ class _Events(list):
 
 
 def _request(ids: list[int], max_tokens: int) -> ServeRequest:
-    r = ServeRequest("completion", ids, max_tokens, SamplingConfig(), [], None, False, False,
+    r = ServeRequest("completion", ids, max_tokens, SamplingConfig(), [], 0, False, False,
                      "m")
     r.loop, r.events = _Loop(), _Events()
     return r
@@ -43,14 +49,26 @@ def _text(r: ServeRequest) -> str:
     return "".join(piece for kind, piece, _ in r.events if kind in ("token", "done"))
 
 
-@pytest.fixture(scope="module", params=[dict(gpu_batch_size=2),
-                                        dict(gpu_batch_size=1, num_gpu_batches=2,
-                                             overlap=True)],
-                ids=["one-batch", "two-batches-overlapped"])
-def lm(smollm2_store, request):
+SETUPS = {  # store, placement, KV policy and its options
+    "float-one-batch": ("float", dict(gpu_batch_size=2), "full", None),
+    "float-two-batches-overlapped": ("float", dict(gpu_batch_size=1, num_gpu_batches=2,
+                                                   overlap=True), "full", None),
+    "codes": ("codes", dict(gpu_batch_size=2), "full", None),
+    # every layer past the first chooses rows (none is small enough to read whole), each
+    # prompt with its own skew
+    "codes-infinigen-prompt-skew": ("codes", dict(gpu_batch_size=2), "infinigen",
+                                    dict(select_from_mb=0.0, prompt_skew=True)),
+}
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
+def lm(request):
     """Blocks of two rows: in one GPU batch, or in two with the overlapped schedule."""
-    with OffloadedLM.load(path=smollm2_store, policy=Placement(**request.param),
-                          progress=False) as lm:
+    store, placement, kv, options = SETUPS[request.param]
+    path = request.getfixturevalue("smollm2_store" if store == "float"
+                                   else "smollm2_codes_store")
+    with OffloadedLM.load(path=path, policy=Placement(**placement), kv_policy=kv,
+                          kv_options=options, progress=False) as lm:
         yield lm
 
 
@@ -65,21 +83,70 @@ def _serve(lm, prompts, lengths, **kw):
     return requests, scheduler.metrics.snapshot()["counts"]
 
 
+def _logprobs(r: ServeRequest) -> list[float]:
+    return [lp["logprob"] for kind, _, lp in r.events if kind == "token"]
+
+
+def _alone_logprobs(lm, ids: list[int], n: int) -> tuple[str, list[int], list[float]]:
+    """The prompt's own run: its text, tokens and every token's log-probability, computed
+    as the server computes them (float32 log-softmax of the step's logits)."""
+    ref = lm.generate([ids], n, keep_logits=True)
+    tokens = ref.token_ids[0]
+    return ref.texts[0], tokens, [float(torch.log_softmax(ref.logits[0][s].float(), -1)[t])
+                                  for s, t in enumerate(tokens)]
+
+
 @pytest.mark.parametrize("pages", [False, True], ids=["plain", "with-pages"])
 def test_joined_requests_answer_as_they_would_alone(lm, pages):
     prompts = [lm.tokenizer.encode(t) for t in TEXTS]
     kept = PrefixPages(model_key(lm), 4) if pages else None
     requests, counts = _serve(lm, prompts, LENGTHS, admit_prompt_tokens=64,
                               prefix_pages=kept)
-    assert counts.get("requests_joined", 0) >= 2  # rows were taken over mid-block
+    # rows were taken over mid-block, each by its own prefill
+    assert counts.get("requests_joined_prefilled", 0) >= 2
+    assert counts.get("requests_joined") == counts.get("requests_joined_prefilled")
     assert counts.get("blocks") < len(prompts)
     for r, ids, n in zip(requests, prompts, LENGTHS):
-        ref = lm.generate([ids], n)
-        assert r.generated == len(ref.token_ids[0])
-        assert _text(r) == ref.texts[0]
-    if pages:  # every row's own tokens: a joined row's prompt is found again
+        text, tokens, logprobs = _alone_logprobs(lm, ids, n)
+        assert r.generated == len(tokens)
+        assert _text(r) == text
+        got = _logprobs(r)  # a token that ended the answer sends none
+        if not lm.weight_layouts:  # float32 products: torch's sums may take another
+            # order for another number of rows (a block's first rows too, joined or not)
+            assert got == pytest.approx(logprobs[:len(got)], abs=1e-5)
+        else:  # the runtime's kernels: exact in any block
+            assert got and got == logprobs[:len(got)], (text, got, logprobs)
+    if pages and lm.engine.kv_policy.name == "full":
+        # every row's own tokens: a joined row's prompt is found again
         for ids in prompts:
             assert kept.longest(ids + [0]) == len(ids) // 4 * 4
+
+
+def test_a_prompt_longer_than_the_block_so_far_waits_for_its_columns(lm):
+    """A joiner's columns end at the block's last one: a prompt longer than the block holds
+    joins once the block has run long enough, and still answers as alone."""
+    short, long_ = lm.tokenizer.encode("Hi"), lm.tokenizer.encode(TEXTS[1] + " and a cat")
+    prompts, lengths = [short, short, long_], [3, 24, 6]
+    requests, counts = _serve(lm, prompts, lengths, admit_prompt_tokens=64)
+    assert counts.get("requests_joined_prefilled") == 1 and counts.get("blocks") == 1
+    for r, ids, n in zip(requests, prompts, lengths):
+        text, tokens, _ = _alone_logprobs(lm, ids, n)
+        assert _text(r) == text
+
+
+def test_caches_that_cannot_take_a_row_feed_the_prompt(smollm2_store):
+    """KIVI keeps keys in groups of tokens: a joiner feeds its prompt a token a step, and
+    the row beside it answers as it would without it."""
+    with OffloadedLM.load(path=smollm2_store, policy=Placement(gpu_batch_size=2),
+                          kv_policy="kivi", progress=False) as lm:
+        prompts = [lm.tokenizer.encode(t) for t in TEXTS[:3]]
+        lengths = [3, 24, 5]
+        requests, counts = _serve(lm, prompts, lengths, admit_prompt_tokens=64)
+        assert counts.get("requests_joined") == 1
+        assert counts.get("requests_joined_prefilled", 0) == 0
+        assert requests[2].generated == 5
+        for r, ids, n in zip(requests[:2], prompts, lengths):
+            assert _text(r) == lm.generate([ids], n).texts[0]
 
 
 def test_without_admission_requests_wait_for_the_next_block(lm):

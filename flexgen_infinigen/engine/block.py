@@ -116,6 +116,15 @@ class Block:
         self.states[batch].valid[row] = False
         self.pending[batch][row] = token
 
+    def place_row(self, batch: int, row: int, start: int, token: int) -> None:
+        """Row ``row`` of GPU batch ``batch`` holds a sequence in its columns from ``start`` on
+        (their keys and values in the caches already: :mod:`.join`); it sees only those, and
+        feeds ``token`` at the next step, at the position after them."""
+        valid = self.states[batch].valid
+        valid[row] = False
+        valid[row, start:] = True
+        self.pending[batch][row] = token
+
     def columns(self) -> int:
         """Columns the caches hold: the prompt width and the steps fed since."""
         return self.states[0].valid.shape[1]

@@ -18,13 +18,17 @@ from .block import PrefixKV
 from .prefix_pages import PrefixPages
 
 
+def whole(engine) -> bool:
+    """One process runs every layer of the engine's model (not a pipeline rank)."""
+    part = engine.part
+    return part.start == 0 and part.stop == engine.cfg.num_layers and part.embed and part.head
+
+
 def usable(engine) -> bool:
     """The engine's caches can start from known keys and values: its policy does not read
     the prompt's queries at prefill (H2O, a per-prompt skew), one process runs every
     layer."""
-    part = engine.part
-    whole = part.start == 0 and part.stop == engine.cfg.num_layers and part.embed and part.head
-    return not engine.kv_policy.needs_prompt_queries and whole \
+    return not engine.kv_policy.needs_prompt_queries and whole(engine) \
         and not engine.policy.compress_cache
 
 

@@ -39,6 +39,7 @@ from ..memory.tiers import Tiers
 from ..models import family_of
 from ..placement import Placement
 from ..sampling import Sampler
+from . import join
 from .block import BatchState, Block, BlockMode, Pass, PrefixKV, Step
 from .experts import StageReads
 from .prefill_cache import Prefilled
@@ -63,6 +64,7 @@ class Engine:
         self.stages = build_stages(cfg, policy.split_layers, self.part)
         self.block = Block()  # the running block's state (one block at a time)
         self.running = False
+        self._lanes: Lanes | None = None  # the running block's lanes
         # debug statistics of the last block: host synchronizations of each iteration
         self.debug: dict[str, list] = {"host_syncs_per_step": []}
         self.plans = StagePlans(cfg, dtype, tiers.is_cuda)
@@ -165,7 +167,7 @@ class Engine:
                 self._make_caches(len(batches[0][0]), prompt_len + steps)
             else:
                 steps = 1
-            lanes = Lanes(dev, self.policy.overlap)
+            lanes = self._lanes = Lanes(dev, self.policy.overlap)
             self.debug["host_syncs_per_step"] = []
             yield from self._steps(steps, sampler, keep_logits, lanes, mode)
             if at_end is not None:
@@ -183,6 +185,7 @@ class Engine:
         finally:
             if lanes is not None:
                 lanes.close()
+            self._lanes = None
             self.block = Block()
             self.plans.reset()
             self.running = False
@@ -227,6 +230,22 @@ class Engine:
     def restart_row(self, batch: int, row: int, token: int) -> None:
         """Between two steps: a row starts over (:meth:`.block.Block.restart_row`)."""
         self.block.restart_row(batch, row, token)
+
+    def takes_rows(self) -> bool:
+        """Between two steps: a row can take a prompt prefilled alone
+        (:func:`.join.takes_rows`), when the block's columns are enough."""
+        return join.takes_rows(self)
+
+    def can_join(self, prompt_len: int) -> bool:
+        """Between two steps: a prompt this long can join by its own prefill
+        (:func:`.join.can_join`)."""
+        return join.can_join(self, prompt_len)
+
+    def join_row(self, batch: int, row: int, ids: list[int],
+                 choose: Callable[[torch.Tensor], int], prefix: PrefixKV | None = None) -> int:
+        """Between two steps: a row takes a new prompt, prefilled alone, and its first token
+        (:func:`.join.join_row`)."""
+        return join.join_row(self, self._lanes, batch, row, ids, choose, prefix)
 
     def columns(self) -> int:
         """Columns the running block's caches hold (prompt width and steps fed since)."""

@@ -177,6 +177,18 @@ class KVCache(ABC):
         them: :mod:`flexgen_infinigen.engine.prefill_cache`)."""
         return None
 
+    # :meth:`take_row` can give a row of the running block another sequence's columns
+    takes_rows: bool = False
+
+    def take_row(self, row: int, start: int, other: "KVCache", length: int) -> None:
+        """Between two decode steps: row ``row`` holds, from column ``start``, the first
+        ``length`` columns of ``other``, a one-row cache of the same policy and layer that
+        a prompt's prefill alone filled, exactly as it holds them (everything the policy
+        keeps per token and per row), so that the row's next steps read what that prompt's
+        own block would read (:mod:`flexgen_infinigen.engine.join`). Only where
+        ``takes_rows``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take a row's columns")
+
     def abort(self) -> None:
         """The block failed: wake a ``load`` that waits for work the engine will not do."""
 

@@ -95,6 +95,17 @@ class FullCache(KVCache):
                                 and spec.head_dim % 64 == 0)
         self.inline = self.in_place or self.packed_in_place
 
+    @property
+    def takes_rows(self) -> bool:
+        """Float rows (4-bit groups would mix another row's values into the codes)."""
+        return not self.k.compressed
+
+    def take_row(self, row: int, start: int, other: KVCache, length: int) -> None:
+        kv = self.spec.kv_heads
+        rows, cols = slice(start, start + length), slice(row * kv, (row + 1) * kv)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine.write_columns(theirs.read(slice(0, length)), rows, cols)
+
     def store_prompt(self, q, k, v, valid) -> None:
         self.k.write(to_rows(k), slice(0, k.shape[1]))
         self.v.write(to_rows(v), slice(0, v.shape[1]))

@@ -29,6 +29,10 @@ def _alive_first(alive: torch.Tensor, top: int) -> torch.Tensor:
 
 
 class H2OCache(SelectiveCache):
+    # each row's scores accumulate over its own steps and evictions: a row does not take
+    # another sequence's columns (a request waits for the next block instead)
+    takes_rows = False
+
     def __init__(self, spec: CacheSpec, policy: "H2OPolicy"):
         super().__init__(spec, policy)
         cols = spec.batch_size * spec.kv_heads

@@ -287,6 +287,21 @@ class SplitTensor:
                 self.tiers.write(seg.data[sel], seg.tier, piece, self.kind, src_tier)
 
 
+    def write_columns(self, src: torch.Tensor, rows: slice, cols: slice,
+                      src_tier: str = DEVICE) -> None:
+        """Write ``src`` (rows ``rows`` along dim 0, columns ``cols`` of dim 1 only) into
+        place, each segment's share through its tier's link (counted): a KV cache's row of
+        the block taking another sequence's keys. Uncompressed tensors split along dim 1."""
+        assert not self.compressed and self.split_dim == 1, "columns of a float tensor"
+        start, stop = cols.start, cols.stop
+        for seg in self.segments:
+            lo, hi = max(start, seg.start), min(stop, seg.stop)
+            if lo >= hi:
+                continue
+            piece = src.narrow(1, lo - start, hi - lo)
+            dst = seg.data[rows, lo - seg.start:hi - seg.start]
+            self.tiers.write(dst, seg.tier, piece, self.kind, src_tier)
+
     def _write_blocks(self, src: compression.Blocks, sel: slice, src_tier: str) -> None:
         """A file's blocks into place: taken as they are where the tensor ``adopts`` them
         (its one segment then is the source's memory: nothing copied, held as host bytes),

@@ -49,6 +49,12 @@ class PipelineEngine(Engine):
     def any_rank(self, flag: bool, what: str) -> bool:
         return self.link.any(flag, what)
 
+    def takes_rows(self) -> bool:
+        return False  # a joiner's prefill alone would have to run on every rank
+
+    def can_join(self, prompt_len: int) -> bool:
+        return False
+
     def _steps(self, steps: int, sampler: Sampler, keep_logits: bool, lanes: Lanes,
                mode: BlockMode) -> Iterator[Step]:
         link = self.link

@@ -21,6 +21,10 @@ HELP = {
     "requests_finished_total": ("counter", "generations that ran to their end"),
     "requests_cancelled_total": ("counter",
                                  "generations dropped because their client disconnected"),
+    "requests_joined_total": ("counter", "generations that took a row of a running block"),
+    "requests_joined_prefilled_total": ("counter",
+                                        "joiners whose prompt was prefilled alone into their "
+                                        "row (the rest fed it a token a step)"),
     "prompt_tokens_total": ("counter", "prompt tokens admitted"),
     "generation_tokens_total": ("counter", "tokens generated for clients"),
     "engine_errors_total": ("counter", "blocks the engine failed on"),
@@ -118,7 +122,7 @@ class Metrics:
                                    for t, n in sorted((prefix_bytes or {}).items())],
         }
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
-                     "prompt_tokens", "generation_tokens", "engine_errors", "row_errors",
+                     "requests_joined", "requests_joined_prefilled", "prompt_tokens", "generation_tokens", "engine_errors", "row_errors",
                      "blocks", "block_rows", "prefix_cache_queries", "prefix_cache_hits"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]
         self.running.set(self.running_rows)

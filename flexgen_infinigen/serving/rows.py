@@ -1,9 +1,11 @@
 """The rows of a running block: which request each holds, what it has fed into the caches,
 and the sampler that chooses every row's next token.
 
-A row admitted while the block runs (:meth:`~..engine.schedule.Engine.restart_row`) feeds
-its prompt one token a step: its chooser hands the next prompt token back instead of
-choosing, and its request sees tokens only once the prompt is in.
+A row admitted while the block runs takes its prompt's prefill, run alone, into its columns
+(:mod:`~..engine.join`) and answers from the next step on. Where the caches cannot take a
+row's columns it feeds its prompt one token a step instead
+(:meth:`~..engine.schedule.Engine.restart_row`): its chooser hands the next prompt token
+back instead of choosing, and its request sees tokens only once the prompt is in.
 """
 from __future__ import annotations
 
@@ -79,25 +81,32 @@ class RowChooser:
                 tokens[r] = row.feed.pop(0)
                 self.feeding.add(index)
                 continue
-            request = row.request
-            try:
-                constraint = request.constraint
-                if constraint is not None:  # only the tokens its grammar allows
-                    tokens[r] = row.sampler(constraint.masked(logits[r:r + 1]), step, 0)[0]
-                    why = constraint.take(int(tokens[r]))
-                    if why is not None:
-                        raise ValueError(why)
-                elif request.sampling.temperature > 0 or request.sampling.moves_logits:
-                    # the row's own chooser, on its row alone (its history is its own)
-                    tokens[r] = row.sampler(logits[r:r + 1], step, 0)[0]
-                if request.top_logprobs is not None:
-                    self.logprobs[index] = self._logprobs(logits[r], int(tokens[r]),
-                                                          request.top_logprobs)
-            except Exception as e:  # noqa: BLE001 - this row's request fails, not the block
-                tokens[r] = logits[r].argmax()
-                self.failed[index] = f"choosing this request's token failed: " \
-                                     f"{type(e).__name__}: {e}"
+            tokens[r] = self.choose(index, logits[r], step)
         return tokens
+
+    def choose(self, index: int, logits: torch.Tensor, step: int) -> int:
+        """Row ``index``'s token from its logits ``[vocab]`` (float32, on the CPU), chosen
+        with its request's settings; a choice that raises takes the argmax and lists the row
+        in :attr:`failed`."""
+        row = self.rows[index]
+        request, token = row.request, int(logits.argmax())
+        try:
+            constraint = request.constraint
+            if constraint is not None:  # only the tokens its grammar allows
+                token = int(row.sampler(constraint.masked(logits[None]), step, 0)[0])
+                why = constraint.take(token)
+                if why is not None:
+                    raise ValueError(why)
+            elif request.sampling.temperature > 0 or request.sampling.moves_logits:
+                # the row's own chooser, on its row alone (its history is its own)
+                token = int(row.sampler(logits[None], step, 0)[0])
+            if request.top_logprobs is not None:
+                self.logprobs[index] = self._logprobs(logits, token, request.top_logprobs)
+        except Exception as e:  # noqa: BLE001 - this row's request fails, not the block
+            token = int(logits.argmax())
+            self.failed[index] = f"choosing this request's token failed: " \
+                                 f"{type(e).__name__}: {e}"
+        return token
 
     def _logprobs(self, logits: torch.Tensor, token: int, top: int) -> dict:
         """The model's own log-probabilities (before temperature and top-p)."""

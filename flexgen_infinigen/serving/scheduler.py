@@ -7,12 +7,13 @@ each row's token to its request at every step.
   trades first-token latency for fuller blocks. A short block takes as few GPU batches as
   hold its rows (as :meth:`~..api.OffloadedLM.generate` does).
 - Requests also join a running block: when a row has ended, the next waiting request
-  takes it at the next step (:meth:`~..engine.schedule.Engine.restart_row`). Its prompt
-  goes in one token a step, in the steps the other rows decode (each layer's weights read
-  once for all of them), and its answer starts when the prompt is in. A request joins when
-  its prompt and answer fit the steps the block has left and its prompt is at most
-  ``admit_prompt_tokens`` (a longer one prefills faster in the next block's prefill); a
-  block is given twice its longest answer in steps, so that there is room to join.
+  takes it between two steps (:mod:`..engine.join`): its prompt is prefilled alone into the
+  row, its first token goes out at once, and it decodes with the others from the next step
+  (each layer's weights read once for all of them), answering what it answers alone. Where
+  the caches cannot take a row's columns, its prompt goes in one token a step instead
+  (:meth:`~..engine.schedule.Engine.restart_row`). A request joins when its answer fits the
+  steps the block has left and its prompt is at most ``admit_prompt_tokens``; a block is
+  given twice its longest answer in steps, so that there is room to join.
 - Sampling is per row: each row has its own settings (temperature, top-k, top-p, min-p,
   penalties, logit bias; :mod:`..sampling`), stop ids and random generator (seeded by its
   request), so an answer does not depend on the other rows of its block: a greedy row that
@@ -54,18 +55,21 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None,
-                 prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 256,
+                 prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 1024,
                  context: int | None = None):
         """``admit_prompt_tokens``: the longest prompt that joins a running block (0: none
         joins; requests wait for the next block). ``context``: the tokens a prompt and its
         answer may fill (``--max-model-len``; default the model's)."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
-        # a running block takes new rows, and prefills start from pages, where the policy's
-        # caches allow it (not one that reads the prompt's queries at prefill, nor a
-        # pipeline rank); else requests join at block boundaries and prefill everything
+        # a running block takes new rows where one process runs every layer (a joiner's
+        # prompt is prefilled alone into its row, or, where the caches cannot take a row's
+        # columns, fed a token a step: not for a policy that reads the prompt's queries);
+        # prefills start from pages where the policy's caches allow it; else requests
+        # join at block boundaries and prefill everything
         usable = prefix_reuse.usable(lm.engine)
-        self.admit_prompt_tokens = admit_prompt_tokens if usable else 0
+        self.admit_prompt_tokens = admit_prompt_tokens if prefix_reuse.whole(lm.engine) else 0
+        self.feeds_prompts = usable
         self.pages = prefix_pages if usable else None
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
@@ -218,7 +222,8 @@ class Scheduler:
                 self._deliver(rows, chooser, tokens)
                 fed_next = tokens
                 if self.admit_prompt_tokens:
-                    self._join(rows, chooser, fed_next, steps - step.index - 1, size)
+                    self._join(rows, chooser, fed_next, steps - step.index - 1, size,
+                               step.index)
                 self.metrics.running_rows = sum(not r.idle for r in rows)
                 if all(r.idle for r in rows) and lm.engine.stops_early:
                     break
@@ -236,40 +241,43 @@ class Scheduler:
 
     def _deliver(self, rows: list[Row], chooser: RowChooser, tokens: list[int]) -> None:
         """Each row's token to its request (not a prompt token a joining row fed)."""
-        stop_ids = self.lm.stop_token_ids
         for i, row in enumerate(rows):
-            request = row.request
-            if row.idle or i in chooser.feeding:
-                continue
-            if i in chooser.failed:
-                request.fail(chooser.failed[i])
-                self.metrics.count("row_errors")
-                continue
-            if request.cancelled.is_set():
-                request.drop()
-                self.metrics.count("requests_cancelled")
-                continue
-            try:
-                made = request.take(tokens[i], stop_ids, chooser.logprobs[i])
-            except Exception as e:  # noqa: BLE001 - e.g. its text cannot be decoded
-                request.fail(f"this request's answer failed: {type(e).__name__}: {e}")
-                self.metrics.count("row_errors")
-                continue
-            self.metrics.count("generation_tokens", made)
-            if request.finished:
-                self.metrics.count("requests_finished")
+            if not row.idle and i not in chooser.feeding:
+                self._deliver_row(i, row, chooser, tokens[i])
+
+    def _deliver_row(self, i: int, row: Row, chooser: RowChooser, token: int) -> None:
+        """Row ``i``'s token to its request: it fails alone if its choice or its text did."""
+        request = row.request
+        if i in chooser.failed:
+            request.fail(chooser.failed[i])
+            self.metrics.count("row_errors")
+            return
+        if request.cancelled.is_set():
+            request.drop()
+            self.metrics.count("requests_cancelled")
+            return
+        try:
+            made = request.take(token, self.lm.stop_token_ids, chooser.logprobs[i])
+        except Exception as e:  # noqa: BLE001 - e.g. its text cannot be decoded
+            request.fail(f"this request's answer failed: {type(e).__name__}: {e}")
+            self.metrics.count("row_errors")
+            return
+        self.metrics.count("generation_tokens", made)
+        if request.finished:
+            self.metrics.count("requests_finished")
 
     def _join(self, rows: list[Row], chooser: RowChooser, fed_next: list[int], left: int,
-              size: int) -> None:
+              size: int, step: int) -> None:
         """Waiting requests into the rows that have ended, in arrival order, while the head
-        of the queue fits: its prompt and answer in the ``left`` steps the block has after
-        this one, its prompt at most ``admit_prompt_tokens``. ``fed_next``: the next step's
-        input by row (a joining row's first prompt token goes there)."""
+        of the queue can join: its prompt at most ``admit_prompt_tokens``, and its answer
+        within the ``left`` steps the block has after this one. A joiner's prompt is
+        prefilled alone into its row (it answers as alone, and its first token goes out
+        now); where the caches cannot take a row's columns, it is fed a token a step (its
+        prompt then counts in ``left`` too). A head that must wait for the block's columns
+        to grow stays at the head. ``fed_next``: the next step's input by row."""
         engine = self.lm.engine
-        for index, row in enumerate(rows):
-            if not row.idle:
-                continue
-            while True:
+        for index in range(len(rows)):
+            while rows[index].idle:
                 try:
                     request = self._next(0)
                 except queue.Empty:
@@ -281,22 +289,53 @@ class Scheduler:
                     request.drop()
                     self.metrics.count("requests_cancelled")
                     continue
-                if len(request.ids) + request.max_tokens > left or \
-                        len(request.ids) > self.admit_prompt_tokens:
-                    self._carried.insert(0, request)  # first in the next block
+                n = len(request.ids)
+                by_prefill = engine.can_join(n)
+                by_feeding = (not by_prefill and self.feeds_prompts and not engine.takes_rows()
+                              and n + request.max_tokens <= left)
+                if n > self.admit_prompt_tokens or request.max_tokens - 1 > left or \
+                        not (by_prefill or by_feeding):
+                    self._carried.insert(0, request)  # first in line at the next step
                     return
                 admitted, samplers = self._admit([request])
-                if admitted:
-                    break
-            if self.pages is not None:  # the row's last answer, before it is hidden
-                self._keep_pages([r if i == index else Row(None) for i, r in enumerate(rows)])
-            engine.restart_row(index // size, index % size, request.ids[0])
-            fed_next[index] = request.ids[0]
-            request.start(self.lm.tokenizer)
-            self._in_block.append(request)
-            chooser.replace(index, Row(request, samplers[0], engine.columns(), [],
-                                       list(request.ids[1:])))
-            self.metrics.count("requests_joined")
+                if not admitted:
+                    continue
+                if self.pages is not None:  # the row's last answer, before it is hidden
+                    self._keep_pages([r if i == index else Row(None)
+                                      for i, r in enumerate(rows)])
+                request.start(self.lm.tokenizer)
+                self._in_block.append(request)
+                if by_prefill:
+                    self._join_by_prefill(index, request, samplers[0], chooser, fed_next,
+                                          size, step)
+                else:
+                    engine.restart_row(index // size, index % size, request.ids[0])
+                    fed_next[index] = request.ids[0]
+                    chooser.replace(index, Row(request, samplers[0], engine.columns(), [],
+                                               list(request.ids[1:])))
+                self.metrics.count("requests_joined")
+
+    def _join_by_prefill(self, index: int, request: ServeRequest, sampler, chooser: RowChooser,
+                         fed_next: list[int], size: int, step: int) -> None:
+        """Row ``index`` takes ``request``: its prompt prefilled alone into the row (from
+        the prefix pages where they hold its start), its first token chosen and delivered."""
+        engine, ids = self.lm.engine, request.ids
+        prefix = None
+        if self.pages is not None:
+            one = [(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))]
+            prefix = prefix_reuse.block_prefix(self.pages, engine, [ids], one)
+            request.cached_tokens = prefix.length if prefix else 0
+            self.metrics.count("prefix_cache_hits", request.cached_tokens)
+            self.metrics.count("prefix_cache_queries", len(ids))
+        new = Row(request, sampler, engine.columns() - len(ids), list(ids), [])
+        chooser.replace(index, new)
+        token = engine.join_row(index // size, index % size, ids,
+                                lambda logits: chooser.choose(index, logits.float().cpu(),
+                                                              step),
+                                prefix)
+        fed_next[index] = token
+        self.metrics.count("requests_joined_prefilled")
+        self._deliver_row(index, new, chooser, token)
 
     def _prefix(self, block: list[ServeRequest], ids: list[list[int]], batches):
         """The block's known first columns from the prefix pages (None: none), each

@@ -133,6 +133,24 @@ class InfiniGenCache(SelectiveCache):
         self._write_keys(k, 0, valid)
         super().store_prompt(q, k, v, valid)
 
+    @property
+    def takes_rows(self) -> bool:
+        """Besides the float rows: speculation keys kept per token (page summaries mix a
+        page's tokens, a pool's eviction history is the row's own)."""
+        return super().takes_rows and self.pool is None and \
+            not isinstance(self.keys, PageSummaries)
+
+    def take_row(self, row: int, start: int, other: KVCache, length: int) -> None:
+        super().take_row(row, start, other, length)
+        if not self.selecting:
+            return
+        self.flush_keys()  # waiting keys of the row's old sequence land before, not over
+        kv = self.spec.kv_heads
+        if self.projection.stride(0):  # one per prompt: the row takes its prompt's
+            self.projection[row].copy_(other.projection[0])
+            self.query_projection[row].copy_(other.query_projection[0])
+        self.keys.take_columns(other.keys, slice(row * kv, (row + 1) * kv), start, length)
+
     # ---- speculation (compute stream, during the previous layer) ----------------------------
     def reads_whole(self, length: int) -> bool:
         """Whether this step reads the layer whole: its KV (the batch's) is too small for

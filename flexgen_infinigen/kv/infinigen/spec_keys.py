@@ -92,6 +92,18 @@ class SpeculationKeys:
         self.lo.narrow(1, start, end - start).copy_(lo)
         self.scale.narrow(1, start, end - start).copy_(scale)
 
+    def take_columns(self, other: "SpeculationKeys", cols: slice, start: int,
+                     length: int) -> None:
+        """Columns ``cols`` hold, from position ``start``, ``other``'s first ``length``
+        positions (all its columns), as stored: codes copied, not quantized again."""
+        at = slice(start, start + length)
+        if self.bits is None:
+            self.data[cols, at] = other.data[:, :length]
+            return
+        for mine, theirs in ((self.codes, other.codes), (self.lo, other.lo),
+                             (self.scale, other.scale)):
+            mine[cols, at] = theirs[:, :length]
+
     def keys(self, length: int) -> torch.Tensor:
         """The first ``length`` rows ``[length, columns, width]`` in the runtime dtype."""
         if self.bits is None:
