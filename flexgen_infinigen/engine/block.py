@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.attention import mask_bias, visible
 from ..kv.base import KVCache, PromptRecorder
 from ..memory.split_tensor import SplitTensor
 from .prefill_cache import Prefilled
@@ -33,6 +34,30 @@ class BatchState:
     def attention_inputs(self, window: int):
         """(pos_enc, bias, visible) for a layer with sliding window ``window``."""
         return self.by_window.get(window) or (self.pos_enc, self.bias, self.visible)
+
+    def prepare(self, family, cfg, dtype: torch.dtype) -> "BatchState":
+        """What every layer of this iteration shares: position encodings and the mask bias."""
+        # per window the layers have: the family's positions of that kind of layer (Gemma 3's
+        # windowed layers have their own RoPE base); decode's mask (one query row; a
+        # prompt's is built per chunk by attend_prompt); what the newest token may attend
+        # to (the KV policies select among these only)
+        inputs = {window: (family.encode_positions(cfg, self.positions, window),
+                           mask_bias(self.valid, 1, dtype, window)
+                           if self.ids.shape[1] == 1 else None,
+                           visible(self.valid, window))
+                  for window in cfg.windows}
+        self.pos_enc, self.bias, self.visible = inputs[cfg.window_of(0)]
+        self.by_window = inputs if len(inputs) > 1 else {}
+        return self
+
+    def advance(self, new: torch.Tensor, family, cfg, dtype: torch.dtype) -> None:
+        """The next token ``new`` [b] as input: one more column, at each row's next
+        position (its visible columns so far)."""
+        dev = self.valid.device
+        self.ids = new.view(-1, 1).to(dev)
+        self.positions = self.valid.long().sum(-1, keepdim=True)
+        self.valid = torch.cat([self.valid, torch.ones_like(self.valid[:, :1])], dim=1)
+        self.prepare(family, cfg, dtype)
 
 
 @dataclass

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..config import ModelConfig
-from ..kernels.attention import mask_bias, visible
 from ..kv.base import CacheSpec, KVPolicy, PromptRecorder
 from ..memory.lanes import Lanes
 from ..memory.split_tensor import SplitTensor
@@ -289,27 +288,10 @@ class Engine:
 
     def _advance(self, batch: int, new: torch.Tensor) -> None:
         """GPU batch ``batch`` takes its next token ``new`` [b] as input."""
-        state = self.block.states[batch]
-        dev = state.valid.device
-        state.ids = new.view(-1, 1).to(dev)
-        state.positions = state.valid.long().sum(-1, keepdim=True)
-        state.valid = torch.cat([state.valid, torch.ones_like(state.valid[:, :1])], dim=1)
-        self._prepare(state)
+        self.block.states[batch].advance(new, self.family, self.cfg, self.dtype)
 
     def _prepare(self, state: BatchState) -> BatchState:
-        """What every layer of this iteration shares: position encodings and the mask bias."""
-        # per window the layers have: the family's positions of that kind of layer (Gemma 3's
-        # windowed layers have their own RoPE base); decode's mask (one query row; a
-        # prompt's is built per chunk by attend_prompt); what the newest token may attend
-        # to (the KV policies select among these only)
-        inputs = {window: (self.family.encode_positions(self.cfg, state.positions, window),
-                           mask_bias(state.valid, 1, self.dtype, window)
-                           if state.ids.shape[1] == 1 else None,
-                           visible(state.valid, window))
-                  for window in self.cfg.windows}
-        state.pos_enc, state.bias, state.visible = inputs[self.cfg.window_of(0)]
-        state.by_window = inputs if len(inputs) > 1 else {}
-        return state
+        return state.prepare(self.family, self.cfg, self.dtype)
 
     # ---- the schedule -----------------------------------------------------------------------
     def _load_cache(self, p: Pass, stage: int, batch: int):

@@ -122,8 +122,9 @@ class Metrics:
                                    for t, n in sorted((prefix_bytes or {}).items())],
         }
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
-                     "requests_joined", "requests_joined_prefilled", "prompt_tokens", "generation_tokens", "engine_errors", "row_errors",
-                     "blocks", "block_rows", "prefix_cache_queries", "prefix_cache_hits"):
+                     "requests_joined", "requests_joined_prefilled", "prompt_tokens",
+                     "generation_tokens", "engine_errors", "row_errors", "blocks", "block_rows",
+                     "prefix_cache_queries", "prefix_cache_hits"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]
         self.running.set(self.running_rows)
         self.waiting.set(queue_depth)

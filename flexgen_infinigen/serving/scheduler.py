@@ -265,6 +265,9 @@ class Scheduler:
         self.metrics.count("generation_tokens", made)
         if request.finished:
             self.metrics.count("requests_finished")
+            if self.pages is not None:  # found by the chat's next turn, even mid-block
+                self._keep_pages([r if j == i else Row(None)
+                                  for j, r in enumerate(chooser.rows)])
 
     def _join(self, rows: list[Row], chooser: RowChooser, fed_next: list[int], left: int,
               size: int, step: int) -> None:
