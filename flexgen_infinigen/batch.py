@@ -10,10 +10,13 @@ optionally ``gen_len`` (or ``max_tokens``), ``temperature``, ``top_p``, ``top_k`
 ``stop``, ``stop_token_ids`` and ``ignore_eos`` (checked and meant as the server's:
 :mod:`.sampling`). A file in the OpenAI Batch API format
 (``custom_id``, ``method``, ``url``, ``body``; see :mod:`.cli.openai_batch`) is read as such
-and answered in that format. Prompts with the same settings are sorted by length (less
-padding) and run in blocks of the policy's size; each finished block is appended to
-``--output`` (one line per id) and synced to disk. A rerun skips the ids already written: an
-interrupted job loses at most the block in flight and never writes an id twice.
+and answered in that format. Prompts are sorted by length (less padding) and run in blocks of
+the policy's size; a row whose answer has ended takes the next prompt at the next step (its
+prompt prefilled alone into the row, each row with its own settings: ``--no-refill`` runs
+blocks of prompts with the same settings to their longest answer instead). Each answer is
+appended to ``--output`` (one line per id) as it ends, and synced to disk. A rerun skips the
+ids already written: an interrupted job loses at most the answers in flight and never
+writes an id twice.
 
 A request that cannot run (a refused value, a prompt outside the model's vocabulary or
 positions, a row that fails in the engine) gets an error line of its own and the job goes
@@ -202,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="text prompts go through the model's chat template when it has one")
+    g.add_argument("--refill", action=argparse.BooleanOptionalAction, default=True,
+                   help="a row whose answer has ended takes the next prompt at the next step "
+                        "(its prefill alone, then it decodes beside the others); "
+                        "--no-refill runs blocks of prompts with the same settings, each "
+                        "until its longest answer ends")
     return p
 
 
@@ -288,31 +296,70 @@ def _run(a, todo: list[dict], out) -> int:
             (ready.append(r) if why is None else refused.append(error_line(r, why)))
         _write(out, refused)
         failed += len(refused)
-        groups: dict[tuple, list[dict]] = {}
-        for r in ready:
-            groups.setdefault(tuple(sorted(r["settings"].items())), []).append(r)
         bar = tqdm(total=len(ready), desc="prompts", unit="prompt")
         tokens, start = 0, time.perf_counter()
-        for key, group in groups.items():
-            settings = dict(key)
-            group.sort(key=lambda r: len(r["ids"]))
-            sampling = SamplingConfig(
-                settings["temperature"], settings["top_p"], settings.get("seed", a.seed),
-                settings["repetition_penalty"], settings.get("top_k", -1),
-                settings.get("min_p", 0.0), settings.get("presence_penalty", 0.0),
-                settings.get("frequency_penalty", 0.0), settings.get("logit_bias", ()))
-            # own stop ids: the rows run on, and each is cut at its first stop id
-            stop_token_id = -1 if _stop_ids(lm, settings) is None else None
-            for i in range(0, len(group), policy.block_size):
-                block = group[i:i + policy.block_size]
-                lines = _answer(lm, block, settings["gen_len"], sampling, stop_token_id)
-                _write(out, lines)
-                failed += sum(line["error"] is not None for line in lines)
-                tokens += sum(map(_generated, lines))
-                bar.update(len(block))
-                bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+
+        def written(lines: list[dict], prompts: int) -> None:
+            nonlocal failed, tokens
+            _write(out, lines)
+            failed += sum(line["error"] is not None for line in lines)
+            tokens += sum(map(_generated, lines))
+            bar.update(prompts)
+            bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+
+        if a.refill and lm.tokenizer is not None:  # (a row's end is found in its text)
+            _refilled(lm, a, ready, written)
+        else:
+            _blocks(lm, a, ready, policy.block_size, written)
         bar.close()
     return failed
+
+
+def _sampling(a, settings: dict) -> SamplingConfig:
+    return SamplingConfig(
+        settings["temperature"], settings["top_p"], settings.get("seed", a.seed),
+        settings["repetition_penalty"], settings.get("top_k", -1), settings.get("min_p", 0.0),
+        settings.get("presence_penalty", 0.0), settings.get("frequency_penalty", 0.0),
+        settings.get("logit_bias", ()))
+
+
+def _blocks(lm, a, ready: list[dict], block_size: int, written) -> None:
+    """Blocks of prompts with the same settings, shortest first, each run to its longest
+    answer (or until every row has ended)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in ready:
+        groups.setdefault(tuple(sorted(r["settings"].items())), []).append(r)
+    for key, group in groups.items():
+        settings = dict(key)
+        group.sort(key=lambda r: len(r["ids"]))
+        # own stop ids: the rows run on, and each is cut at its first stop id
+        stop_token_id = -1 if _stop_ids(lm, settings) is None else None
+        for i in range(0, len(group), block_size):
+            block = group[i:i + block_size]
+            written(_answer(lm, block, settings["gen_len"], _sampling(a, settings),
+                            stop_token_id), len(block))
+
+
+def _refilled(lm, a, ready: list[dict], written) -> None:
+    """Every prompt a row of the server's scheduler, each with its own settings; a row whose
+    answer ends takes the next prompt (:mod:`.serving.offline`). A request that failed (its
+    block with it) runs again alone, as ``_blocks`` would run it."""
+    from .serving.offline import JobRequest, answer_all
+
+    jobs = [JobRequest("completion", r["ids"], r["settings"]["gen_len"],
+                       _sampling(a, r["settings"]), list(r.get("stop") or []), None, False,
+                       False, lm.cfg.name, ignore_eos=bool(r["settings"].get("ignore_eos")),
+                       stop_token_ids=tuple(r["settings"].get("stop_token_ids", ())), line=r)
+            for r in ready]
+    decode = lm.tokenizer.decode if lm.tokenizer else (lambda _: "")
+    for job, event in answer_all(lm, jobs):
+        r = job.line
+        if event[0] == "done":
+            written([_result(lm, r, job.token_ids, decode(job.token_ids))], 1)
+            continue
+        settings = r["settings"]
+        written(_answer(lm, [r], settings["gen_len"], _sampling(a, settings),
+                        -1 if _stop_ids(lm, settings) is None else None), 1)
 
 
 def _template(lm, a) -> str | None:

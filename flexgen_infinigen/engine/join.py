@@ -4,10 +4,10 @@ ended, and from its next step on is computed as its own block would compute it.
 Its prompt is prefilled alone: the same prefill a block of that one prompt runs (one row,
 the same chunks and attention calls), into one-row caches made for it. Each of the running
 block's caches then takes those columns into the row (``KVCache.take_row``: the keys and
-values, and what the policy keeps per token and per row, such as InfiniGen's speculation
-keys and per-prompt projection), placed so that they end at the block's last column; the
-row's older columns become invisible to it. Its first token comes from the prefill's
-logits, and its next token goes in at the next step at position ``len(prompt)``.
+values, and what the policy keeps per token and per row, such as a selecting policy's
+speculation keys and per-prompt projection), placed so that they end at the block's last
+column; the row's older columns become invisible to it. Its first token comes from the
+prefill's logits, and its next token goes in at the next step at position ``len(prompt)``.
 
 Why this is exact: a row's decode attention starts at its first visible key and walks its
 keys in ranges counted from there (:mod:`flexgen_infinigen.kernels.attention`), positions

@@ -1,0 +1,76 @@
+"""A batch job's requests through the server's scheduler, without HTTP: every request takes a
+row, and a row whose answer has ended is taken by the next request between two steps
+(:mod:`..engine.join`), so rows with short answers do not sit idle until their block's
+longest answer ends. Each request keeps its own settings (sampling, stops, stop ids), as a
+server's request does; its answer at temperature 0 is the one it gets alone.
+
+Requests are queued shortest prompt first (less padding in the blocks that start). Results
+come back as each request ends, in the order they end.
+"""
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .metrics import Metrics
+from .requests import ServeRequest
+from .scheduler import Scheduler
+
+
+@dataclass
+class JobRequest(ServeRequest):
+    """A server request that keeps the token ids it was given (a job's output lists them) and
+    the input line it answers."""
+
+    token_ids: list[int] = field(default_factory=list)
+    line: dict | None = None
+
+    def take(self, token: int, stop_ids: set[int], logprob: dict | None) -> int:
+        if not self.finished:
+            self.token_ids.append(token)
+        return super().take(token, stop_ids, logprob)
+
+
+class _Direct:
+    """The engine thread's events delivered where they happen (no event loop)."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
+class _Ends:
+    """A request's event channel that passes on only its end (done or error)."""
+
+    def __init__(self, request: JobRequest, ended: queue.Queue):
+        self.request, self.ended = request, ended
+
+    def put_nowait(self, event) -> None:
+        if event[0] in ("done", "error"):
+            self.ended.put((self.request, event))
+
+
+def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
+               metrics: Metrics | None = None) -> Iterator[tuple[JobRequest, tuple]]:
+    """(request, its end event) for every request, as each ends: ``("done", text, reason)``,
+    or ``("error", ApiError, None)`` for one that failed (alone, or with its block).
+    ``timeout_s``: the longest wait for the next request to end (a stuck engine raises);
+    ``metrics``: the scheduler's counters (blocks, joins), when the caller reads them."""
+    ended: queue.Queue = queue.Queue()
+    scheduler = Scheduler(lm, 0.0, len(requests) + 1, metrics=metrics,
+                          admit_prompt_tokens=lm.cfg.max_positions)
+    for r in sorted(requests, key=lambda r: len(r.ids)):
+        r.loop, r.events = _Direct(), _Ends(r, ended)
+        scheduler.submit(r)
+    scheduler.start()
+    try:
+        for _ in requests:
+            try:
+                yield ended.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"no request ended in {timeout_s:.0f} s: the engine is "
+                                   f"stuck") from None
+    finally:
+        for r in requests:  # an abandoned job: the rows still running are dropped
+            r.cancelled.set()
+        scheduler.stop(timeout=60)
