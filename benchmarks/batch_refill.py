@@ -1,7 +1,7 @@
 """``batch`` on a file of mixed answer lengths: rows refilled as answers end (the default)
 against blocks run to their longest answer (``--no-refill``, the command before refilling).
 
-The file: ``--prompts`` chat prompts to the default model (SmolLM2-135M-Instruct, its GGUF
+The file: ``--prompts`` chat prompts to ``--model`` (default SmolLM2-135M-Instruct, its GGUF
 codes), each with a ``gen_len`` drawn from ``--lengths``; an instruct model's answers also
 end at its end token, at their own lengths. Both modes run the same file in this process,
 alternately, ``--runs`` times; every output line must be equal between them (temperature 0),
@@ -9,6 +9,7 @@ and the throughput is generated tokens over the command's wall time (loading inc
 same for both).
 
     python benchmarks/batch_refill.py --runs 3
+    python benchmarks/batch_refill.py --runs 3 --model path/to/qwen2.5-coder-0.5b-instruct.gguf
 
 Appends each run to benchmarks/results/batch_refill.json (``--fresh`` starts anew) and
 rewrites batch_refill.md and .png from all of them.
@@ -50,8 +51,8 @@ def run_mode(a, src: Path, mode: str, folder: Path) -> tuple[dict, dict]:
     out.unlink(missing_ok=True)
     args = ["--input", str(src), "--output", str(out), "--gpu-batch-size", str(a.rows),
             "--threads", str(a.threads), mode]
-    if a.path:
-        args = ["--path", str(a.path), *args]
+    if a.model:
+        args = ["--model", str(a.model), *args]
     start = time.perf_counter()
     if batch.main(args) != 0:
         raise SystemExit(f"batch {mode} failed")
@@ -64,11 +65,11 @@ def run_mode(a, src: Path, mode: str, folder: Path) -> tuple[dict, dict]:
 
 def markdown(doc: dict) -> str:
     s = doc["settings"]
-    return (artifacts.table(doc["runs"], ["mode"], [
+    return (artifacts.table(doc["runs"], ["model", "mode"], [
         ("wall s", "wall_s"), ("generated tokens", "tokens", "{:.0f}"),
         ("tokens/s", "tokens_per_s"), ("x blocks", "speedup"),
         ("lines equal", "equal", "{:.0f}")]) + "\n"
-        + f"{s['prompts']} chat prompts, gen_len from {s['lengths']}, {s['rows']} rows a "
+        + f"{s['prompts']} chat prompts each, gen_len from {s['lengths']}, {s['rows']} rows a "
         f"block, {s['threads']} threads. {artifacts.meta_line(doc['runs'])}\n")
 
 
@@ -76,13 +77,13 @@ def plot(doc: dict, path: Path) -> None:
     plt = artifacts.pyplot()
     if plt is None:
         return
-    groups = artifacts.grouped(doc["runs"], ["mode"])
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    groups = artifacts.grouped(doc["runs"], ["model", "mode"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, rows in enumerate(groups.values()):
         ys = [r["tokens_per_s"] for r in rows]
         ax.scatter([i] * len(ys), ys)
         ax.bar([i], [sorted(ys)[len(ys) // 2]], 0.5, alpha=0.4)
-    ax.set_xticks(range(len(groups)), [k[0] for k in groups])
+    ax.set_xticks(range(len(groups)), [f"{m}\n{mode}" for m, mode in groups], fontsize=7)
     ax.set_ylabel("generated tokens/s")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -91,8 +92,8 @@ def plot(doc: dict, path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", type=Path, default=None,
-                   help="a weight store (default: the embedded default model)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file or a model name (default: the embedded default model)")
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 64, 128, 256])
     p.add_argument("--rows", type=int, default=8)
@@ -104,7 +105,8 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true")
     a = p.parse_args()
     settings = {"prompts": a.prompts, "lengths": a.lengths, "rows": a.rows,
-                "threads": a.threads, "path": str(a.path) if a.path else "default model"}
+                "threads": a.threads,
+                "model": Path(a.model).name if a.model else "SmolLM2-135M-Instruct"}
     doc = artifacts.load(a.out)
     fresh = a.fresh
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,6 +121,8 @@ def main() -> int:
                 got[row["mode"]] = (row, lines)
             (refill, mine), (blocks, theirs) = got["refill"], got["blocks"]
             rows = [refill, blocks]
+            for r in rows:
+                r["model"] = settings["model"]
             equal = sum(mine[k] == theirs.get(k) for k in mine)
             refill["speedup"] = refill["tokens_per_s"] / blocks["tokens_per_s"]
             for r in rows:

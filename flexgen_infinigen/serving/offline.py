@@ -51,15 +51,19 @@ class _Ends:
 
 
 def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
-               metrics: Metrics | None = None) -> Iterator[tuple[JobRequest, tuple]]:
+               metrics: Metrics | None = None, block_answers: int = 4
+               ) -> Iterator[tuple[JobRequest, tuple]]:
     """(request, its end event) for every request, as each ends: ``("done", text, reason)``,
     or ``("error", ApiError, None)`` for one that failed (alone, or with its block).
     ``timeout_s``: the longest wait for the next request to end (a stuck engine raises);
-    ``metrics``: the scheduler's counters (blocks, joins), when the caller reads them."""
+    ``metrics``: the scheduler's counters (blocks, joins), when the caller reads them;
+    ``block_answers``: a block's steps, in its longest answers (a longer block takes more
+    requests into ended rows before it ends; its caches hold that many columns)."""
     ended: queue.Queue = queue.Queue()
     scheduler = Scheduler(lm, 0.0, len(requests) + 1, metrics=metrics,
-                          admit_prompt_tokens=lm.cfg.max_positions)
-    for r in sorted(requests, key=lambda r: len(r.ids)):
+                          admit_prompt_tokens=lm.cfg.max_positions,
+                          block_answers=block_answers)
+    for r in sorted(requests, key=lambda r: (-r.max_tokens, len(r.ids))):
         r.loop, r.events = _Direct(), _Ends(r, ended)
         scheduler.submit(r)
     scheduler.start()

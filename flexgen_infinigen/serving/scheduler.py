@@ -56,11 +56,14 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None,
                  prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 1024,
-                 context: int | None = None):
+                 context: int | None = None, block_answers: int = 2):
         """``admit_prompt_tokens``: the longest prompt that joins a running block (0: none
         joins; requests wait for the next block). ``context``: the tokens a prompt and its
-        answer may fill (``--max-model-len``; default the model's)."""
+        answer may fill (``--max-model-len``; default the model's). ``block_answers``: a
+        block (its caches) holds this many times its longest answer in steps, within the
+        context, so that ended rows can be taken (their columns are not reused)."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
+        self.block_answers = block_answers
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
         # a running block takes new rows where one process runs every layer (a joiner's
         # prompt is prefilled alone into its row, or, where the caches cannot take a row's
@@ -200,7 +203,7 @@ class Scheduler:
         width = max(map(len, ids))
         longest = max(r.max_tokens for r in block)
         steps = longest if not self.admit_prompt_tokens else \
-            max(longest, min(2 * longest, self.context - width))
+            max(longest, min(self.block_answers * longest, self.context - width))
         for r in block:
             r.start(lm.tokenizer)
         rows = [Row(r, s, width - len(r.ids), list(r.ids)) for r, s in zip(block, samplers)]
