@@ -127,8 +127,10 @@ def chat(url: str, messages: list[dict], max_tokens: int, on_token=None) -> dict
                 text.append(piece)
                 if on_token is not None:
                     on_token(len(text))
+    details = usage.get("prompt_tokens_details") or {}
     return {"ttft": first, "gaps": gaps, "text": "".join(text), "seconds": time.perf_counter()
             - start, "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": details.get("cached_tokens", 0),
             "completion_tokens": usage.get("completion_tokens", len(text))}
 
 
@@ -156,9 +158,11 @@ class Texts:
 
 # ---- the loads ------------------------------------------------------------------------------
 def latecomer(url: str, texts: Texts) -> dict:
-    short = [{"role": "user", "content": "Say hello in French. " + texts.piece(24)}]
-    chat(url, short, 4)  # warm
-    alone = statistics.median(chat(url, short, 8)["ttft"] for _ in range(3))
+    def short():  # a new text each time: no server has it cached
+        return [{"role": "user", "content": "Say hello in French. " + texts.piece(24)}]
+
+    chat(url, short(), 4)  # warm
+    alone = statistics.median(chat(url, short(), 8)["ttft"] for _ in range(3))
     came = threading.Event()
     long_msgs = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
     result = {}
@@ -170,7 +174,7 @@ def latecomer(url: str, texts: Texts) -> dict:
     t = threading.Thread(target=long_run)
     t.start()
     came.wait(600)
-    late = chat(url, short, 8)
+    late = chat(url, short(), 8)
     t.join()
     before = result["long"]["gaps"][:15]
     step = statistics.median(before) if before else float("nan")
@@ -181,7 +185,8 @@ def latecomer(url: str, texts: Texts) -> dict:
 def multi_turn(url: str, texts: Texts, users: int, turns: int, first_tokens: int,
                turn_tokens: int, answer: int) -> dict:
     ttft: dict[int, list[float]] = {t: [] for t in range(turns)}
-    cached: list[int] = []
+    cached: list[float] = []
+    prompts: list[int] = []
     lock = threading.Lock()
     openings = [texts.piece(first_tokens) for _ in range(users)]
     follow = [[texts.piece(turn_tokens) for _ in range(turns)] for _ in range(users)]
@@ -193,7 +198,9 @@ def multi_turn(url: str, texts: Texts, users: int, turns: int, first_tokens: int
             got = chat(url, messages, answer)
             with lock:
                 ttft[t].append(got["ttft"])
-                cached.append(got["prompt_tokens"])
+                prompts.append(got["prompt_tokens"])
+                if t:
+                    cached.append(got["cached_tokens"] / max(1, got["prompt_tokens"]))
             messages += [{"role": "assistant", "content": got["text"]},
                          {"role": "user", "content": "And this one: " + follow[u][t]}]
 
@@ -205,7 +212,8 @@ def multi_turn(url: str, texts: Texts, users: int, turns: int, first_tokens: int
     first = statistics.median(ttft[0])
     later = statistics.median([x for t in range(1, turns) for x in ttft[t]])
     return {"first_turn_ttft_s": first, "later_turns_ttft_s": later,
-            "later_over_first": later / first, "last_prompt_tokens": max(cached)}
+            "later_over_first": later / first, "longest_prompt_tokens": max(prompts),
+            "later_cached_share": statistics.median(cached) if cached else 0.0}
 
 
 def mixed(url: str, texts: Texts, n: int, clients: int, prompt_max: int, answer_max: int,
@@ -263,7 +271,9 @@ COLUMNS = [("latecomer first token s", "latecomer_ttft_s"), ("decode step s", "s
            ("latecomer / (step + alone)", "latecomer_ratio"),
            ("turn 1 first token s", "first_turn_ttft_s"),
            ("later turns first token s", "later_turns_ttft_s"),
-           ("later / turn 1", "later_over_first"), ("mixed tok/s", "mixed_tokens_per_s"),
+           ("later / turn 1", "later_over_first"),
+           ("later turns' prompt cached", "later_cached_share"),
+           ("mixed tok/s", "mixed_tokens_per_s"),
            ("mixed first token s", "mixed_ttft_s")]
 RATIO = "ours / llama-server"
 
