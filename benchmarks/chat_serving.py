@@ -89,7 +89,11 @@ def start(which: str, a) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     _wait_up(proc, url, log)
+    MODELS[url] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     return proc, url
+
+
+MODELS: dict[str, str] = {}  # url -> the model id its /v1/models lists first
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -104,7 +108,7 @@ def stop(proc: subprocess.Popen) -> None:
 def chat(url: str, messages: list[dict], max_tokens: int, on_token=None) -> dict:
     """Stream one chat completion; its first-token time, its token gaps, its text and its
     prompt and answer token counts (the server's usage)."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": MODELS.get(url, "m"), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     start, first, last, gaps, text, usage = time.perf_counter(), None, None, [], [], {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as r:

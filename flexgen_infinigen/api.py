@@ -350,10 +350,11 @@ class OffloadedLM:
         count = -(-real // b)
         return -(-real // count), count
 
-    def _pad_batches(self, chunk: list[list[int]], size: int | None = None):
-        """Left-pad a block's prompts to one length and cut it into GPU batches of ``size``
-        rows (default: the policy's)."""
-        length = max(map(len, chunk))
+    def _pad_batches(self, chunk: list[list[int]], size: int | None = None,
+                     length: int | None = None):
+        """Left-pad a block's prompts to one length (``length``, default the longest's) and
+        cut it into GPU batches of ``size`` rows (default: the policy's)."""
+        length = length or max(map(len, chunk))
         pad = self.cfg.pad_token_id
         ids = torch.tensor([[pad] * (length - len(p)) + p for p in chunk])
         valid = torch.tensor([[False] * (length - len(p)) + [True] * len(p) for p in chunk])

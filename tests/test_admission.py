@@ -122,13 +122,17 @@ def test_joined_requests_answer_as_they_would_alone(lm, pages):
             assert kept.longest(ids + [0]) == len(ids) // 4 * 4
 
 
-def test_a_prompt_longer_than_the_block_so_far_waits_for_its_columns(lm):
-    """A joiner's columns end at the block's last one: a prompt longer than the block holds
-    joins once the block has run long enough, and still answers as alone."""
+@pytest.mark.parametrize("free", [None, 0], ids=["free-columns", "no-free-columns"])
+def test_a_prompt_longer_than_the_block_so_far(lm, free):
+    """A joiner's columns end at the block's last one. With the block's free columns (padding
+    before its prompts, which its prefill skips) a prompt longer than the block so far joins
+    at once; without them it waits for the next block. Either way it answers as alone."""
     short, long_ = lm.tokenizer.encode("Hi"), lm.tokenizer.encode(TEXTS[1] + " and a cat")
-    prompts, lengths = [short, short, long_], [3, 24, 6]
-    requests, counts = _serve(lm, prompts, lengths, admit_prompt_tokens=64)
-    assert counts.get("requests_joined_prefilled") == 1 and counts.get("blocks") == 1
+    prompts, lengths = [short, short, long_], [1, 3, 4]
+    requests, counts = _serve(lm, prompts, lengths, admit_prompt_tokens=64, free_columns=free)
+    joins = free is None and lm.engine.kv_policy.name == "full"  # (not a per-prompt skew)
+    assert counts.get("requests_joined_prefilled", 0) == int(joins)
+    assert counts.get("blocks") == (1 if joins else 2)
     for r, ids, n in zip(requests, prompts, lengths):
         text, tokens, _ = _alone_logprobs(lm, ids, n)
         assert _text(r) == text

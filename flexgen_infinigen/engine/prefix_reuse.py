@@ -32,13 +32,14 @@ def usable(engine) -> bool:
         and not engine.policy.compress_cache
 
 
-def block_prefix(pages: PrefixPages, engine, prompts: list[list[int]],
+def block_prefix(pages: PrefixPages | None, engine, prompts: list[list[int]],
                  batches: list[tuple[torch.Tensor, torch.Tensor]]) -> PrefixKV | None:
     """The known first columns of a block whose rows hold ``prompts`` (every row, dummy
-    rows included, in order) padded into ``batches``; None when nothing is held."""
+    rows included, in order) padded into ``batches``; None when nothing is known. Without
+    pages (None) only padding that every row has is known (a block's free columns)."""
     width = batches[0][0].shape[1]
     pads = [width - len(p) for p in prompts]
-    found = [pages.longest(p, limit=len(p) - 1) for p in prompts]
+    found = [pages.longest(p, limit=len(p) - 1) if pages is not None else 0 for p in prompts]
     known = min(pad + n for pad, n in zip(pads, found))
     if known <= 0 or known >= width:
         return None
@@ -50,6 +51,13 @@ def block_prefix(pages: PrefixPages, engine, prompts: list[list[int]],
         if tokens > 0 and got is None:
             return None  # a page was damaged since it was found: prefill everything
         per_row.append(None if got is None else (got[0][:, :tokens], got[1][:, :tokens]))
+    cfg = engine.cfg
+    if all(r is None for r in per_row):  # padding only: zeros that take no memory
+        zero = torch.zeros((), dtype=engine.dtype)
+        return PrefixKV(known, {(layer, b): (zero.expand(ids.shape[0], known, cfg.num_kv_heads,
+                                                         cfg.head_dim),) * 2
+                                for layer in range(cfg.num_layers)
+                                for b, (ids, _) in enumerate(batches)})
     sample = next(r for r in per_row if r is not None)[0]  # [layers, tokens, KV, d]
     layers, _, kv_heads, dim = sample.shape
     kv, first = {}, 0

@@ -56,12 +56,16 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None,
                  prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 1024,
-                 context: int | None = None, block_answers: int = 2):
+                 context: int | None = None, block_answers: int = 2,
+                 free_columns: int | None = None):
         """``admit_prompt_tokens``: the longest prompt that joins a running block (0: none
         joins; requests wait for the next block). ``context``: the tokens a prompt and its
         answer may fill (``--max-model-len``; default the model's). ``block_answers``: a
         block (its caches) holds this many times its longest answer in steps, within the
-        context, so that ended rows can be taken (their columns are not reused)."""
+        context, so that ended rows can be taken (their columns are not reused).
+        ``free_columns``: a block starts with this many columns of padding before its
+        prompts (default ``admit_prompt_tokens``), which its prefill skips, so that a joiner
+        whose prompt is longer than the block so far fits in a row at once."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
         self.block_answers = block_answers
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
@@ -72,8 +76,9 @@ class Scheduler:
         # join at block boundaries and prefill everything
         usable = prefix_reuse.usable(lm.engine)
         self.admit_prompt_tokens = admit_prompt_tokens if prefix_reuse.whole(lm.engine) else 0
-        self.feeds_prompts = usable
+        self.feeds_prompts = self.pages_usable = usable
         self.pages = prefix_pages if usable else None
+        self.free_columns = admit_prompt_tokens if free_columns is None else free_columns
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
         self._pending: queue.Queue = queue.Queue()
@@ -204,14 +209,18 @@ class Scheduler:
         longest = max(r.max_tokens for r in block)
         steps = longest if not self.admit_prompt_tokens else \
             max(longest, min(self.block_answers * longest, self.context - width))
+        # free columns before the prompts, for a joiner's prompt longer than the block so
+        # far: padding every row has, so the prefill skips them (zeros, never attended)
+        free = self.free_columns if self.admit_prompt_tokens and self.pages_usable else 0
         for r in block:
             r.start(lm.tokenizer)
+        width += free
         rows = [Row(r, s, width - len(r.ids), list(r.ids)) for r, s in zip(block, samplers)]
         rows += [Row(None, None, width - len(ids[0]), []) for _ in range(len(ids) - real)]
         chooser = RowChooser(rows, size, lm.tokenizer)
         self.metrics.block_started(real, self.block_size)
         lm.engine.kv_policy.reset_stats()
-        batches = lm._pad_batches(ids, size)
+        batches = lm._pad_batches(ids, size, width)
         prefix = self._prefix(block, ids, batches)
         at_end = (lambda: self._keep_pages(rows)) if self.pages is not None else None
         with closing(lm.engine.generate_block(batches, steps, chooser, prefix=prefix,
@@ -344,11 +353,13 @@ class Scheduler:
         self._deliver_row(index, new, chooser, token)
 
     def _prefix(self, block: list[ServeRequest], ids: list[list[int]], batches):
-        """The block's known first columns from the prefix pages (None: none), each
-        request's cached prompt tokens noted and counted."""
-        if self.pages is None:
+        """The block's known first columns from the prefix pages and its free columns (None:
+        none), each request's cached prompt tokens noted and counted."""
+        if not self.pages_usable:
             return None
         prefix = prefix_reuse.block_prefix(self.pages, self.lm.engine, ids, batches)
+        if self.pages is None:
+            return prefix
         width = batches[0][0].shape[1]
         for r in block:
             r.cached_tokens = max(0, prefix.length - (width - len(r.ids))) if prefix else 0
