@@ -138,6 +138,22 @@ def test_a_prompt_longer_than_the_block_so_far(lm, free):
         assert _text(r) == text
 
 
+def test_a_new_blocks_long_prompts_are_prefilled_alone(lm):
+    """A block's prompts at least ``alone_prompt_tokens`` long skip its padded prefill: each
+    is prefilled alone into its row at the first step (no padding computed), and answers as
+    alone."""
+    prompts = [lm.tokenizer.encode(t) for t in TEXTS[:2]]
+    requests, counts = _serve(lm, prompts, [4, 4], alone_prompt_tokens=8)
+    skew = lm.engine.kv_policy.name != "full"  # a per-prompt skew: no free columns
+    assert counts.get("requests_prefilled_alone", 0) == (0 if skew else 1)  # (the long one)
+    assert counts.get("blocks") == 1 and counts.get("requests_joined", 0) == 0
+    for r, ids in zip(requests, prompts):
+        text, _, logprobs = _alone_logprobs(lm, ids, 4)
+        assert _text(r) == text
+        if lm.weight_layouts:  # the runtime's kernels: exact
+            assert _logprobs(r) == logprobs[:len(_logprobs(r))]
+
+
 def test_caches_that_cannot_take_a_row_feed_the_prompt(smollm2_store):
     """KIVI keeps keys in groups of tokens: a joiner feeds its prompt a token a step, and
     the row beside it answers as it would without it."""

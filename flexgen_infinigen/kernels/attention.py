@@ -176,10 +176,15 @@ def _attend_prompt_fused(q, k, v, valid, window: int, rows: int | None):
     b, s, heads, d = q.shape
     t = k.shape[1]
     offset = t - s
-    if offset and not window and not bool(valid[:, :offset].any()):
-        # a known prefix that is padding in every row (a block's free columns for requests
-        # that join it): no query sees a key there, so the call is the prompt's own
-        k, v, valid, t, offset = k[:, offset:], v[:, offset:], valid[:, offset:], s, 0
+    if offset and not window:
+        # known columns that are padding in every row (a block's free columns for requests
+        # that join it, the rows' common left padding): no query sees a key there, so they
+        # are left out (all of the known prefix: the call is the prompt's own)
+        seen = valid[:, :offset].any(0)
+        lead = offset if not bool(seen.any()) else int(seen.to(torch.uint8).argmax())
+        if lead:
+            k, v, valid = k[:, lead:], v[:, lead:], valid[:, lead:]
+            t, offset = t - lead, offset - lead
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if offset == 0 and not window and bool(valid.all()):
         # no padding, no prefix, no window: one causal call (torch's kernel skips the

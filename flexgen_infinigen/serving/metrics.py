@@ -25,6 +25,9 @@ HELP = {
     "requests_joined_prefilled_total": ("counter",
                                         "joiners whose prompt was prefilled alone into their "
                                         "row (the rest fed it a token a step)"),
+    "requests_prefilled_alone_total": ("counter",
+                                       "requests whose prompt was prefilled alone into a row "
+                                       "(joiners, and a new block's long prompts)"),
     "prompt_tokens_total": ("counter", "prompt tokens admitted"),
     "generation_tokens_total": ("counter", "tokens generated for clients"),
     "engine_errors_total": ("counter", "blocks the engine failed on"),
@@ -122,7 +125,8 @@ class Metrics:
                                    for t, n in sorted((prefix_bytes or {}).items())],
         }
         for name in ("requests_admitted", "requests_finished", "requests_cancelled",
-                     "requests_joined", "requests_joined_prefilled", "prompt_tokens",
+                     "requests_joined", "requests_joined_prefilled",
+                     "requests_prefilled_alone", "prompt_tokens",
                      "generation_tokens", "engine_errors", "row_errors", "blocks", "block_rows",
                      "prefix_cache_queries", "prefix_cache_hits"):
             values[f"{name}_total"] = [({}, counts.get(name, 0))]

@@ -63,7 +63,7 @@ def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
     scheduler = Scheduler(lm, 0.0, len(requests) + 1, metrics=metrics,
                           admit_prompt_tokens=lm.cfg.max_positions,
                           block_answers=block_answers,
-                          free_columns=max(len(r.ids) for r in requests))
+                          free_columns=min(max(len(r.ids) for r in requests), 1024))
     for r in sorted(requests, key=lambda r: (-r.max_tokens, len(r.ids))):
         r.loop, r.events = _Direct(), _Ends(r, ended)
         scheduler.submit(r)

@@ -49,6 +49,11 @@ from .requests import ServeRequest
 from .rows import Row, RowChooser
 
 
+# a block's free columns by default: room for a chat's next turn (the last answer and a new
+# message) beyond the block's longest prompt
+FREE_COLUMNS = 512
+
+
 class QueueFull(Exception):
     """More requests are waiting than ``max_queue``."""
 
@@ -57,15 +62,19 @@ class Scheduler:
     def __init__(self, lm, max_wait_s: float, max_queue: int, metrics: Metrics | None = None,
                  prefix_pages: PrefixPages | None = None, admit_prompt_tokens: int = 1024,
                  context: int | None = None, block_answers: int = 2,
-                 free_columns: int | None = None):
+                 free_columns: int | None = None, alone_prompt_tokens: int = 128):
         """``admit_prompt_tokens``: the longest prompt that joins a running block (0: none
         joins; requests wait for the next block). ``context``: the tokens a prompt and its
         answer may fill (``--max-model-len``; default the model's). ``block_answers``: a
         block (its caches) holds this many times its longest answer in steps, within the
         context, so that ended rows can be taken (their columns are not reused).
         ``free_columns``: a block starts with this many columns of padding before its
-        prompts (default ``admit_prompt_tokens``), which its prefill skips, so that a joiner
-        whose prompt is longer than the block so far fits in a row at once."""
+        prompts (default ``FREE_COLUMNS``, at most ``admit_prompt_tokens``), which its
+        prefill skips, so that a joiner whose prompt is longer than the block so far (a
+        chat's next turn) fits in a row at once; each costs every row a column of cache.
+        ``alone_prompt_tokens``: a block's prompt at least this long (and within the free
+        columns) is prefilled alone into its row at the first step, where weights are read
+        in place (a CPU's memory), instead of padded beside the others."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
         self.block_answers = block_answers
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
@@ -78,7 +87,13 @@ class Scheduler:
         self.admit_prompt_tokens = admit_prompt_tokens if prefix_reuse.whole(lm.engine) else 0
         self.feeds_prompts = self.pages_usable = usable
         self.pages = prefix_pages if usable else None
-        self.free_columns = admit_prompt_tokens if free_columns is None else free_columns
+        self.free_columns = min(admit_prompt_tokens, FREE_COLUMNS) if free_columns is None \
+            else free_columns
+        # a prompt prefilled alone reads every weight again: cheap where a CPU computes on
+        # weights in its own memory, not where they cross a link or come from disk
+        self.prefills_alone = not lm.tiers.is_cuda and all(
+            seg.tier != "disk" for t in lm.engine.weights.values() for seg in t.segments)
+        self.alone_prompt_tokens = alone_prompt_tokens
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
         self._pending: queue.Queue = queue.Queue()
@@ -203,25 +218,34 @@ class Scheduler:
             return
         lm, real = self.lm, len(block)
         size, count = lm._block_shape(real)
-        ids = [r.ids for r in block]
+        # free columns before the prompts, for a joiner's prompt longer than the block so
+        # far: padding every row has, so the prefill skips them (zeros, never attended)
+        free = self.free_columns if self.admit_prompt_tokens and self.pages_usable else 0
+        # a long prompt is prefilled alone into its row at the first step (as a joiner),
+        # not padded beside the others: no padding computed, and its first token comes
+        # after its own prefill, not the whole block's
+        alone = [len(r.ids) >= self.alone_prompt_tokens and len(r.ids) <= free
+                 for r in block] if self.prefills_alone else [False] * real
+        dummy = [self.lm.cfg.pad_token_id]
+        ids = [dummy if a else r.ids for r, a in zip(block, alone)]
         ids += [ids[0]] * (size * count - real)  # equal GPU batches: dummy rows
         width = max(map(len, ids))
         longest = max(r.max_tokens for r in block)
         steps = longest if not self.admit_prompt_tokens else \
-            max(longest, min(self.block_answers * longest, self.context - width))
-        # free columns before the prompts, for a joiner's prompt longer than the block so
-        # far: padding every row has, so the prefill skips them (zeros, never attended)
-        free = self.free_columns if self.admit_prompt_tokens and self.pages_usable else 0
+            max(longest, min(self.block_answers * longest,
+                             self.context - max(len(r.ids) for r in block)))
         for r in block:
             r.start(lm.tokenizer)
         width += free
-        rows = [Row(r, s, width - len(r.ids), list(r.ids)) for r, s in zip(block, samplers)]
+        rows = [Row(None) if a else Row(r, s, width - len(r.ids), list(r.ids))
+                for r, s, a in zip(block, samplers, alone)]
         rows += [Row(None, None, width - len(ids[0]), []) for _ in range(len(ids) - real)]
+        later = [(i, r, s) for i, (r, s, a) in enumerate(zip(block, samplers, alone)) if a]
         chooser = RowChooser(rows, size, lm.tokenizer)
         self.metrics.block_started(real, self.block_size)
         lm.engine.kv_policy.reset_stats()
         batches = lm._pad_batches(ids, size, width)
-        prefix = self._prefix(block, ids, batches)
+        prefix = self._prefix([r for r, a in zip(block, alone) if not a], ids, batches)
         at_end = (lambda: self._keep_pages(rows)) if self.pages is not None else None
         with closing(lm.engine.generate_block(batches, steps, chooser, prefix=prefix,
                                               at_end=at_end)) as block_steps:
@@ -233,6 +257,13 @@ class Scheduler:
                 tokens = torch.cat(step.tokens).tolist()
                 self._deliver(rows, chooser, tokens)
                 fed_next = tokens
+                if later and not lm.engine.takes_rows():  # (known once caches exist)
+                    self.prefills_alone = False  # this policy's rows: in the block's prefill
+                    self._carried[:0] = [r for _, r, _ in later]  # first in the next block
+                    later = []
+                for i, r, s in later:  # the long prompts, each prefilled alone
+                    self._join_by_prefill(i, r, s, chooser, fed_next, size, step.index)
+                later = []
                 if self.admit_prompt_tokens:
                     self._join(rows, chooser, fed_next, steps - step.index - 1, size,
                                step.index)
@@ -323,6 +354,7 @@ class Scheduler:
                 if by_prefill:
                     self._join_by_prefill(index, request, samplers[0], chooser, fed_next,
                                           size, step)
+                    self.metrics.count("requests_joined_prefilled")
                 else:
                     engine.restart_row(index // size, index % size, request.ids[0])
                     fed_next[index] = request.ids[0]
@@ -349,7 +381,7 @@ class Scheduler:
                                                               step),
                                 prefix)
         fed_next[index] = token
-        self.metrics.count("requests_joined_prefilled")
+        self.metrics.count("requests_prefilled_alone")
         self._deliver_row(index, new, chooser, token)
 
     def _prefix(self, block: list[ServeRequest], ids: list[list[int]], batches):
