@@ -72,9 +72,9 @@ class Scheduler:
         prompts (default ``FREE_COLUMNS``, at most ``admit_prompt_tokens``), which its
         prefill skips, so that a joiner whose prompt is longer than the block so far (a
         chat's next turn) fits in a row at once; each costs every row a column of cache.
-        ``alone_prompt_tokens``: a block's prompt at least this long (and within the free
-        columns) is prefilled alone into its row at the first step, where weights are read
-        in place (a CPU's memory), instead of padded beside the others."""
+        ``alone_prompt_tokens``: a block's prompt at least this long is prefilled alone into
+        its row at the first step, where weights are read in place (a CPU's memory),
+        instead of padded beside the others."""
         self.lm, self.max_wait_s, self.max_queue = lm, max_wait_s, max_queue
         self.block_answers = block_answers
         self.context = min(context or lm.cfg.max_positions, lm.cfg.max_positions)
@@ -224,8 +224,10 @@ class Scheduler:
         # a long prompt is prefilled alone into its row at the first step (as a joiner),
         # not padded beside the others: no padding computed, and its first token comes
         # after its own prefill, not the whole block's
-        alone = [len(r.ids) >= self.alone_prompt_tokens and len(r.ids) <= free
-                 for r in block] if self.prefills_alone else [False] * real
+        alone = [len(r.ids) >= self.alone_prompt_tokens for r in block] \
+            if self.prefills_alone and free else [False] * real
+        # (its columns end at the block's last: the free columns hold the longest)
+        free = max([free] + [len(r.ids) for r, a in zip(block, alone) if a])
         dummy = [self.lm.cfg.pad_token_id]
         ids = [dummy if a else r.ids for r, a in zip(block, alone)]
         ids += [ids[0]] * (size * count - real)  # equal GPU batches: dummy rows
