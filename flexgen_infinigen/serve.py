@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="the tokens a prompt and its answer may fill, at most the model's "
                         "context (default: the model's); a longer prompt is answered 400")
+    g.add_argument("--spare-rows", type=int, default=1,
+                   help="a block that is not full starts with this many free rows, so that a "
+                        "request that comes while it runs starts at once (each costs every "
+                        "decode step a row's compute; 0: only ended rows are taken)")
     g.add_argument("--admit-prompt-tokens", type=int, default=1024,
                    help="a waiting request whose prompt is at most this long takes a row of "
                         "the running block as soon as one ends, its prompt prefilled alone "
@@ -126,6 +130,8 @@ def check_args(a) -> None:
         raise ConfigError(f"--max-model-len must be at least 2 (got {a.max_model_len})")
     if a.admit_prompt_tokens < 0:
         raise ConfigError(f"--admit-prompt-tokens must be >= 0 (got {a.admit_prompt_tokens})")
+    if a.spare_rows < 0:
+        raise ConfigError(f"--spare-rows must be >= 0 (got {a.spare_rows})")
     if a.prefix_page_tokens < 1:
         raise ConfigError(f"--prefix-page-tokens must be at least 1 (got "
                           f"{a.prefix_page_tokens})")
@@ -259,7 +265,7 @@ def _main(argv=None) -> int:
         pages = prefix_pages(a, lm)
         scheduler = Scheduler(lm, a.max_wait_ms / 1000, a.max_queue, prefix_pages=pages,
                               admit_prompt_tokens=a.admit_prompt_tokens,
-                              context=a.max_model_len)
+                              context=a.max_model_len, spare_rows=a.spare_rows)
         if a.max_model_len is not None and a.max_model_len > lm.cfg.max_positions:
             raise ConfigError(f"--max-model-len {a.max_model_len} is longer than the model's "
                               f"context ({lm.cfg.max_positions}); give at most that")

@@ -10,6 +10,8 @@ of a joined row keeps its own tokens.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -152,6 +154,46 @@ def test_a_new_blocks_long_prompts_are_prefilled_alone(lm):
         assert _text(r) == text
         if lm.weight_layouts:  # the runtime's kernels: exact
             assert _logprobs(r) == logprobs[:len(_logprobs(r))]
+
+
+@pytest.mark.parametrize("spare", [1, 0])
+def test_a_request_that_comes_while_one_runs_takes_a_spare_row(lm, spare):
+    """A block of one request starts with a spare row (``spare_rows``): a request sent
+    while its answer streams starts at once in that row, and both answer as alone. Without
+    it the latecomer waits for the lead's row to end."""
+    first, late_ids = (lm.tokenizer.encode(t) for t in TEXTS[1:3])
+    scheduler = Scheduler(lm, 0.0, 16, admit_prompt_tokens=64, spare_rows=spare)
+    late = _request(late_ids, 4)
+    seen = {}
+
+    class _Ends(_Events):
+        def put_nowait(self, event):
+            super().put_nowait(event)
+            if event[0] == "done":  # (in the engine thread: no race)
+                seen["lead running"] = not lead.finished
+
+    late.events = _Ends()
+
+    class _SendsLate(_Events):
+        def put_nowait(self, event):
+            super().put_nowait(event)
+            if len(self) == 2:  # its second token: the latecomer arrives
+                scheduler.submit(late)
+
+    lead = _request(first, 12)
+    lead.events = _SendsLate()
+    scheduler.submit(lead)
+    scheduler.start()
+    deadline = time.monotonic() + 300
+    while not late.events or late.events[-1][0] != "done":
+        assert time.monotonic() < deadline and scheduler.alive
+        time.sleep(0.01)
+    scheduler.stop(timeout=300)
+    counts = scheduler.metrics.snapshot()["counts"]
+    assert counts.get("requests_joined", 0) == 1 and counts.get("blocks") == 1
+    assert seen["lead running"] == bool(spare)  # when the latecomer's answer ended
+    for r, ids, n in ((lead, first, 12), (late, late_ids, 4)):
+        assert _text(r) == _alone_logprobs(lm, ids, n)[0]
 
 
 def test_caches_that_cannot_take_a_row_feed_the_prompt(smollm2_store):

@@ -17,7 +17,7 @@ from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.cli import request_checks as checks
 from flexgen_infinigen.config import ConfigError
 from flexgen_infinigen.sampling import Sampler, SamplingConfig
-from flexgen_infinigen.serving import scheduler as scheduler_module
+from flexgen_infinigen.serving import block_run as scheduler_module
 from flexgen_infinigen.serving.requests import ServeRequest
 from flexgen_infinigen.serving.scheduler import Scheduler
 

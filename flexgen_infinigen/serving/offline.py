@@ -62,7 +62,7 @@ def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
     ended: queue.Queue = queue.Queue()
     scheduler = Scheduler(lm, 0.0, len(requests) + 1, metrics=metrics,
                           admit_prompt_tokens=lm.cfg.max_positions,
-                          block_answers=block_answers,
+                          block_answers=block_answers, spare_rows=0,
                           free_columns=min(max(len(r.ids) for r in requests), 1024))
     for r in sorted(requests, key=lambda r: (-r.max_tokens, len(r.ids))):
         r.loop, r.events = _Direct(), _Ends(r, ended)
