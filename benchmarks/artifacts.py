@@ -96,6 +96,19 @@ def append_run(stem: Path, run: dict, fresh: bool = False, **about) -> dict:
     return doc
 
 
+def write_report(stem: Path, doc: dict, settings: dict, markdown: Callable[[dict], str],
+                 plot: Callable[[dict, Path], None]) -> None:
+    """``STEM.md`` and ``STEM.png`` from every run of ``doc`` (its ``settings`` where the file
+    had none), and the table on stdout; no runs is one error naming the file."""
+    stem = Path(stem)
+    if not doc["runs"]:
+        raise SystemExit(f"no runs in {stem.with_suffix('.json')}")
+    doc.setdefault("settings", settings)
+    stem.with_suffix(".md").write_text(markdown(doc))
+    plot(doc, stem.with_suffix(".png"))
+    print(markdown(doc))
+
+
 def spread(values: Iterable[float], fmt: str = "{:.3g}") -> str:
     """``median (min-max, N runs)``; one run is ``value (1 run)``; none is empty."""
     xs = [float(v) for v in values if v is not None]

@@ -70,7 +70,8 @@ def markdown(doc: dict) -> str:
         ("wall s", "wall_s"), ("generated tokens", "tokens", "{:.0f}"),
         ("tokens/s", "tokens_per_s"), ("x blocks", "speedup"),
         ("lines equal", "equal", "{:.0f}")]) + "\n"
-        + f"Chat prompts, gen_len from {s['lengths']}, {s['rows']} rows a block, {s['threads']} threads. {artifacts.meta_line(doc['runs'])}\n")
+        + f"Chat prompts, gen_len from {s['lengths']}, {s['rows']} rows a block, "
+        f"{s['threads']} threads. {artifacts.meta_line(doc['runs'])}\n")
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -129,12 +130,7 @@ def main() -> int:
                 r["equal"] = equal
             doc = artifacts.append_run(a.out, {"rows": rows}, fresh, settings=settings)
             fresh = False
-    if not doc["runs"]:
-        raise SystemExit(f"no runs in {a.out.with_suffix('.json')}")
-    doc.setdefault("settings", settings)
-    a.out.with_suffix(".md").write_text(markdown(doc))
-    plot(doc, a.out.with_suffix(".png"))
-    print(markdown(doc))
+    artifacts.write_report(a.out, doc, settings, markdown, plot)
     return 0
 
 

@@ -108,8 +108,8 @@ def stop(proc: subprocess.Popen) -> None:
 def chat(url: str, messages: list[dict], max_tokens: int, on_token=None) -> dict:
     """Stream one chat completion; its first-token time, its token gaps, its text and its
     prompt and answer token counts (the server's usage)."""
-    body = {"model": MODELS.get(url, "m"), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODELS.get(url, "m"), "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start, first, last, gaps, text, usage = time.perf_counter(), None, None, [], [], {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as r:
         r.raise_for_status()
@@ -373,12 +373,7 @@ def main() -> int:
             doc = artifacts.append_run(a.out, {"rows": with_ratio(rows)}, fresh,
                                        settings=settings)
             fresh = False
-    if not doc["runs"]:
-        raise SystemExit(f"no runs in {a.out.with_suffix('.json')}")
-    doc.setdefault("settings", settings)
-    a.out.with_suffix(".md").write_text(markdown(doc))
-    plot(doc, a.out.with_suffix(".png"))
-    print(markdown(doc))
+    artifacts.write_report(a.out, doc, settings, markdown, plot)
     return 0
 
 
