@@ -56,8 +56,10 @@ SETUPS = {  # store, placement, KV policy and its options
     "float-two-batches-overlapped": ("float", dict(gpu_batch_size=1, num_gpu_batches=2,
                                                    overlap=True), "full", None),
     "codes": ("codes", dict(gpu_batch_size=2), "full", None),
-    # every layer past the first chooses rows (none is small enough to read whole), each
-    # prompt with its own skew
+    # every layer past the first chooses rows (none is small enough to read whole): the
+    # calibrated skew, with prefix pages and free columns; then each prompt with its own
+    "codes-infinigen": ("codes", dict(gpu_batch_size=2), "infinigen",
+                        dict(select_from_mb=0.0)),
     "codes-infinigen-prompt-skew": ("codes", dict(gpu_batch_size=2), "infinigen",
                                     dict(select_from_mb=0.0, prompt_skew=True)),
 }
@@ -118,7 +120,7 @@ def test_joined_requests_answer_as_they_would_alone(lm, pages):
             assert got == pytest.approx(logprobs[:len(got)], abs=1e-5)
         else:  # the runtime's kernels: exact in any block
             assert got and got == logprobs[:len(got)], (text, got, logprobs)
-    if pages and lm.engine.kv_policy.name == "full":
+    if pages and not lm.engine.kv_policy.needs_prompt_queries:
         # every row's own tokens: a joined row's prompt is found again
         for ids in prompts:
             assert kept.longest(ids + [0]) == len(ids) // 4 * 4
@@ -132,7 +134,7 @@ def test_a_prompt_longer_than_the_block_so_far(lm, free):
     short, long_ = lm.tokenizer.encode("Hi"), lm.tokenizer.encode(TEXTS[1] + " and a cat")
     prompts, lengths = [short, short, long_], [1, 3, 4]
     requests, counts = _serve(lm, prompts, lengths, admit_prompt_tokens=64, free_columns=free)
-    joins = free is None and lm.engine.kv_policy.name == "full"  # (not a per-prompt skew)
+    joins = free is None and not lm.engine.kv_policy.needs_prompt_queries  # (no own skew)
     assert counts.get("requests_joined_prefilled", 0) == int(joins)
     assert counts.get("blocks") == (1 if joins else 2)
     for r, ids, n in zip(requests, prompts, lengths):
@@ -146,7 +148,7 @@ def test_a_new_blocks_long_prompts_are_prefilled_alone(lm):
     alone."""
     prompts = [lm.tokenizer.encode(t) for t in TEXTS[:2]]
     requests, counts = _serve(lm, prompts, [4, 4], alone_prompt_tokens=8)
-    skew = lm.engine.kv_policy.name != "full"  # a per-prompt skew: no free columns
+    skew = lm.engine.kv_policy.needs_prompt_queries  # a per-prompt skew: no free columns
     assert counts.get("requests_prefilled_alone", 0) == (0 if skew else 1)  # (the long one)
     assert counts.get("blocks") == 1 and counts.get("requests_joined", 0) == 0
     for r, ids in zip(requests, prompts):
