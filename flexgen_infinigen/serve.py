@@ -237,7 +237,7 @@ def _main(argv=None) -> int:
     from .api import OffloadedLM
     from .serving.app import create_app
     from .serving.guard import HEAD_LIMIT_KB, KEEP_ALIVE_S, http_protocol
-    from .serving.scheduler import Scheduler
+    from .serving.scheduler import FREE_COLUMNS, Scheduler
     from .text.chat import chat_template
 
     a = build_parser().parse_args(argv)
@@ -250,6 +250,10 @@ def _main(argv=None) -> int:
         cfg, _, _ = find_weights(model, a.path, a.dummy, a.seed, progress=True)
         answer = a.typical_answer_len or a.max_tokens
         prompt = min(a.typical_prompt_len, max(1, cfg.max_positions - answer))
+        if a.admit_prompt_tokens:  # what a block's caches hold with admission: its free
+            # columns before the prompts, and twice its answer in steps (Scheduler)
+            prompt += min(a.admit_prompt_tokens, FREE_COLUMNS)
+            answer *= 2
         policy, _ = policy_from_args(a, cfg, (prompt, answer))
     else:
         policy, _ = policy_from_args(a)
