@@ -81,6 +81,9 @@ def planned(a, model: str, todo: list[dict]):
                 for t in texts)
         longest = max(longest, n + 64 * len(texts))
     gen = max(r["settings"]["gen_len"] for r in todo)
+    if a.refill:  # what a refilled block's caches hold (serving.offline): free columns
+        # before its prompts, and four times its longest answer in steps
+        longest, gen = longest + min(longest, 1024), 4 * gen
     return policy_from_args(a, cfg, (longest, gen))
 
 
@@ -315,9 +318,11 @@ def _run(a, todo: list[dict], out) -> int:
     return failed
 
 
-def _sampling(a, settings: dict) -> SamplingConfig:
+def _sampling(a, settings: dict, seed: int | None = None) -> SamplingConfig:
+    """A line's sampling: its own seed, else ``seed`` (default the job's)."""
     return SamplingConfig(
-        settings["temperature"], settings["top_p"], settings.get("seed", a.seed),
+        settings["temperature"], settings["top_p"],
+        settings.get("seed", a.seed if seed is None else seed),
         settings["repetition_penalty"], settings.get("top_k", -1), settings.get("min_p", 0.0),
         settings.get("presence_penalty", 0.0), settings.get("frequency_penalty", 0.0),
         settings.get("logit_bias", ()))
@@ -346,19 +351,24 @@ def _refilled(lm, a, ready: list[dict], written) -> None:
     block with it) runs again alone, as ``_blocks`` would run it."""
     from .serving.offline import JobRequest, answer_all
 
+    # a line without its own seed draws from the job's seed plus its place in the file: each
+    # row has a generator of its own, so equal prompts still draw differently
     jobs = [JobRequest("completion", r["ids"], r["settings"]["gen_len"],
-                       _sampling(a, r["settings"]), list(r.get("stop") or []), None, False,
-                       False, lm.cfg.name, ignore_eos=bool(r["settings"].get("ignore_eos")),
+                       _sampling(a, r["settings"], a.seed + i), list(r.get("stop") or []),
+                       None, False, False, lm.cfg.name,
+                       ignore_eos=bool(r["settings"].get("ignore_eos")),
                        stop_token_ids=tuple(r["settings"].get("stop_token_ids", ())), line=r)
-            for r in ready]
+            for i, r in enumerate(ready)]
     decode = lm.tokenizer.decode if lm.tokenizer else (lambda _: "")
+    failed = []
     for job, event in answer_all(lm, jobs):
-        r = job.line
         if event[0] == "done":
-            written([_result(lm, r, job.token_ids, decode(job.token_ids))], 1)
-            continue
-        settings = r["settings"]
-        written(_answer(lm, [r], settings["gen_len"], _sampling(a, settings),
+            written([_result(lm, job.line, job.token_ids, decode(job.token_ids))], 1)
+        else:
+            failed.append(job)
+    for job in failed:  # once the scheduler has stopped: the engine runs one block at a time
+        settings = job.line["settings"]
+        written(_answer(lm, [job.line], settings["gen_len"], job.sampling,
                         -1 if _stop_ids(lm, settings) is None else None), 1)
 
 

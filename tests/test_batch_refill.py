@@ -53,3 +53,21 @@ def test_requests_join_the_rows_that_end(smollm2_codes_store):
         # two without that: four)
         counts = metrics.snapshot()["counts"]
         assert counts["requests_joined_prefilled"] >= 2 and counts["blocks"] < 4
+
+
+def test_equal_sampled_prompts_draw_differently_and_again_the_same(smollm2_codes_store,
+                                                                   tmp_path):
+    """Each row has a generator of its own: a line without a seed takes the job's plus its
+    place in the file, so equal prompts at temperature 1 draw differently, and a rerun of
+    the job draws the same again."""
+    rows = [{"id": f"s{i}", "prompt": "Once upon a time", "gen_len": 16, "temperature": 1.0}
+            for i in range(3)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = []
+    for run in range(2):
+        path = tmp_path / f"out{run}.jsonl"
+        assert batch.main(["--path", str(smollm2_codes_store), "--input",
+                           str(tmp_path / "in.jsonl"), "--output", str(path), "--no-chat",
+                           "--gpu-batch-size", "2"]) == 0
+        texts.append([_lines(path)[f"s{i}"]["text"] for i in range(3)])
+    assert len(set(texts[0])) == 3 and texts[0] == texts[1]

@@ -53,7 +53,7 @@ def block_prefix(pages: PrefixPages | None, engine, prompts: list[list[int]],
         per_row.append(None if got is None else (got[0][:, :tokens], got[1][:, :tokens]))
     cfg = engine.cfg
     if all(r is None for r in per_row):  # padding only: zeros that take no memory
-        zero = torch.zeros((), dtype=engine.dtype)
+        zero = torch.zeros((), dtype=engine.dtype, device=engine.tiers.device)
         return PrefixKV(known, {(layer, b): (zero.expand(ids.shape[0], known, cfg.num_kv_heads,
                                                          cfg.head_dim),) * 2
                                 for layer in range(cfg.num_layers)

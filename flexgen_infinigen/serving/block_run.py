@@ -26,7 +26,7 @@ class BlockRun:
     """What the scheduler does with a block, given its settings and queue (set by
     :class:`~.scheduler.Scheduler`: ``lm``, ``metrics``, ``pages``, ``pages_usable``,
     ``feeds_prompts``, ``admit_prompt_tokens``, ``free_columns``, ``prefills_alone``,
-    ``alone_prompt_tokens``, ``spare_rows``, ``block_answers``, ``block_size``,
+    ``alone_prompt_tokens``, ``spare_rows``, ``joins``, ``block_answers``, ``block_size``,
     ``context``, ``_carried``, ``_pending``, ``_in_block`` and ``_next``)."""
 
     def _admit(self, block: list[ServeRequest]) -> tuple[list[ServeRequest], list[Sampler]]:
@@ -59,7 +59,7 @@ class BlockRun:
             return
         lm, real = self.lm, len(block)
         # spare rows: free from the start, for a request that comes while this one runs
-        spare = self.spare_rows if self.admit_prompt_tokens else 0
+        spare = self.spare_rows if self.admit_prompt_tokens and self.joins is not False else 0
         size, count = lm._block_shape(min(real + spare, max(real, self.block_size)))
         # free columns before the prompts, for a joiner's prompt longer than the block so
         # far: padding every row has, so the prefill skips them (zeros, never attended)
@@ -102,9 +102,13 @@ class BlockRun:
                 tokens = torch.cat(step.tokens).tolist()
                 self._deliver(rows, chooser, tokens)
                 fed_next = tokens
-                if later and not lm.engine.takes_rows():  # (known once caches exist)
+                if self.joins is None:  # known once caches exist: can a request join?
+                    self.joins = lm.engine.takes_rows() or self.feeds_prompts
+                if later and not lm.engine.takes_rows():
                     self.prefills_alone = False  # this policy's rows: in the block's prefill
-                    self._carried[:0] = [r for _, r, _ in later]  # first in the next block
+                    moved = [r for _, r, _ in later]
+                    self._carried[:0] = moved  # first in the next block, not this one's
+                    self._in_block = [r for r in self._in_block if r not in moved]
                     later = []
                 for i, r, s in later:  # the long prompts, each prefilled alone
                     self._join_by_prefill(i, r, s, chooser, fed_next, size, step.index)
@@ -221,10 +225,14 @@ class BlockRun:
             self.metrics.count("prefix_cache_queries", len(ids))
         new = Row(request, sampler, engine.columns() - len(ids), list(ids), [])
         chooser.replace(index, new)
-        token = engine.join_row(index // size, index % size, ids,
-                                lambda logits: chooser.choose(index, logits.float().cpu(),
-                                                              step),
-                                prefix)
+        try:
+            token = engine.join_row(index // size, index % size, ids,
+                                    lambda logits: chooser.choose(index, logits.float().cpu(),
+                                                                  step),
+                                    prefix)
+        except BaseException:  # the row holds none of it: nothing of it is kept as pages
+            chooser.replace(index, Row(None))
+            raise
         fed_next[index] = token
         self.metrics.count("requests_prefilled_alone")
         self._deliver_row(index, new, chooser, token)

@@ -59,6 +59,8 @@ def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
     ``metrics``: the scheduler's counters (blocks, joins), when the caller reads them;
     ``block_answers``: a block's steps, in its longest answers (a longer block takes more
     requests into ended rows before it ends; its caches hold that many columns)."""
+    if not requests:
+        return
     ended: queue.Queue = queue.Queue()
     scheduler = Scheduler(lm, 0.0, len(requests) + 1, metrics=metrics,
                           admit_prompt_tokens=lm.cfg.max_positions,

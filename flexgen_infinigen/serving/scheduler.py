@@ -94,6 +94,7 @@ class Scheduler(BlockRun):
             seg.tier != "disk" for t in lm.engine.weights.values() for seg in t.segments)
         self.alone_prompt_tokens = alone_prompt_tokens
         self.spare_rows = spare_rows
+        self.joins: bool | None = None  # whether a request can join a block (its first tells)
         self.block_size = lm.policy.block_size
         self.metrics = metrics or Metrics()
         self._pending: queue.Queue = queue.Queue()
