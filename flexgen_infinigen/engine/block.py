@@ -154,10 +154,12 @@ class Block:
         """Columns the caches hold: the prompt width and the steps fed since."""
         return self.states[0].valid.shape[1]
 
-    def cached_kv(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def cached_kv(self, layer: int, batch: int, rows: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s keys and values of GPU batch ``batch`` as its cache holds them,
-        every column so far (``[b, columns, KV, d]`` each, on the CPU); None where the cache
-        does not hold them exactly (4-bit) or the layer is not this process's."""
+        every column so far (``[b, columns, KV, d]`` each, on the CPU; only ``rows`` of the
+        batch where given); None where the cache does not hold them exactly (4-bit) or the
+        layer is not this process's."""
         stage = self.attention_stage.get(layer)
         if stage is None:
             return None
@@ -167,4 +169,6 @@ class Block:
         if reader is None:
             return None
         k, v = reader()
+        if rows is not None:  # only those cross to the host
+            k, v = k[rows], v[rows]
         return k.cpu(), v.cpu()

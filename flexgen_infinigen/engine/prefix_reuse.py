@@ -86,21 +86,23 @@ def keep_rows(pages: PrefixPages, engine, rows: list[tuple[int, list[int]]]) -> 
     added, first, batch = 0, 0, 0
     size = engine.block.states[0].valid.shape[0]  # rows a GPU batch
     while first < len(rows):
-        if all(len(seq) < pages.page_tokens for _, seq in rows[first:first + size]):
+        wanted = [r for r in range(size) if len(rows[first + r][1]) >= pages.page_tokens]
+        if not wanted:
             first, batch = first + size, batch + 1  # nothing whole to keep: nothing read
             continue
-        per_layer = [engine.cached_kv(layer, batch) for layer in range(layers)]
+        # only the rows with a whole page are read (one row when a request ends)
+        per_layer = [engine.cached_kv(layer, batch, wanted) for layer in range(layers)]
         if any(x is None for x in per_layer):
             return added
         columns = per_layer[0][0].shape[1]
-        for r in range(size):
+        for at, r in enumerate(wanted):
             column, seq = rows[first + r]
             n = min(len(seq), columns - column)
             n -= n % pages.page_tokens
             if n <= 0:
                 continue
-            k = torch.stack([kv[0][r, column:column + n] for kv in per_layer])
-            v = torch.stack([kv[1][r, column:column + n] for kv in per_layer])
+            k = torch.stack([kv[0][at, column:column + n] for kv in per_layer])
+            v = torch.stack([kv[1][at, column:column + n] for kv in per_layer])
             added += pages.add(seq[:n], k, v)
         first += size
         batch += 1

@@ -250,9 +250,10 @@ class Engine:
         """Columns the running block's caches hold (prompt width and steps fed since)."""
         return self.block.columns()
 
-    def cached_kv(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def cached_kv(self, layer: int, batch: int, rows: list[int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """While a block runs: a layer's keys and values (:meth:`.block.Block.cached_kv`)."""
-        return self.block.cached_kv(layer, batch)
+        return self.block.cached_kv(layer, batch, rows)
 
     def _logits(self, batch: int) -> torch.Tensor:
         return self.tiers.host_values(self.block.states[batch].logits)[0]

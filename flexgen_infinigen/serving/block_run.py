@@ -91,7 +91,10 @@ class BlockRun:
         lm.engine.kv_policy.reset_stats()
         batches = lm._pad_batches(ids, size, width)
         prefix = self._prefix([r for r, a in zip(block, alone) if not a], ids, batches)
-        at_end = (lambda: self._keep_pages(rows)) if self.pages is not None else None
+        # at the block's end, the rows still answering (an ended one kept its pages then)
+        at_end = (lambda: self._keep_pages([r if r.request is not None and not r.request.finished
+                                            else Row(None) for r in rows])) \
+            if self.pages is not None else None
         with closing(lm.engine.generate_block(batches, steps, chooser, prefix=prefix,
                                               at_end=at_end)) as block_steps:
             fed_next = None  # the tokens the step after this one feeds, by row
@@ -195,9 +198,6 @@ class BlockRun:
                 admitted, samplers = self._admit([request])
                 if not admitted:
                     continue
-                if self.pages is not None:  # the row's last answer, before it is hidden
-                    self._keep_pages([r if i == index else Row(None)
-                                      for i, r in enumerate(rows)])
                 request.start(self.lm.tokenizer)
                 self._in_block.append(request)
                 if by_prefill:
