@@ -23,12 +23,20 @@ from .config import DEFAULT_MODEL, ConfigError
 from .kv import kv_policy_from_args
 from .guards import Terminated, run_command
 
+# a block's rows when --gpu-batch-size is not given: a server answers several requests at
+# once (a row is a request), where the run command's batch of one is a single prompt
+SERVE_ROWS = 4
+# the prefix pages' default: a quarter of the memory free once the model is loaded, at most
+# this many GB (four 16K-token chats of a 0.5B model in float32 take about 1.6 GB)
+PREFIX_CACHE_GB = 8.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flexgen_infinigen.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_policy_args(p)
+    p.set_defaults(gpu_batch_size=SERVE_ROWS)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; give --api-key then)")
@@ -93,11 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "between two decode steps (the other rows wait for that prefill); a "
                         "longer one waits for the next block's prefill (0: requests join at "
                         "block boundaries only)")
-    g.add_argument("--prefix-cache-gb", type=float, default=1.0,
+    g.add_argument("--prefix-cache-gb", type=float, default=None,
                    help="CPU memory for the keys and values of prompts and answers seen "
                         "before, so that a request that starts the same way (a chat's next "
                         "turn, a shared system prompt) prefills only the rest (0: off; "
-                        "default 1)")
+                        f"default: a quarter of the memory free with the model loaded, at "
+                        f"most {PREFIX_CACHE_GB:g})")
     g.add_argument("--prefix-cache-disk-gb", type=float, default=0.0,
                    help="disk space for prefix pages evicted from memory, under "
                         "--prefix-cache-dir or else --offload-dir (default 0: none)")
@@ -118,7 +127,7 @@ def check_args(a) -> None:
         raise ConfigError(f"--max-wait-ms must be >= 0 (got {a.max_wait_ms})")
     for flag, v in (("--prefix-cache-gb", a.prefix_cache_gb),
                     ("--prefix-cache-disk-gb", a.prefix_cache_disk_gb)):
-        if v < 0:
+        if v is not None and v < 0:
             raise ConfigError(f"{flag} must be >= 0 (got {v})")
     if not a.sse_keepalive_s > 0:
         raise ConfigError(f"--sse-keepalive-s must be > 0 (got {a.sse_keepalive_s})")
@@ -203,9 +212,17 @@ def main(argv=None) -> int:
     return run_command(_main, argv)
 
 
+def prefix_cache_bytes(asked_gb: float | None, free_host: float) -> int:
+    """Memory for prefix pages: what --prefix-cache-gb asks, else a quarter of what is free,
+    at most PREFIX_CACHE_GB."""
+    if asked_gb is not None:
+        return int(asked_gb * 1e9)
+    return int(max(0.0, min(PREFIX_CACHE_GB * 1e9, free_host / 4)))
+
+
 def prefix_pages(a, lm):
     """The server's prefix pages as the flags ask (None: off)."""
-    if not a.prefix_cache_gb and not a.prefix_cache_disk_gb:
+    if a.prefix_cache_gb == 0 and not a.prefix_cache_disk_gb:
         return None
     from .engine.prefill_cache import model_key
     from .engine.prefix_pages import PrefixPages
@@ -218,7 +235,7 @@ def prefix_pages(a, lm):
         folder = os.path.join(a.offload_dir, f"prefix-pages-{os.getpid()}")
     free = available(lm.tiers.device, folder)
     # the pages grow as requests come: what cannot fit is refused now, not when it runs out
-    if a.prefix_cache_gb * 1e9 > free[HOST]:
+    if a.prefix_cache_gb is not None and a.prefix_cache_gb * 1e9 > free[HOST]:
         raise ConfigError(f"--prefix-cache-gb {a.prefix_cache_gb:g} is more than the "
                           f"{free[HOST] / 1e9:.1f} GB of memory free with the model loaded; "
                           "give less")
@@ -226,7 +243,8 @@ def prefix_pages(a, lm):
         raise ConfigError(f"--prefix-cache-disk-gb {a.prefix_cache_disk_gb:g} is more than "
                           f"the {free[DISK] / 1e9:.1f} GB free on the disk of {folder}; give "
                           "less")
-    return PrefixPages(model_key(lm), a.prefix_page_tokens, int(a.prefix_cache_gb * 1e9),
+    return PrefixPages(model_key(lm), a.prefix_page_tokens,
+                       prefix_cache_bytes(a.prefix_cache_gb, free[HOST]),
                        folder, int(a.prefix_cache_disk_gb * 1e9),
                        persistent=a.prefix_cache_dir is not None)
 
@@ -282,10 +300,12 @@ def _main(argv=None) -> int:
                                                timeout_keep_alive=KEEP_ALIVE_S,
                                                h11_max_incomplete_event_size=HEAD_LIMIT_KB
                                                * 1024))
+        kept = (f"{pages.memory_bytes / 1e9:.1f} GB of prefix pages" if pages is not None
+                else "no prefix pages")
         print(f"serving {name} on http://{a.host}:{a.port}/v1 (blocks of "
               f"{policy.gpu_batch_size} x {policy.num_gpu_batches}, --max-wait-ms "
-              f"{a.max_wait_ms:g}); Ctrl-C or SIGTERM drains and exits", file=sys.stderr,
-              flush=True)
+              f"{a.max_wait_ms:g}, {kept}); Ctrl-C or SIGTERM drains and exits",
+              file=sys.stderr, flush=True)
         try:
             server.run()  # SIGTERM / Ctrl-C: uvicorn drains, then raises the signal again
         except (KeyboardInterrupt, Terminated):

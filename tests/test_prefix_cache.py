@@ -160,3 +160,22 @@ def test_a_restart_finds_the_pages_and_a_bad_file_is_a_miss(tmp_path):
     ours = PrefixPages("model", PAGE, folder=tmp_path / "o", disk_bytes=1 << 20,
                        persistent=True)
     assert ours.longest(ids[:8]) == 8 and ours.gather(ids, 8) is None
+
+
+def test_the_servers_defaults_leave_room_for_chats():
+    """A server given no sizes answers several requests at once and keeps a chat's history:
+    its blocks have SERVE_ROWS rows (a run's batch is one prompt), and its pages take a
+    quarter of the free memory up to PREFIX_CACHE_GB, unless --prefix-cache-gb says."""
+    from flexgen_infinigen.cli.args import policy_from_args
+    from flexgen_infinigen.serve import (PREFIX_CACHE_GB, SERVE_ROWS, build_parser,
+                                         prefix_cache_bytes)
+
+    a = build_parser().parse_args([])
+    policy, _ = policy_from_args(a)
+    assert SERVE_ROWS > 1 and (policy.gpu_batch_size, policy.num_gpu_batches) == (SERVE_ROWS, 1)
+    assert build_parser().parse_args(["--gpu-batch-size", "2"]).gpu_batch_size == 2
+    assert a.prefix_cache_gb is None
+    assert prefix_cache_bytes(None, 100e9) == int(PREFIX_CACHE_GB * 1e9)
+    assert prefix_cache_bytes(None, 4e9) == int(1e9)
+    assert prefix_cache_bytes(2.5, 100e9) == int(2.5e9)
+    assert prefix_cache_bytes(0.0, 100e9) == 0
