@@ -81,7 +81,8 @@ def start(which: str, a) -> tuple[subprocess.Popen, str]:
                "--port", str(port), "--gpu-batch-size", str(a.rows), "--num-gpu-batches",
                "1", "--max-wait-ms", str(a.max_wait_ms), "--max-queue", "1000",
                "--threads", str(a.threads), "--max-tokens", "1024",
-               "--max-model-len", str(a.context), "--admit-prompt-tokens", str(a.context)]
+               "--max-model-len", str(a.context), "--admit-prompt-tokens", str(a.context),
+               *getattr(a, "ours_args", [])]
     else:
         cmd = [str(a.llama_server), "-m", str(a.gguf), "--port", str(port), "-t",
                str(a.threads), "-np", str(a.rows), "-c", str(a.context * a.rows),
@@ -105,11 +106,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 # ---- one streamed chat request -------------------------------------------------------------
-def chat(url: str, messages: list[dict], max_tokens: int, on_token=None) -> dict:
-    """Stream one chat completion; its first-token time, its token gaps, its text and its
-    prompt and answer token counts (the server's usage)."""
+def chat(url: str, messages: list[dict], max_tokens: int, on_token=None,
+         extra: dict | None = None) -> dict:
+    """Stream one chat completion (``extra``: more fields of the body); its start, its
+    first-token time, its token gaps, its text and its prompt and answer token counts (the
+    server's usage)."""
     body = {"model": MODELS.get(url, "m"), "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     start, first, last, gaps, text, usage = time.perf_counter(), None, None, [], [], {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as r:
         r.raise_for_status()
@@ -132,8 +136,8 @@ def chat(url: str, messages: list[dict], max_tokens: int, on_token=None) -> dict
                 if on_token is not None:
                     on_token(len(text))
     details = usage.get("prompt_tokens_details") or {}
-    return {"ttft": first, "gaps": gaps, "text": "".join(text), "seconds": time.perf_counter()
-            - start, "prompt_tokens": usage.get("prompt_tokens", 0),
+    return {"t0": start, "ttft": first, "gaps": gaps, "text": "".join(text),
+            "seconds": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens", 0),
             "cached_tokens": details.get("cached_tokens", 0),
             "completion_tokens": usage.get("completion_tokens", len(text))}
 
