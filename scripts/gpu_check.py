@@ -37,6 +37,9 @@ import torch  # noqa: E402
 # a step must finish inside one call of the device tool (10 minutes), with room for starting
 # Python and CUDA and bringing the results back
 STEP_LIMIT_S = 480
+# with --budget, the most of it each step may take, so that the later steps get their turn
+# (a step's variants stop starting when the next would not fit)
+BUDGET_SHARES = {"bandwidth": 25, "paper": 200, "long": 110, "tests-core": 90, "moe": 80}
 TAIL = 6000  # characters of stdout and stderr kept in the JSON (the files keep everything)
 
 # the CUDA tests, in shards that each run well inside STEP_LIMIT_S; the slow-stream matrix
@@ -117,15 +120,13 @@ def test_step(shard: str):
 
 
 def steps() -> dict:
-    """Every step by name, in the order ``gpu_check.sh`` runs them."""
+    """Every step by name, in the order ``gpu_check.sh`` runs them: the ones the issue's
+    numbers come from first, so that a short lease ends with them."""
     import gpu_check_steps as s
-    table = {name: test_step(name) for name in TEST_SHARDS}
-    table.update({"bandwidth": s.step_bandwidth, "overlap": s.step_overlap,
-                  "memory": s.step_memory, "paper-full": s.paper("full"),
-                  "paper-infinigen": s.paper("infinigen"), "paper-no-kv-transfer": s.paper_no_kv,
-                  "long-full": s.long_context("full"),
-                  "long-infinigen": s.long_context("infinigen"), "profile": s.step_profile,
-                  "moe": s.step_moe})
+    table = {"bandwidth": s.step_bandwidth, "paper": s.step_paper, "long": s.step_long,
+             "tests-core": test_step("tests-core"), "moe": s.step_moe,
+             "memory": s.step_memory, "overlap": s.step_overlap, "profile": s.step_profile}
+    table.update({name: test_step(name) for name in TEST_SHARDS if name not in table})
     return table
 
 
@@ -165,6 +166,18 @@ def main(argv=None) -> int:
                    help="decode steps measured in the OPT-13B setting (projected to 128)")
     p.add_argument("--step-limit", type=float, default=STEP_LIMIT_S,
                    help="seconds a step's command may run before it is stopped and failed")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all the steps together: a step starts only with at least "
+                        "--min-step seconds left, runs at most until the budget ends, and its "
+                        "variants stop starting when the next would not fit")
+    p.add_argument("--min-step", type=float, default=45.0)
+    p.add_argument("--only", nargs="+", default=None, metavar="LABEL",
+                   help="run only the variants of the model steps with these labels")
+    p.add_argument("--warm-once", action="store_true",
+                   help="warm up once a load, not before each variant (a short lease)")
+    p.add_argument("--share", nargs="+", default=[], metavar="STEP=S",
+                   help="with --budget: seconds a step may take (default: BUDGET_SHARES)")
+    p.add_argument("--until", type=float, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.list:
         for name in STEPS:
@@ -175,6 +188,8 @@ def main(argv=None) -> int:
         print("error: no CUDA device is visible; run with --dry-run on a CPU", file=sys.stderr)
         return 2
     a.device = torch.device("cuda" if a.cuda else "cpu")
+    if a.until is None and a.budget is not None:
+        a.until = time.time() + a.budget
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = a.steps or list(STEPS)
@@ -183,17 +198,33 @@ def main(argv=None) -> int:
         status, _ = _record(a, machine(), names[0])
         failed = [] if status == "ok" else names
     else:  # each step in its own process: a crash or a hang in one leaves the others' results
-        flags = ["--out", str(out), "--cut-gen-len", str(a.cut_gen_len),
-                 "--step-limit", str(a.step_limit)] + (["--dry-run"] if a.dry_run else [])
+        flags = ["--out", str(out), "--cut-gen-len", str(a.cut_gen_len)] + \
+            (["--dry-run"] if a.dry_run else []) + (["--warm-once"] if a.warm_once else []) + \
+            (["--only", *a.only] if a.only else [])
+        shares = {**BUDGET_SHARES, **{k: float(v) for k, v in
+                                      (item.split("=", 1) for item in a.share)}}
+        skipped = []
         for name in names:
-            args = [sys.executable, str(Path(__file__).resolve()), "--steps", name, *flags]
+            left = a.until - time.time() if a.until else float("inf")
+            if left < a.min_step:
+                skipped.append(name)
+                continue
+            limit = min(a.step_limit, left - 10)
+            if a.until:
+                limit = min(limit, shares.get(name, limit))
+            args = [sys.executable, str(Path(__file__).resolve()), "--steps", name, *flags,
+                    "--step-limit", str(limit)]
+            if a.until:
+                args += ["--until", str(time.time() + limit)]
             try:
-                code = subprocess.run(args, cwd=ROOT, timeout=a.step_limit + 60).returncode
+                code = subprocess.run(args, cwd=ROOT, timeout=limit + 20).returncode
             except subprocess.TimeoutExpired:
                 code = None
-                print(f"error: step {name} ran past {a.step_limit + 60:.0f} s", file=sys.stderr)
+                print(f"error: step {name} ran past {limit + 20:.0f} s", file=sys.stderr)
             if code != 0:
                 failed.append(name)
+        if skipped:
+            print(f"steps not started (the budget was spent): {', '.join(skipped)}")
     print(f"steps failed: {', '.join(failed) or 'none'}; JSON under {out}")
     return 1 if failed else 0
 

@@ -2,8 +2,11 @@
 median of its decode steps (the first steps pay cold allocations)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -32,14 +35,22 @@ def _prompts(lm, b: int, length: int) -> list[list[int]]:
     return torch.randint(10, lm.cfg.vocab_size, (b, length), generator=gen).tolist()
 
 
-def _measured(lm, prompts, gen: int, cut: int) -> tuple[object, dict]:
+def _measured(a, lm, prompts, gen: int, cut: int) -> tuple[object, dict]:
     """A warm-up generation, then the measured one: its decode steps' median and range, and
     the bytes a decode step moves over each link, by kind (the ledger of the measured run
     less that of a prefill-only run of the same prompts: a prefill moves every weight and
     expert it reads, which is not a step's)."""
-    lm.generate(prompts, WARM_UP_STEPS + 1, stop_token_id=None)
+    if not getattr(lm, "warmed_up", False) or not a.warm_once:
+        lm.generate(prompts, WARM_UP_STEPS + 1, stop_token_id=None)
+        lm.warmed_up = True
     lm.tiers.reset_counters()
+    if lm.tiers.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
     out = lm.generate(prompts, gen, stop_token_id=None, cut_gen_len=cut)
+    kv_report = lm.engine.kv_policy.report()  # before the prefill-only run starts it afresh
+    peak = torch.cuda.max_memory_allocated() if lm.tiers.is_cuda else lm.tiers.peak["device"]
+    planned = memory_plan.plan(lm.cfg, lm.engine.policy, lm.engine.dtype, len(prompts[0]),
+                               gen, kv=lm.engine.kv_policy)["total"]
     whole = {link: dict(kinds) for link, kinds in lm.tiers.bytes_moved.items()}
     syncs = lm.engine.debug["host_syncs_per_step"][1:]
     lm.tiers.reset_counters()
@@ -57,7 +68,12 @@ def _measured(lm, prompts, gen: int, cut: int) -> tuple[object, dict]:
                  "host_to_device_bytes_per_step":
                      sum(per_step["host->device"].values()) if steps else None,
                  "bytes_per_step": per_step,
-                 "host_syncs_per_step": syncs}
+                 "host_syncs_per_step": syncs,
+                 "kv_fetch_fraction": kv_report.get("kv_fetch_fraction"),
+                 "relative_kv_size": kv_report.get("relative_kv_size", 1.0),
+                 "speculation_time_s": kv_report.get("speculation_time_s"),
+                 "peak_device_bytes": peak, "planned_device_bytes": planned["device"],
+                 "planned_host_bytes": planned["host"]}
 
 
 def _pinned_peak(a) -> float | None:
@@ -164,60 +180,117 @@ def step_memory(a) -> dict:
     return {"model": model, "batch": b, "prompt_len": prompt, "gen_len": gen, "runs": rows}
 
 
-def _paper_run(a, kv: str, percent: list[int]) -> dict:
-    """OPT-13B shapes, dummy weights, batch 20, prompt 1,920 (128 new tokens, ``--cut-gen-len``
-    of them run); one load per call, so that each fits a 10-minute call."""
+def _switch(lm, placement: Placement | None = None, **changes) -> None:
+    """Run the next blocks of a loaded model under a changed placement (its weights stay
+    where they are): overlap, the cache's tier and format, the GPU batch and where routed
+    experts multiply are read when a block starts."""
+    placement = dataclasses.replace(placement or lm.engine.policy, **changes)
+    lm.engine.policy = placement
+    lm.engine.compute.placement = placement
+
+
+def _time_left(a) -> float:
+    return a.until - time.time() if a.until else float("inf")
+
+
+class _Rows:
+    """A step's rows, written to ``<step>.partial.json`` after each one (a step stopped at its
+    limit keeps what it measured), and whether the next one fits the time left: each takes
+    about as long as the slowest so far."""
+
+    def __init__(self, a, name: str):
+        self.a, self.path, self.rows, self.skipped = a, Path(a.out) / f"{name}.partial.json", [], []
+        self.slowest = 0.0
+
+    def run(self, label: str, measure) -> None:
+        if self.a.only and label not in self.a.only:
+            return
+        if self.rows and _time_left(self.a) < 1.3 * self.slowest + 15:
+            self.skipped.append(label)
+            print(f"skipped for time: {label}", flush=True)
+            return
+        start = time.time()
+        try:
+            row = {"label": label, **measure()}
+        except Exception as e:  # one variant's error is a row; the others still run
+            row = {"label": label, "error": repr(e), "traceback": traceback.format_exc()}
+        row["seconds"] = time.time() - start
+        self.slowest = max(self.slowest, row["seconds"])
+        self.rows.append(row)
+        self.path.write_text(json.dumps(self.rows, indent=1, default=str))
+        print(json.dumps({k: v for k, v in row.items() if k != "bytes_per_step"},
+                         default=str)[:600], flush=True)
+
+
+# the paper's setting: (label, KV policy, its options, placement changes); the first four with
+# the copies overlapped, the last four without, the step with no KV transfer between them
+PAPER_VARIANTS = [
+    ("full", "full", None, {}),
+    ("infinigen", "infinigen", None, {}),
+    ("no KV transfer (cache on the GPU)", "full", None,
+     {"cache_gpu_percent": 100, "cache_cpu_percent": 0}),
+    ("h2o 0.2", "h2o", {"hh_ratio": 0.1, "recent_ratio": 0.1}, {}),
+    ("4-bit cache", "full", None, {"compress_cache": True}),
+    ("full, no overlap", "full", None, {"overlap": False}),
+    ("infinigen, no overlap", "infinigen", None, {"overlap": False}),
+    ("h2o 0.2, no overlap", "h2o", {"hh_ratio": 0.1, "recent_ratio": 0.1}, {"overlap": False}),
+    ("4-bit cache, no overlap", "full", None, {"compress_cache": True, "overlap": False}),
+]
+
+
+def step_paper(a) -> dict:
+    """OPT-13B shapes, dummy weights, batch 20, prompt 1,920, 128 new tokens
+    (``--cut-gen-len`` of them run), ``--percent 100 0 0 100 100 0``: one load, then each KV
+    policy with the copies overlapped and not, and the step with the cache on the GPU."""
     model, b, prompt, gen, cut = (("opt-125m", 2, 64, 32, 3) if a.dry_run
                                   else ("opt-13b", 20, 1920, 128, a.cut_gen_len))
-    policy = Placement.from_percent(percent, gpu_batch_size=b)
-    with _load(a, model, policy, kv) as lm:
-        _, row = _measured(lm, _prompts(lm, b, prompt), gen, cut)
-        report = lm.engine.kv_policy.report()
-        row.update(kv_policy=kv, relative_kv_size=report.get("relative_kv_size", 1.0),
-                   kv_fetch_fraction=report.get("kv_fetch_fraction"),
-                   speculation_time_s=report.get("speculation_time_s"),
-                   pinned_host_exact=lm.tiers.pinned_bytes)
+    base = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
+    peak, rows = _pinned_peak(a), _Rows(a, "paper")
+    with _load(a, model, base) as lm:
+        prompts = _prompts(lm, b, prompt)
+        loaded = lm.engine.policy
+        for label, kv, options, changes in PAPER_VARIANTS:
+            def measure(kv=kv, options=options, changes=changes):
+                from flexgen_infinigen.kv import make_kv_policy
+                _switch(lm, loaded, **changes)
+                lm.use_kv_policy(make_kv_policy(kv, **(options or {})))
+                _, row = _measured(a, lm, prompts, gen, cut)
+                row.update(kv_policy=kv, kv_options=options, placement_changes=changes,
+                           pinned_host_exact=lm.tiers.pinned_bytes)
+                return _against_link(row, peak)
+            rows.run(label, measure)
     return {"model": model, "batch": b, "prompt_len": prompt, "gen_len": gen,
-            "cut_gen_len": cut, "percent": " ".join(map(str, percent)),
-            "run": _against_link(row, _pinned_peak(a))}
+            "cut_gen_len": cut, "percent": "100 0 0 100 100 0", "runs": rows.rows,
+            "skipped_for_time": rows.skipped}
 
 
-def paper(kv: str):
-    def step(a) -> dict:
-        return _paper_run(a, kv, [100, 0, 0, 100, 100, 0])
-    step.__doc__ = f"the paper's setting, KV cache in CPU memory, {kv}"
-    return step
-
-
-def paper_no_kv(a) -> dict:
-    """The paper's setting with the KV cache on the GPU: the step with no KV transfer, which
-    InfiniGen's step is compared against (the goal: within 1.3x of it)."""
-    return _paper_run(a, "full", [100, 0, 100, 0, 100, 0])
-
-
-def long_context(kv: str):
-    def step(a) -> dict:
-        """Llama-3.1-8B shapes, bf16, weights on the GPU, KV in CPU memory, 32K, batch 1."""
-        model, b, prompt, gen, cut = (("smollm2-135m", 1, 256, 8, 3) if a.dry_run
-                                      else ("llama-3.1-8b", 1, 32768, 16, 6))
-        dtype = "float32" if a.dry_run else "bfloat16"
-        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
-        options = {"max_kv_fraction": 0.18, "first_layer": 2} if kv == "infinigen" else None
-        with _load(a, model, policy, kv, dtype=dtype, kv_options=options) as lm:
-            _, row = _measured(lm, _prompts(lm, b, prompt), gen, cut)
-            row["kv_policy"] = kv
-            row["kv_fetch_fraction"] = lm.engine.kv_policy.report().get("kv_fetch_fraction")
-        return {"model": model, "batch": b, "prompt_len": prompt, "dtype": dtype,
-                "run": _against_link(row, _pinned_peak(a))}
-    return step
+def step_long(a) -> dict:
+    """Llama-3.1-8B shapes, bf16, weights on the GPU, KV in CPU memory, 32K: full and
+    InfiniGen (its defaults) at batch 1, then at batch 4 and 8 while time is left."""
+    model, prompt, gen, cut = (("smollm2-135m", 256, 8, 3) if a.dry_run
+                               else ("llama-3.1-8b", 32768, 16, 6))
+    dtype = "float32" if a.dry_run else "bfloat16"
+    base = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
+    peak, rows = _pinned_peak(a), _Rows(a, "long")
+    with _load(a, model, base, dtype=dtype) as lm:
+        from flexgen_infinigen.kv import make_kv_policy
+        for b in (1, 4, 8):
+            prompts = _prompts(lm, b, prompt)
+            for kv in ("full", "infinigen"):
+                def measure(b=b, kv=kv, prompts=prompts):
+                    _switch(lm, gpu_batch_size=b)
+                    lm.use_kv_policy(make_kv_policy(kv))
+                    _, row = _measured(a, lm, prompts, gen, cut)
+                    row.update(batch=b, kv_policy=kv)
+                    return _against_link(row, peak)
+                rows.run(f"{kv}, batch {b}", measure)
+    return {"model": model, "prompt_len": prompt, "dtype": dtype, "gen_len": gen,
+            "cut_gen_len": cut, "runs": rows.rows, "skipped_for_time": rows.skipped}
 
 
 def _moe_model(a) -> str:
     """Qwen3-30B-A3B's layer shapes in 6 of its 48 layers, the vocabulary cut alike (bf16,
-    ~7.5 GB: four loads of it fit one step's time limit), or a toy MoE for a dry run;
-    registered under its name for ``--dummy`` loading."""
-    import dataclasses
-
+    ~7.5 GB), or a toy MoE for a dry run; registered under its name for ``--dummy`` loading."""
     from flexgen_infinigen.config import KNOWN_MODELS, get_config
     full = get_config("qwen3-30b-a3b")
     if a.dry_run:
@@ -236,41 +309,47 @@ def _moe_model(a) -> str:
 
 
 def step_moe(a) -> dict:
-    """A MoE on the GPU (MoE issue): decode with every expert on the GPU (the ceiling) and
-    with the routed experts in CPU memory, fetched when a token picks them (attention, the
-    router and the KV cache on the GPU in both), at batch 1 and 8; expert bytes over the link
-    per step against the measured pinned rate; and with those experts multiplied in CPU memory
-    by the CPU (``--cpu-expert-compute``: only the tokens' rows cross)."""
+    """A MoE on the GPU: decode with every expert on the GPU (the ceiling), and with the
+    routed experts in CPU memory, fetched when a token picks them or multiplied there by the
+    CPU (``--cpu-expert-compute``: only the tokens' rows cross); attention, the router and the
+    KV cache on the GPU in all; batch 1 and 8; expert bytes over the link per step against the
+    measured pinned rate. Two loads: experts on the GPU, experts in CPU memory."""
     model = _moe_model(a)
     prompt, gen, cut = (64, 8, 4) if a.dry_run else (4096, 24, 12)
     dtype = "float32" if a.dry_run else "bfloat16"
-    peak, rows = _pinned_peak(a), []
-    for b in (1, 8):
-        for where, experts, on_cpu in (("gpu", (100, 0), False),
-                                       ("cpu-fetched", (0, 100), False),
-                                       ("cpu-computed", (0, 100), True)):
-            policy = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=b,
-                                         expert_gpu_percent=experts[0],
-                                         expert_cpu_percent=experts[1],
-                                         cpu_expert_compute=on_cpu)
-            with _load(a, model, policy, dtype=dtype) as lm:
+    peak, rows = _pinned_peak(a), _Rows(a, "moe")
+    for home, experts, computed in (("gpu", (100, 0), (False,)),
+                                    ("cpu", (0, 100), (True, False))):
+        policy = Placement.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=1,
+                                     expert_gpu_percent=experts[0],
+                                     expert_cpu_percent=experts[1])
+        with _load(a, model, policy, dtype=dtype) as lm:
+            for b in (1, 8):
                 prompts = _prompts(lm, b, prompt)
-                _, row = _measured(lm, prompts, gen, cut)
-                per_step = row["bytes_per_step"] or {}
-                row.update(batch=b, experts=where,
-                           expert_bytes_per_step=per_step.get("host->device", {}).get("experts"),
-                           activation_bytes_to_host_per_step=per_step.get(
-                               "device->host", {}).get("activations"))
-            rows.append(_against_link(row, peak))
+                for on_cpu in computed:
+                    where = "gpu" if home == "gpu" else ("cpu-computed" if on_cpu
+                                                         else "cpu-fetched")
+
+                    def measure(b=b, on_cpu=on_cpu, prompts=prompts, where=where):
+                        _switch(lm, gpu_batch_size=b, cpu_expert_compute=on_cpu)
+                        _, row = _measured(a, lm, prompts, gen, cut)
+                        per_step = row["bytes_per_step"] or {}
+                        row.update(batch=b, experts=where,
+                                   expert_bytes_per_step=per_step.get("host->device", {})
+                                   .get("experts"),
+                                   activation_bytes_to_host_per_step=per_step.get(
+                                       "device->host", {}).get("activations"))
+                        return _against_link(row, peak)
+                    rows.run(f"experts {where}, batch {b}", measure)
     return {"model": model, "prompt_len": prompt, "gen_len": gen, "cut_gen_len": cut,
-            "dtype": dtype, "runs": rows}
+            "dtype": dtype, "runs": rows.rows, "skipped_for_time": rows.skipped}
 
 
 def step_profile(a) -> dict:
     """torch.profiler over 3 InfiniGen decode steps (KV in CPU memory): kernels, copies and
     host synchronizations per step, and the ops that take the most device time."""
     from torch.profiler import ProfilerActivity, profile
-    model, b, prompt = ("opt-125m", 2, 64) if a.dry_run else ("opt-1.3b", 8, 2048)
+    model, b, prompt = ("opt-125m", 2, 64) if a.dry_run else ("opt-1.3b", 8, 2040)
     steps = 3
     policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.cuda else [])

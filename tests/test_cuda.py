@@ -125,6 +125,8 @@ def test_host_tier_is_pinned_at_its_exact_size(tiny_opt):
     policy = Placement.from_percent([0, 100, 0, 100, 100, 0], gpu_batch_size=64)
     with OffloadedLM.load(path=store, device="cuda", policy=policy, progress=False) as lm:
         big = lm.tiers.empty("host", (EXACT_PIN_BYTES * 3 + 5,), torch.uint8)
+        assert lm.tiers.register_error is None, \
+            f"cudaHostRegister returned CUDA error {lm.tiers.register_error}"
         assert big.is_pinned()
         assert lm.tiers.pinned_bytes >= big.numel()
         before = lm.tiers.pinned_bytes

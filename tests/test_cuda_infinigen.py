@@ -36,9 +36,9 @@ def test_llama_gqa_matches_transformers_bf16(tiny_llama):
     """bf16 against transformers' own bf16 on the same GPU, teacher-forced on its tokens (a
     rounding difference may flip a greedy token later): every step's logits close."""
     model, store = tiny_llama
-    hf = model.to("cuda", torch.bfloat16)
+    ref_tokens, _ = hf_greedy(model.float().cpu(), PROMPT, STEPS)
+    hf = model.to("cuda", torch.bfloat16)  # in place: the same module, now on the GPU
     try:
-        ref_tokens, _ = hf_greedy(model.float().cpu(), PROMPT, STEPS)
         with torch.no_grad():
             ref = hf(torch.tensor([PROMPT + ref_tokens[:-1]], device="cuda")).logits[0].float()
     finally:
@@ -89,8 +89,10 @@ def test_gpu_and_cpu_selections_agree(tiny_llama, monkeypatch):
         return order, counts
 
     monkeypatch.setattr(infinigen_cache.InfiniGenCache, "_rank", recording)
+    # the rehearsal's query on both (a CPU reading its cache in place would pick each
+    # layer's own query in attention, which never ranks ahead)
     opts = {"options": InfiniGenOptions(max_kv_fraction=0.3, min_num_kv=4, first_layer=1,
-                                        select_from_mb=0.0)}
+                                        select_from_mb=0.0, speculation_query="input")}
     for device in ("cuda", "cpu"):
         chosen[device] = []
         with OffloadedLM.load(path=store, device=device, dtype="float32",

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -74,6 +75,9 @@ class Tiers:
         self.peak = defaultdict(int)
         self.host_syncs = 0  # reads of compute-device values by the host (syncs on a GPU)
         self.pinned_bytes = 0  # host bytes pinned at their exact size
+        # cudaHostRegister's error code when it refused a buffer (then pinned by PyTorch's host
+        # allocator instead, which rounds a buffer up to a power of two)
+        self.register_error: int | None = None
         self._scratch: dict[str, list] = {}
         self._scratch_lock = threading.Lock()
         self._lock = threading.Lock()  # the ledger is updated from the lanes' threads too
@@ -283,7 +287,14 @@ class Tiers:
             raw = torch.empty(size + 2 * PAGE, dtype=torch.uint8)
             offset = -raw.data_ptr() % PAGE
             ptr = raw.data_ptr() + offset
-            if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+            code = int(cudart.cudaHostRegister(ptr, size, 0))
+            if code != 0:
+                if self.register_error is None:
+                    warnings.warn(f"cudaHostRegister refused {size / 1e9:.2f} GB (CUDA error "
+                                  f"{code}); pinning through PyTorch's host allocator, which "
+                                  "rounds each buffer up to a power of two", RuntimeWarning,
+                                  stacklevel=2)
+                self.register_error = code
                 return torch.empty(shape, dtype=dtype, pin_memory=True)
             block = (raw, offset, ptr, size)
         raw, offset, ptr, size = block

@@ -1,7 +1,9 @@
 """Where weights come from when a model is loaded: a converted store, or dummy values."""
 from __future__ import annotations
 
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +48,9 @@ class StoreSource:
         return {name: self.store.format(name) for name in self.store.tensors}
 
 
+DUMMY_CHUNK = 1 << 23  # elements; a smaller tensor is one generator's draw
+
+
 class DummySource:
     """Seeded random weights in the model's true shapes (for models we cannot download).
 
@@ -61,5 +66,20 @@ class DummySource:
             return torch.zeros(shape)
         if len(shape) == 1:
             return torch.ones(shape)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen) * self.std
+        seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
+        n = 1
+        for d in shape:
+            n *= d
+        if n <= DUMMY_CHUNK:
+            return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * self.std
+        # a big matrix in chunks, each from its own seed, on all cores: one generator is serial
+        # (a 13B model's weights took minutes); the values depend on the seed and name alone
+        out = torch.empty(n)
+        chunks = out.split(DUMMY_CHUNK)
+
+        def fill(i: int) -> None:
+            gen = torch.Generator().manual_seed(seed * 7_919 + i + 1)
+            chunks[i].normal_(0.0, self.std, generator=gen)
+        with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1)) as pool:
+            list(pool.map(fill, range(len(chunks))))
+        return out.view(shape)
