@@ -86,3 +86,27 @@ def test_the_matrix_shards_cover_the_matrix_once(shard):
         return [line for line in out.stdout.splitlines() if "::" in line]
     cases = collected(gpu_check.TEST_SHARDS[shard])
     assert len(cases) == 18 and all(gpu_check.MATRIX in c for c in cases)
+
+
+def test_a_short_budget_runs_what_fits_and_the_report_merges_two_calls(tmp_path):
+    """Two dry-run calls as a lease makes them: the first's paper step under a budget, the
+    second ``--only`` one variant; the report merges them by label, with the optimizer's
+    prediction for each paper row and the link bound from the first call's bandwidth."""
+    first, second = tmp_path / "one", tmp_path / "two"
+    script = str(ROOT / "scripts" / "gpu_check.py")
+    subprocess.run([sys.executable, script, "--dry-run", "--out", str(first), "--budget", "120",
+                    "--steps", "bandwidth", "paper", "--warm-once"], check=True)
+    label = "full, no overlap"
+    subprocess.run([sys.executable, script, "--dry-run", "--out", str(second), "--steps",
+                    "paper", "--only", label], check=True)
+    again = json.loads((second / "paper.json").read_text())["result"]["runs"]
+    assert [r["label"] for r in again] == [label]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_report
+    doc = gpu_report.collect([str(first), str(second)])
+    rows = {r["label"]: r for r in doc["paper"]["rows"]}
+    first_rows = json.loads((first / "paper.json").read_text())["result"]["runs"]
+    assert set(rows) == {r["label"] for r in first_rows}  # one row a label, none twice
+    assert rows[label]["step_s"] == again[0]["decode_step_median_s"]  # the later call's
+    assert all(r["predicted_step_s"] > 0 for r in rows.values())
+    assert rows["full"]["speedup_vs_full"] == 1

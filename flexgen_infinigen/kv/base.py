@@ -77,6 +77,8 @@ class DecodeWork:
     cost model turns them into seconds with the hardware profile's rates)."""
 
     gathers_rows: bool = False  # chosen rows are gathered on the host before the link
+    # ... or, where the device reads pinned host memory by index itself, read in place
+    maps_rows: bool = False
     layers: int = 0  # how many layers do the work below
     matmul_params: float = 0.0  # per layer: parameters of extra products with the batch
     scan_bytes: float = 0.0  # per layer: bytes streamed like attention (scoring keys)

@@ -179,7 +179,11 @@ def decode_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict
     if policy.compress_cache:
         compute += hw.seconds("dequant", ctx_raw, kv_copies)
     extra = work.kv.decode_work(cfg, b, context, item)  # what the KV policy adds
-    if extra.gathers_rows:  # its chosen rows are gathered on the host before the link
+    if extra.maps_rows and "mapped_rows" in hw.rates and not policy.cpu_cache_compute:
+        # the GPU reads the chosen rows from pinned memory itself: no gather, a slower link
+        h2d += off_c * (hw.seconds("mapped_rows", ctx, kv_copies)
+                        - hw.seconds("h2d", ctx, kv_copies))
+    elif extra.gathers_rows:  # its chosen rows are gathered on the host before the link
         gather = off_c * hw.seconds("host_gather", 2 * ctx, kv_copies)
     if extra.layers:
         compute += n * extra.layers * (

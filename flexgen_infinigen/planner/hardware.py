@@ -21,7 +21,7 @@ GIB = 1 << 30
 RATES = ("h2d", "d2h", "page_cache_read", "attention", "prefill_attention", "cpu_attention",
          "dequant", "device_copy", "host_gather")
 # measured where the machine allows it; a profile without them uses disk_read_bw
-OPTIONAL_RATES = ("disk_read", "disk_buffered_read")
+OPTIONAL_RATES = ("disk_read", "disk_buffered_read", "mapped_rows")
 # the engine's own fixed costs per layer; each KV policy names its own (``overhead_name``)
 ENGINE_OVERHEADS = {"layer": 0.25e-3, "kv_offload": 0.02e-3, "weights_offload": 0.05e-3}
 
@@ -69,7 +69,9 @@ class HardwareProfile:
     #   decompression, by output bytes; device_copy: joining a tensor's tier segments;
     #   host_gather: gathering selected KV rows on the host (bytes read + written); and
     #   optionally (OPTIONAL_RATES) disk_read / disk_buffered_read: a cold read from the
-    #   disk tier with O_DIRECT / through the page cache, by read size
+    #   disk tier with O_DIRECT / through the page cache, by read size; mapped_rows: a GPU
+    #   reading a KV policy's chosen rows from pinned host memory itself (the Triton kernel
+    #   of memory.mapped_rows), by the bytes of one layer's rows: no host gather then
     rates: dict[str, dict[int, float]]
     # fixed seconds per layer and GPU batch at decode beyond flops and bytes (operator
     # dispatch, kernel launches), as "<family>/<what>" for what in overhead_names(): "layer"
@@ -166,7 +168,9 @@ def _gpu(name, device, gpu_gb, link_gbs, tflops, hbm_gbs, cpu_gb, note) -> Hardw
     table follows the roofline); decode attention streams the cache at ~70% of memory
     bandwidth. The host: a dual-socket server (~1.5 TFLOP/s fp32 matmul, ~100 GB/s of
     memory, ~20 GB/s for a row gather) and an NVMe SSD (~2 GB/s read, 1.5 write). A layer
-    costs ~0.25 ms of kernel launches; speculation ~30 small kernels.
+    costs ~0.25 ms of kernel launches; speculation ~30 small kernels. Chosen KV rows read by
+    the GPU from pinned memory in place move at ~0.6 of the pinned copy rate (rows of a few
+    hundred bytes; the first GPU run's OPT-13B InfiniGen step, results page).
     """
     link = link_gbs * GB * 0.8
     peak = tflops * 1e12 * 0.65
@@ -195,7 +199,8 @@ def _gpu(name, device, gpu_gb, link_gbs, tflops, hbm_gbs, cpu_gb, note) -> Hardw
                "attention": flat(hbm_gbs * GB * 0.7),
                "prefill_attention": flat(hbm_gbs * GB * 0.15),
                "cpu_attention": flat(40 * GB), "dequant": flat(hbm_gbs * GB * 0.2),
-               "device_copy": flat(hbm_gbs * GB * 0.8), "host_gather": flat(20 * GB)},
+               "device_copy": flat(hbm_gbs * GB * 0.8), "host_gather": flat(20 * GB),
+               "mapped_rows": flat(link * 0.6)},
         overhead_s={f"{fam}/{what}": v for fam in ("opt", "llama")
                     for what, v in overheads.items()},
         op_overhead_s=8e-6, source="built-in, published figures: " + note)
@@ -206,6 +211,9 @@ BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in [
          "A100 40GB PCIe: 312 TFLOP/s fp16, 1555 GB/s HBM2; PCIe 4.0 x16 32 GB/s"),
     _gpu("h100-pcie5", "NVIDIA H100 80GB, PCIe 5.0 x16", 80, 64, 756, 2000, 512,
          "H100 PCIe: 756 TFLOP/s fp16 dense, 2.0 TB/s HBM2e; PCIe 5.0 x16 64 GB/s"),
+    _gpu("h200-pcie5", "NVIDIA H200 141GB, PCIe 5.0 x16", 141, 64, 989, 4800, 128,
+         "H200 SXM: 989 TFLOP/s fp16 dense, 4.8 TB/s HBM3e; PCIe 5.0 x16 64 GB/s; 128 GB of "
+         "host memory (the lent machine this project first ran on a GPU)"),
     _gpu("a6000-pcie3", "NVIDIA RTX A6000 48GB, PCIe 3.0 x16", 48, 16, 155, 768, 256,
          "RTX A6000: 155 TFLOP/s fp16 tensor, 768 GB/s GDDR6; PCIe 3.0 x16 16 GB/s "
          "(the InfiniGen paper's machine)"),

@@ -164,7 +164,7 @@ class InfiniGenPolicy(SelectivePolicy):
         scores = batch * cfg.num_heads * context * 4
         keys = batch * context * cfg.num_kv_heads * bytes_per_key(
             self.options.speculation_keys, r, item)
-        return DecodeWork(gathers_rows=True,
+        return DecodeWork(gathers_rows=True, maps_rows=True,
                           layers=max(0, cfg.num_layers - self.options.first_layer),
                           matmul_params=params, scan_bytes=keys + 4 * scores,
                           overhead=self.overhead_name)
