@@ -208,7 +208,6 @@ def test_a_dropped_stream_frees_its_row(client, server):
     (b"{not json", 400, "not JSON"),
     (json.dumps({"model": MODEL}), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "hi", "n": 9}), 400, "n must be 1 to 8"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "n": 2, "stream": True}), 400, "stream"),
     (json.dumps({"model": MODEL, "prompt": "hi", "tools": []}), 400, "tools"),
     (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}), 400, "temperature"),
     (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 9}), 400, "0 to 5"),
@@ -249,6 +248,37 @@ def test_n_choices_and_several_prompts_are_each_its_own_answer(client, lm):
         model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
         temperature=1.0, seed=6)
     assert one.choices[0].message.content == texts[1]  # choice j: seed + j
+
+
+def test_streamed_choices_each_make_the_answer_they_make_unstreamed(client):
+    """n > 1 and a list of prompts, streamed: one stream (one id), each chunk naming its
+    choice; each choice's pieces join into the text the same body gives unstreamed (seeded
+    sampling: every choice its own seed), each ends once, and the usage chunk counts every
+    prompt once and every choice's tokens."""
+    body = dict(model=MODEL, prompt=PROMPTS[:2], n=2, max_tokens=5, temperature=1.0, seed=3)
+    whole = client.completions.create(**body)
+    chunks = list(client.completions.create(**body, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1
+    texts, ends = {}, {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                ends[choice.index] = ends.get(choice.index, 0) + 1
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert ends == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=3,
+                max_tokens=6, temperature=1.0, seed=5)
+    answers = [c.message.content for c in client.chat.completions.create(**chat).choices]
+    streamed = {}
+    for c in client.chat.completions.create(**chat, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + \
+                (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == answers
 
 
 def test_the_client_sees_a_bad_request(client):

@@ -10,7 +10,6 @@ engine's next step.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import asynccontextmanager
 
@@ -19,16 +18,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from .guard import Guard, Limits, decode_json, endpoint, log, read_body, server_error
+from .guard import Guard, Limits, decode_json, endpoint, read_body, server_error
 from . import tokens
-from ..text.reasoning import ThinkStream
-from ..text.tool_calls import CallStream
 from .grammar import Grammars
 from .parse import parse_all
 from .requests import ApiError, ServeRequest
 from .scheduler import QueueFull, Scheduler
-
-GONE = ("gone", None, None)  # the event that says the client has disconnected
+from .stream import sse, usage, watch
 
 
 def create_app(scheduler: Scheduler, model: str, names: set[str], template: str | None,
@@ -128,10 +124,9 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
             return JSONResponse({}, status_code=499)
         metrics.count("requests_admitted", len(every))
         metrics.count("prompt_tokens", sum(len(one.ids) for one in every))
-        served = every[0]
-        if served.stream:  # one answer (parsing refuses a streamed n > 1)
+        if every[0].stream:  # every choice in one stream, each chunk naming its index
             metrics.answered(endpoint, 200)
-            return StreamingResponse(_sse(served, request, limits.sse_keepalive_s),
+            return StreamingResponse(sse(every, request, limits.sse_keepalive_s),
                                      media_type="text/event-stream")
         try:
             answers = await _collect(every, request)
@@ -177,26 +172,15 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
     return Guard(app, limits, api_key, metrics)
 
 
-async def _watch(served: ServeRequest | list[ServeRequest], request: Request) -> None:
-    """Waits for the client to disconnect, then cancels its rows and wakes the handler.
-    After the body, the next message of a request is its disconnect: this sees it at once,
-    where a check between events would wait for an event to come."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    for one in served if isinstance(served, list) else [served]:
-        one.cancelled.set()  # the engine drops the row at its next step
-        one.events.put_nowait(GONE)
-
-
 async def _collect(served: list[ServeRequest], request: Request):
     """Each answer's (text, finish reason, log-probability entries), whole; None when the
     client left before they were done. One watch for all of a body's answers (a request's
     messages go to one reader)."""
-    watch = asyncio.create_task(_watch(served, request))
+    watcher = asyncio.create_task(watch(served, request))
     try:
         answers = await asyncio.gather(*(_answer(one) for one in served))
     finally:
-        watch.cancel()
+        watcher.cancel()
         for one in served:
             one.cancelled.set()  # a no-op once the row has finished
     return None if any(a is None for a in answers) else answers
@@ -218,84 +202,9 @@ async def _answer(served: ServeRequest):
 
 
 def _combined(served: list[ServeRequest], answers: list) -> dict:
-    """One body's answer with every choice (n > 1, several prompts): usage counts each
-    prompt once and every choice's tokens."""
+    """One body's answer with every choice (n > 1, several prompts)."""
     bodies = [one.response(*answer) for one, answer in zip(served, answers)]
     out = bodies[0]
     out["choices"] = [body["choices"][0] for body in bodies]
-    prompt = sum(len(one.ids) for one in served if one.first_of_prompt)
-    made = sum(one.generated for one in served)
-    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": made,
-                    "total_tokens": prompt + made}
-    cached = sum(one.cached_tokens for one in served if one.first_of_prompt)
-    if cached:
-        out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    out["usage"] = usage(served)
     return out
-
-
-async def _sse(served: ServeRequest, request: Request, keepalive_s: float):
-    """The answer as Server-Sent Events; leaving (the client's disconnect closes this
-    generator, or the watch sees it first) cancels the row."""
-    def data(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    watch = asyncio.create_task(_watch(served, request))
-    getter = None
-    role_sent = served.kind != "chat"
-    # with tools offered, a call is held back until it is whole, then sent as one delta
-    calls = CallStream(served.tool_format, {t["function"]["name"] for t in served.tools or ()}) \
-        if served.tool_format else None
-    # a thinking model's reasoning goes out as reasoning_content deltas, before the answer
-    think = ThinkStream(served.reasoning == "inside") if served.reasoning else None
-    try:
-        while True:
-            if getter is None:  # one get at a time, never cancelled by a keep-alive
-                getter = asyncio.ensure_future(served.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=keepalive_s)
-            if not done:
-                yield ": keep-alive\n\n"
-                continue
-            (kind, piece, extra), getter = getter.result(), None
-            if kind == "gone":
-                return
-            if kind == "error":
-                yield data(piece.body())
-                return
-            if not role_sent:  # with the first token: the time a client sees is honest
-                yield data(served.chunk("", None, [], first=True))
-                role_sent = True
-            if think is not None:
-                thought, piece = think.add(piece or "")
-                if kind == "done":
-                    more, rest = think.finish()
-                    thought, piece = thought + more, piece + rest
-                if thought:
-                    yield data(served.chunk("", None, [], reasoning=thought))
-            if calls is not None:
-                piece = calls.add(piece or "")
-            if kind == "done":
-                found = None
-                if calls is not None:
-                    rest, found = calls.finish()
-                    piece += rest
-                if found:
-                    if piece:
-                        yield data(served.chunk(piece, None, []))
-                    yield data(served.chunk("", None, [], calls=found))
-                    extra = "tool_calls"
-                    piece = ""
-                yield data(served.chunk(piece, extra, []))
-                break
-            if piece or extra is not None:
-                yield data(served.chunk(piece, None, [] if extra is None else [extra]))
-        if served.include_usage:
-            yield data(served.chunk(None, None, []))
-        yield "data: [DONE]\n\n"
-    except Exception as e:  # noqa: BLE001 - the stream has begun: its last event says so
-        log.error("a streamed answer failed", exc_info=e)
-        yield data(server_error(e).body())
-    finally:
-        watch.cancel()
-        if getter is not None:
-            getter.cancel()
-        served.cancelled.set()

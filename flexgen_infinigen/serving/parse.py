@@ -32,16 +32,11 @@ def parse_all(kind: str, body, lm, template: str | None, default_max_tokens: int
     n = 1 if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
         raise ApiError(400, f"n must be 1 to {max_n} (the rows of a block)", param="n")
-    if n > 1 and body.get("stream"):
-        raise ApiError(400, "n > 1 is served without stream (one answer streamed at a "
-                            "time)", param="n")
     prompts = [body.get("prompt")]
     given = body.get("prompt")
     if kind == "completion" and isinstance(given, list) and len(given) > 1 and \
             all(isinstance(p, (str, list)) for p in given):
         prompts = given  # several prompts (texts, or lists of token ids)
-        if body.get("stream"):
-            raise ApiError(400, "a list of prompts is served without stream", param="prompt")
     out = []
     for i, prompt in enumerate(prompts):
         for j in range(n):

@@ -165,7 +165,7 @@ class ServeRequest:
         a thinking model's reasoning."""
         choices = []
         if text is not None:
-            choice = {"index": 0, "finish_reason": reason,
+            choice = {"index": self.index, "finish_reason": reason,
                       "logprobs": self.logprobs_object(logprobs)}
             if calls:
                 choice["delta"] = {"tool_calls": [{"index": i, **c}

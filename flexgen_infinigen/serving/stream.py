@@ -1,0 +1,129 @@
+"""A body's answers as Server-Sent Events: one ``data:`` chunk per piece of text, each
+choice's chunks carrying its ``index`` (``n`` > 1, a list of prompts), interleaved as the rows
+make them, then the usage chunk when asked, then ``data: [DONE]``. A client that goes away
+cancels every row of its body at the engine's next step."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.requests import Request
+
+from ..text.reasoning import ThinkStream
+from ..text.tool_calls import CallStream
+from .guard import log, server_error
+from .requests import ServeRequest
+
+GONE = ("gone", None, None)  # the event that says the client has disconnected
+
+
+async def watch(served: list[ServeRequest], request: Request) -> None:
+    """Waits for the client to disconnect, then cancels its rows and wakes the handler.
+    After the body, the next message of a request is its disconnect: this sees it at once,
+    where a check between events would wait for an event to come."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for one in served:
+        one.cancelled.set()  # the engine drops the row at its next step
+        one.events.put_nowait(GONE)
+
+
+def usage(served: list[ServeRequest]) -> dict:
+    """A body's usage: every prompt once, every choice's tokens."""
+    prompt = sum(len(one.ids) for one in served if one.first_of_prompt)
+    made = sum(one.generated for one in served)
+    out = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+    cached = sum(one.cached_tokens for one in served if one.first_of_prompt)
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+class ChoiceStream:
+    """One choice's events turned into its chunks: the role first (a chat), a thinking
+    model's reasoning as its own deltas, a tool call held back until it is whole."""
+
+    def __init__(self, served: ServeRequest):
+        self.served, self.done = served, False
+        self.role_sent = served.kind != "chat"
+        self.calls = CallStream(served.tool_format,
+                                {t["function"]["name"] for t in served.tools or ()}) \
+            if served.tool_format else None
+        self.think = ThinkStream(served.reasoning == "inside") if served.reasoning else None
+
+    def chunks(self, kind: str, piece, extra) -> list[dict]:
+        served, out = self.served, []
+        if not self.role_sent:  # with the first token: the time a client sees is honest
+            out.append(served.chunk("", None, [], first=True))
+            self.role_sent = True
+        if self.think is not None:
+            thought, piece = self.think.add(piece or "")
+            if kind == "done":
+                more, rest = self.think.finish()
+                thought, piece = thought + more, piece + rest
+            if thought:
+                out.append(served.chunk("", None, [], reasoning=thought))
+        if self.calls is not None:
+            piece = self.calls.add(piece or "")
+        if kind == "done":
+            found = None
+            if self.calls is not None:
+                rest, found = self.calls.finish()
+                piece += rest
+            if found:
+                if piece:
+                    out.append(served.chunk(piece, None, []))
+                out.append(served.chunk("", None, [], calls=found))
+                extra, piece = "tool_calls", ""
+            out.append(served.chunk(piece, extra, []))
+            self.done = True
+        elif piece or extra is not None:
+            out.append(served.chunk(piece, None, [] if extra is None else [extra]))
+        return out
+
+
+async def sse(every: list[ServeRequest], request: Request, keepalive_s: float):
+    """The body's answers as Server-Sent Events, one chunk stream with one id; a comment
+    every ``keepalive_s`` while no row has made anything (a long prompt prefilling)."""
+    first = every[0]
+
+    def data(obj) -> str:
+        obj["id"] = first.id  # every choice's chunks belong to the one completion
+        return f"data: {json.dumps(obj)}\n\n"
+
+    watcher = asyncio.create_task(watch(every, request))
+    streams = [ChoiceStream(one) for one in every]
+    getters: dict[int, asyncio.Future] = {}  # one get per choice, never cancelled by a keep-alive
+    try:
+        while not all(s.done for s in streams):
+            for i, s in enumerate(streams):
+                if not s.done and i not in getters:
+                    getters[i] = asyncio.ensure_future(s.served.events.get())
+            done, _ = await asyncio.wait(set(getters.values()), timeout=keepalive_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            for i in sorted(i for i, g in getters.items() if g in done):
+                kind, piece, extra = getters.pop(i).result()
+                if kind == "gone":
+                    return
+                if kind == "error":
+                    yield data(piece.body())
+                    return
+                for chunk in streams[i].chunks(kind, piece, extra):
+                    yield data(chunk)
+        if first.include_usage:
+            last = first.chunk(None, None, [])
+            last["usage"] = usage(every)
+            yield data(last)
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the stream has begun: its last event says so
+        log.error("a streamed answer failed", exc_info=e)
+        yield data(server_error(e).body())
+    finally:
+        watcher.cancel()
+        for getter in getters.values():
+            getter.cancel()
+        for one in every:
+            one.cancelled.set()
