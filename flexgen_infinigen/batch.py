@@ -294,8 +294,11 @@ def _run(a, todo: list[dict], out) -> int:
             if r["format"] == "openai":
                 openai_batch.apply_model_defaults(r, model_defaults)
         ready, refused = [], []
+        from .serving.offline import LineGrammars
+        grammars = LineGrammars(lm, a.refill and lm.tokenizer is not None)
         for r in todo:  # an OpenAI completion is plain text, never a chat
-            why = _prepare(lm, r, a.chat and r["format"] == "ours", template)
+            why = _prepare(lm, r, a.chat and r["format"] == "ours", template) or \
+                grammars.compile(r)
             (ready.append(r) if why is None else refused.append(error_line(r, why)))
         _write(out, refused)
         failed += len(refused)
@@ -311,7 +314,7 @@ def _run(a, todo: list[dict], out) -> int:
             bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
 
         if a.refill and lm.tokenizer is not None:  # (a row's end is found in its text)
-            _refilled(lm, a, ready, written)
+            _refilled(lm, a, ready, written, grammars)
         else:
             _blocks(lm, a, ready, policy.block_size, written)
         bar.close()
@@ -345,10 +348,11 @@ def _blocks(lm, a, ready: list[dict], block_size: int, written) -> None:
                             stop_token_id), len(block))
 
 
-def _refilled(lm, a, ready: list[dict], written) -> None:
+def _refilled(lm, a, ready: list[dict], written, grammars) -> None:
     """Every prompt a row of the server's scheduler, each with its own settings; a row whose
     answer ends takes the next prompt (:mod:`.serving.offline`). A request that failed (its
-    block with it) runs again alone, as ``_blocks`` would run it."""
+    block with it) runs again alone, as ``_blocks`` would run it; one held to a grammar gets
+    its error line instead (a block of its own has no grammar)."""
     from .serving.offline import JobRequest, answer_all
 
     # a line without its own seed draws from the job's seed plus its place in the file: each
@@ -357,13 +361,17 @@ def _refilled(lm, a, ready: list[dict], written) -> None:
                        _sampling(a, r["settings"], a.seed + i), list(r.get("stop") or []),
                        None, False, False, lm.cfg.name,
                        ignore_eos=bool(r["settings"].get("ignore_eos")),
-                       stop_token_ids=tuple(r["settings"].get("stop_token_ids", ())), line=r)
+                       stop_token_ids=tuple(r["settings"].get("stop_token_ids", ())),
+                       tool_format=r.get("tool_format"), tools=r.get("tools"),
+                       constraint=grammars.constraint(r), line=r)
             for i, r in enumerate(ready)]
     decode = lm.tokenizer.decode if lm.tokenizer else (lambda _: "")
     failed = []
     for job, event in answer_all(lm, jobs):
         if event[0] == "done":
             written([_result(lm, job.line, job.token_ids, decode(job.token_ids))], 1)
+        elif job.constraint is not None:
+            written([error_line(job.line, _first_line(event[1]))], 1)
         else:
             failed.append(job)
     for job in failed:  # once the scheduler has stopped: the engine runs one block at a time

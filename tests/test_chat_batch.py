@@ -163,6 +163,46 @@ def test_openai_batch_gives_our_texts(smollm2_store, tmp_path):
     assert cut["finish_reason"] == "stop"
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_openai_batch_holds_lines_to_their_json_schema(smollm2_store, tmp_path):
+    """A json_schema line answers JSON that holds its schema beside a free line, which
+    answers what it answers without one; a schema the grammar library cannot compile is
+    refused on its own line, with the library's reason; without refilled rows a
+    constrained line is refused, naming the flag."""
+    ask = [{"role": "user", "content": "Invent a person and give their name and age."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}
+    lines = [_openai("person", CHAT, messages=ask, max_tokens=60, temperature=0,
+                     response_format=fmt),
+             _openai("free", COMPLETION, prompt="The capital of France is", max_tokens=8,
+                     temperature=0),
+             _openai("bad", CHAT, messages=ask, max_tokens=5, response_format=bad)]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "out.jsonl"], tmp_path)
+    assert proc.returncode == 0 and "1 of them errors" in proc.stderr, proc.stderr
+    got = {r["custom_id"]: r for r in _lines(tmp_path / "out.jsonl")}
+    choice = got["person"]["response"]["body"]["choices"][0]
+    person = json.loads(choice["message"]["content"])
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str)
+    assert len(person["name"]) <= 12 and isinstance(person["age"], int)
+    assert choice["finish_reason"] == "stop"
+    assert got["bad"]["response"] is None and "strin" in got["bad"]["error"]["message"]
+    assert got["bad"]["error"]["param"] == "response_format"
+    with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
+        alone = lm.generate(["The capital of France is"], 8).texts[0]
+    assert got["free"]["response"]["body"]["choices"][0]["text"] == alone
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "blocks.jsonl", "--no-refill"], tmp_path)
+    refused = {r["custom_id"]: r for r in _lines(tmp_path / "blocks.jsonl")}["person"]
+    assert refused["response"] is None and "--no-refill" in refused["error"]["message"]
+
+
 def test_openai_batch_resumes(tiny_opt, tmp_path):
     rows = [_openai(f"r{i}", COMPLETION, prompt=[2] + [(5 * i + k) % 400 + 4 for k in range(4)],
                     max_tokens=4, temperature=0) for i in range(5)]

@@ -83,16 +83,17 @@ def tools(value) -> list[dict] | None:
 
 
 def tool_choice(value, offered: list[dict] | None) -> str:
-    """``tool_choice``: ``auto`` (default) or ``none``. ``required`` and a named function
-    need the arguments constrained to the function's schema, which is not served yet."""
+    """``tool_choice``: ``auto`` (default), ``none``, ``required`` or a named function
+    (``"named"``); the last two hold the answer to a call through a grammar
+    (:func:`..serving.parse.grammar_of`, which checks a named function's shape)."""
     if value is None or value == "auto":
         return "auto"
     if value == "none":
         return "none"
-    if value == "required" or isinstance(value, dict):
-        raise Refused("tool_choice \"required\" and a named function are not served yet "
-                      "(they need the arguments constrained to the schema); use \"auto\"",
-                      "tool_choice")
+    if value == "required":
+        return "required"
+    if isinstance(value, dict):
+        return "named"
     raise Refused(f"tool_choice must be \"auto\", \"none\", \"required\" or a named "
                   f"function (got {_shown(value)})", "tool_choice")
 

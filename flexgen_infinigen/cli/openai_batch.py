@@ -7,8 +7,10 @@ token ids). What a body may set (:data:`SERVED`): ``max_tokens`` (``max_completi
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``
 (see :mod:`..sampling` for what each does), ``stop`` (strings; the text is cut at the first
 one), ``stop_token_ids`` and ``ignore_eos``, ``chat_template_kwargs``, ``documents`` and
-``tools`` with ``tool_choice`` ``auto`` or ``none`` (a chat's, passed to its template; calls
-in the answer come back as ``tool_calls``), ``model`` (informational: the command's
+``tools`` with ``tool_choice`` (a chat's, passed to its template; calls in the answer come
+back as ``tool_calls``; ``required`` or a named function holds the answer to one call of it),
+``response_format`` ``json_object`` or ``json_schema`` (grammar-constrained, as the server
+does; both need the refilled rows, ``batch``'s default), ``model`` (informational: the command's
 ``--model`` runs), ``n`` 1, ``stream`` false. A field left out takes the model's
 ``generation_config.json`` value where it has one (:func:`apply_model_defaults`). Fields that
 change nothing in the answer (:data:`IGNORED`: ``user``, ``metadata``, ...) are accepted and
@@ -85,7 +87,8 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
     request = {"id": str(item["custom_id"]), "format": "openai", "kind": kind,
                "prompt": None, "messages": None, "stop": [], "refused": None, "param": None,
                "model": None, "template_kwargs": None, "documents": None, "given": set(),
-               "tools": None, "tool_format": None,
+               "tools": None, "tool_format": None, "response_format": None,
+               "forced_call": None,
                "ignored": sorted(str(k) for k in body if k in IGNORED)}
     settings = {**defaults, "temperature": 1.0, "top_p": 1.0}
     try:
@@ -101,6 +104,11 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
         else:
             request["prompt"] = checks.prompt(body.get("prompt"), vocab_size)
         _check_options(body, kind)
+        # a grammar the answer is held to (compiled once the model is loaded: batch._prepare)
+        request["response_format"] = body.get("response_format")
+        choice = body.get("tool_choice")
+        if choice == "required" or isinstance(choice, dict):
+            request["forced_call"] = choice
         for name in ("max_tokens", "max_completion_tokens"):
             if body.get(name) is not None:
                 settings["gen_len"] = checks.max_tokens(body[name], name)
@@ -157,10 +165,6 @@ def _check_options(body: dict, kind: str) -> None:
     for name in ("logprobs", "top_logprobs", "echo"):
         if body.get(name):
             raise checks.Refused(f"{name} is not served here (no logprobs or echo)", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise checks.Refused("response_format other than text is not served",
-                             "response_format")
     if kind != "chat":
         for name in ("chat_template_kwargs", "documents", "tools", "tool_choice"):
             if body.get(name) is not None:

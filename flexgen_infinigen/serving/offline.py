@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .metrics import Metrics
-from .requests import ServeRequest
+from .requests import ApiError, ServeRequest
 from .scheduler import Scheduler
 
 
@@ -81,3 +81,39 @@ def answer_all(lm, requests: list[JobRequest], timeout_s: float = 3600.0,
         for r in requests:  # an abandoned job: the rows still running are dropped
             r.cancelled.set()
         scheduler.stop(timeout=60)
+
+
+class LineGrammars:
+    """The job's grammar-constrained lines (``response_format`` JSON, ``tool_choice``
+    ``required`` or a named function): each compiled before any work, as the server compiles
+    a request's (:mod:`.grammar`); they run in the refilled rows, each row masked
+    alone."""
+
+    def __init__(self, lm, refilled: bool):
+        self.lm, self.refilled, self._grammars = lm, refilled, None
+
+    def compile(self, request: dict) -> str | None:
+        """Sets ``request["grammar"]`` (None: a free answer); the reason a line is refused."""
+        from .parse import grammar_of
+
+        fmt, forced = request.get("response_format"), request.get("forced_call")
+        request["grammar"] = None
+        if (fmt is None or fmt == {"type": "text"}) and forced is None:
+            return None
+        if not self.refilled:
+            request["param"] = "response_format" if forced is None else "tool_choice"
+            return ("response_format JSON and tool_choice \"required\" (or a named function) "
+                    "run in refilled rows: drop --no-refill (and give a model with a tokenizer)")
+        if self._grammars is None:
+            from .grammar import Grammars
+            self._grammars = Grammars(self.lm)
+        try:
+            request["grammar"] = grammar_of(fmt, forced, request, self._grammars)
+        except ApiError as e:
+            request["param"] = e.param
+            return str(e)
+        return None
+
+    def constraint(self, request: dict):
+        grammar = request.get("grammar")
+        return self._grammars.constraint(grammar) if grammar else None

@@ -109,7 +109,7 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                                  context or lm.cfg.max_positions, param)
     except checks.Refused as e:
         raise _refused(e) from None
-    grammar = _grammar(body, request, forced, grammars)
+    grammar = grammar_of(body.get("response_format"), forced, request, grammars)
     if request["ignored"]:  # accepted, and changing nothing: said once, per request
         log.info("request ignores fields that do not change its answer: %s",
                  ", ".join(request["ignored"]))
@@ -122,10 +122,10 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                         constraint=grammars.constraint(grammar) if grammar else None)
 
 
-def _grammar(body: dict, request: dict, forced, grammars) -> str | None:
-    """The grammar the answer is held to: ``response_format``'s JSON, or the call
-    ``tool_choice`` requires; None: a free answer."""
-    fmt = body.get("response_format")
+def grammar_of(fmt, forced, request: dict, grammars) -> str | None:
+    """The grammar the answer is held to: ``response_format`` ``fmt``'s JSON, or the call a
+    ``tool_choice`` of ``required`` or a named function (``forced``) asks for, from the
+    request's ``tools``; None: a free answer. A server's request and a batch line alike."""
     wants_json = fmt is not None and fmt != {"type": "text"}
     if forced is None and not wants_json:
         return None
