@@ -12,7 +12,7 @@ setup(
     # PuLP 4 no longer bundles the CBC solver the optimizer uses
     install_requires=["torch>=2.1", "numpy", "tqdm", "pulp>=2.7,<4", "safetensors", "tokenizers",
                       "gguf", "huggingface_hub"],
-    extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval>=0.4.8,<0.5",
+    extras_require={"test": ["pytest", "transformers", "ruff", "lm-eval[api]>=0.4.8,<0.5",
                              # tests/test_serve.py: the server, and the official client
                              "fastapi", "uvicorn", "prometheus-client", "llguidance", "httpx",
                              "openai",
@@ -23,7 +23,7 @@ setup(
                     # python -m flexgen_infinigen.serve
                     "serve": ["fastapi", "uvicorn", "prometheus-client", "llguidance"],
                     # the lm-evaluation-harness model (flexgen_infinigen.harness)
-                    "eval": ["lm-eval>=0.4.8,<0.5"],
+                    "eval": ["lm-eval[api]>=0.4.8,<0.5"],
                     # accelerate: transformers loads a GGUF (the long-context reference) with it
                     "bench": ["matplotlib", "transformers", "accelerate", "jsonschema"]},
     entry_points={"console_scripts": ["flexgen-infinigen=flexgen_infinigen.run:main",

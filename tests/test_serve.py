@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -279,6 +280,86 @@ def test_streamed_choices_each_make_the_answer_they_make_unstreamed(client):
             streamed[choice.index] = streamed.get(choice.index, "") + \
                 (choice.delta.content or "")
     assert [streamed[i] for i in range(3)] == answers
+
+
+def test_echo_scores_the_prompt_as_transformers_does(client, smollm2_hf, lm):
+    """echo with logprobs: the prompt's text before the answer's, and each prompt token's
+    log-probability (the first has none) equal to transformers' over the whole prompt; the
+    answer's token is the one the prompt alone gives; a list of prompts each its own."""
+    import torch
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    out = client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]],
+                                    max_tokens=1, temperature=0, echo=True, logprobs=1)
+    first = out.choices[0]
+    alone = _in_thread(lm.generate, [PROMPTS[0]], 1).texts[0]
+    assert first.text == lm.tokenizer.decode(ids) + alone
+    scored = first.logprobs.token_logprobs
+    assert len(scored) == len(ids) + 1 and scored[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm2_hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(scored[1:len(ids)]), want, atol=2e-3)
+    assert first.logprobs.tokens[:len(ids)] == [lm.tokenizer.decode([t]) for t in ids]
+    best = ref[:len(ids) - 1].max(-1).values  # the top entry is the most likely token's
+    tops = [max(t.values()) for t in first.logprobs.top_logprobs[1:len(ids)]]
+    assert torch.allclose(torch.tensor(tops), best, atol=2e-3)
+    assert out.choices[1].text.startswith(PROMPTS[1])
+    for body, param in (({"messages": [{"role": "user", "content": "hi"}]}, "echo"),
+                        ({"prompt": "hi", "stream": True}, "echo")):
+        with pytest.raises(openai.BadRequestError) as e:
+            if "messages" in body:
+                client.chat.completions.create(model=MODEL, extra_body={"echo": True}, **body)
+            else:
+                client.completions.create(model=MODEL, echo=True, **body)
+        assert e.value.body["param"] == param
+
+
+def test_lm_eval_local_completions_scores_as_the_in_process_model(server, smollm2_store,
+                                                                  tmp_path, monkeypatch):
+    """lm-eval's ``local-completions`` model pointed at the server (echo and logprobs over
+    token ids) scores a local two-choice task as lm-eval's in-process model does: the same
+    accuracy and each choice's log-likelihood within float rounding."""
+    import lm_eval
+    import lm_eval.models.openai_completions  # noqa: F401 - registers local-completions
+    from lm_eval.tasks import TaskManager
+
+    import flexgen_infinigen.harness  # noqa: F401 - registers the in-process model
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    docs = [("The sun rises in the", ["east", "west"], 0),
+            ("Two plus two is", ["four", "seven"], 0),
+            ("Ice is frozen", ["fire", "water"], 1)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"context": c, "choices": ch, "label": y})
+                              for c, ch, y in docs) + "\n")
+    (tmp_path / "task.yaml").write_text(
+        "task: served_two_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    tok = tmp_path / "tokenizer"  # lm-eval counts the context's tokens with its own copy
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((Path(smollm2_store) / "tokenizer.json").read_bytes())
+    (tok / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    manager = TaskManager(include_path=str(tmp_path))
+    runs = {}
+    for name, model, args in (
+            ("served", "local-completions",
+             f"model={MODEL},base_url={server}/v1/completions,tokenizer={tok},"
+             "tokenizer_backend=huggingface,tokenized_requests=True"),
+            ("in-process", "flexgen_infinigen", f"path={smollm2_store}")):
+        out = lm_eval.simple_evaluate(model=model, model_args=args,
+                                      tasks=["served_two_choice"], task_manager=manager,
+                                      log_samples=True, bootstrap_iters=0)
+        runs[name] = out
+    accs = [r["results"]["served_two_choice"]["acc,none"] for r in runs.values()]
+    assert accs[0] == accs[1]
+    scores = [[ll for s in r["samples"]["served_two_choice"] for (ll, _), in s["resps"]]
+              for r in runs.values()]
+    assert len(scores[0]) == 2 * len(docs)
+    assert scores[0] == pytest.approx(scores[1], abs=2e-3)
 
 
 def test_the_client_sees_a_bad_request(client):

@@ -67,22 +67,29 @@ class BlockRun:
         # a long prompt is prefilled alone into its row at the first step (as a joiner),
         # not padded beside the others: no padding computed, and its first token comes
         # after its own prefill, not the whole block's
-        alone = [len(r.ids) >= self.alone_prompt_tokens for r in block] \
+        alone = [len(r.ids) >= self.alone_prompt_tokens and r.echo is None for r in block] \
             if self.prefills_alone and free else [False] * real
         # (its columns end at the block's last: the free columns hold the longest)
         free = max([free] + [len(r.ids) for r, a in zip(block, alone) if a])
         dummy = [self.lm.cfg.pad_token_id]  # a free row's one token (padding costs the same)
-        ids = [dummy if a else r.ids for r, a in zip(block, alone)]
+        # an echo row puts its first token in with the prefill and feeds the rest a token
+        # a step: each step's logits score the next prompt token (a prefill keeps only the
+        # last position's)
+        ids = [dummy if a else r.ids[:1] if r.echo is not None else r.ids
+               for r, a in zip(block, alone)]
         ids += [dummy] * (size * count - real)  # spare rows, and equal GPU batches
         width = max(map(len, ids))
-        longest = max(r.max_tokens for r in block)
+        longest = max(r.max_tokens + (len(r.ids) - 1 if r.echo is not None else 0)
+                      for r in block)
         steps = longest if not self.admit_prompt_tokens else \
             max(longest, min(self.block_answers * longest,
                              self.context - max(len(r.ids) for r in block)))
         for r in block:
             r.start(lm.tokenizer)
         width += free
-        rows = [Row(None) if a else Row(r, s, width - len(r.ids), list(r.ids))
+        rows = [Row(None) if a else
+                Row(r, s, width - 1, r.ids[:1], list(r.ids[1:])) if r.echo is not None else
+                Row(r, s, width - len(r.ids), list(r.ids))
                 for r, s, a in zip(block, samplers, alone)]
         rows += [Row(None, None, width - 1, []) for _ in range(len(ids) - real)]
         later = [(i, r, s) for i, (r, s, a) in enumerate(zip(block, samplers, alone)) if a]
@@ -188,7 +195,8 @@ class BlockRun:
                     self.metrics.count("requests_cancelled")
                     continue
                 n = len(request.ids)
-                by_prefill = engine.can_join(n)
+                # an echo row's logits score its prompt: it feeds it, from a block's start
+                by_prefill = engine.can_join(n) and request.echo is None
                 by_feeding = (not by_prefill and self.feeds_prompts and not engine.takes_rows()
                               and n + request.max_tokens <= left)
                 if n > self.admit_prompt_tokens or request.max_tokens - 1 > left or \
@@ -247,7 +255,8 @@ class BlockRun:
             return prefix
         width = batches[0][0].shape[1]
         for r in block:
-            r.cached_tokens = max(0, prefix.length - (width - len(r.ids))) if prefix else 0
+            n = len(r.ids) if r.echo is None else 1  # an echo row feeds the rest
+            r.cached_tokens = max(0, prefix.length - (width - n)) if prefix else 0
             self.metrics.count("prefix_cache_hits", r.cached_tokens)
             self.metrics.count("prefix_cache_queries", len(r.ids))
         return prefix

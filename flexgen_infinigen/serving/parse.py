@@ -34,7 +34,7 @@ def parse_all(kind: str, body, lm, template: str | None, default_max_tokens: int
         raise ApiError(400, f"n must be 1 to {max_n} (the rows of a block)", param="n")
     prompts = [body.get("prompt")]
     given = body.get("prompt")
-    if kind == "completion" and isinstance(given, list) and len(given) > 1 and \
+    if kind == "completion" and isinstance(given, list) and given and \
             all(isinstance(p, (str, list)) for p in given):
         prompts = given  # several prompts (texts, or lists of token ids)
     out = []
@@ -75,7 +75,8 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     if model not in names:
         raise ApiError(404, f"the model {model!r} is not served here; this server serves "
                             f"{sorted(names)[0]!r}", param="model", code="model_not_found")
-    served = {"stream", "stream_options", "logprobs", "top_logprobs", "response_format"}
+    served = {"stream", "stream_options", "logprobs", "top_logprobs", "response_format",
+              "echo"}
     forced = body.get("tool_choice")  # a call the answer must make: a grammar, below
     forced = forced if forced == "required" or isinstance(forced, dict) else None
     if forced is not None:
@@ -99,6 +100,11 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     if options and not stream:
         raise ApiError(400, "stream_options goes with stream: true", param="stream_options")
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    echo = _flag(body, "echo")
+    if echo and kind == "chat":
+        raise ApiError(400, "echo goes with /v1/completions", param="echo")
+    if echo and stream:
+        raise ApiError(400, "echo is served without stream", param="echo")
     param = "messages" if kind == "chat" else "prompt"
     settings = request["settings"]
     given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
@@ -113,13 +119,16 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     if request["ignored"]:  # accepted, and changing nothing: said once, per request
         log.info("request ignores fields that do not change its answer: %s",
                  ", ".join(request["ignored"]))
-    return ServeRequest(kind, ids, max_tokens, sampling_config(settings), request["stop"],
-                        _top_logprobs(kind, body), stream, include_usage, model,
-                        ignore_eos=settings.get("ignore_eos", False),
-                        stop_token_ids=settings.get("stop_token_ids", ()),
-                        tool_format=request.get("tool_format"), tools=request.get("tools"),
-                        reasoning=_thought(kind, reasoning, template, lm.tokenizer, ids),
-                        constraint=grammars.constraint(grammar) if grammar else None)
+    served = ServeRequest(kind, ids, max_tokens, sampling_config(settings), request["stop"],
+                          _top_logprobs(kind, body), stream, include_usage, model,
+                          ignore_eos=settings.get("ignore_eos", False),
+                          stop_token_ids=settings.get("stop_token_ids", ()),
+                          tool_format=request.get("tool_format"), tools=request.get("tools"),
+                          reasoning=_thought(kind, reasoning, template, lm.tokenizer, ids),
+                          constraint=grammars.constraint(grammar) if grammar else None)
+    if echo:  # the prompt's text before the answer's, and its tokens' log-probabilities
+        served.echo = [lm.tokenizer.decode([t]) if lm.tokenizer else "" for t in ids]
+    return served
 
 
 def grammar_of(fmt, forced, request: dict, grammars) -> str | None:

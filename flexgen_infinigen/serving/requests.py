@@ -60,6 +60,10 @@ class ServeRequest:
     # the thought) or "outside"
     reasoning: str | None = None
     constraint: object = None  # the grammar the answer is held to (.grammar.Constraint)
+    # echo (a completion's): each prompt token's text; its log-probability entries are kept
+    # as its row feeds the prompt a token a step (the first token's has none)
+    echo: list[str] | None = None
+    prompt_logprobs: list[dict] = field(default_factory=list)
     index: int = 0  # the choice's index in the body's answer (n > 1, several prompts)
     first_of_prompt: bool = True  # its prompt's tokens count in usage (once a prompt)
     # latencies: the histograms to observe (set when queued) and the times seen so far
@@ -153,6 +157,11 @@ class ServeRequest:
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
+        if self.echo is not None:  # the prompt first, in text and in log-probabilities
+            choice["text"] = "".join(self.echo) + text
+            first = {"token": self.echo[0], "logprob": None, "top": None}
+            choice["logprobs"] = self.logprobs_object([first, *self.prompt_logprobs,
+                                                       *logprobs])
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat"
                 else "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
@@ -202,5 +211,6 @@ class ServeRequest:
             at += len(e["token"])
         return {"tokens": [e["token"] for e in entries],
                 "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [dict(e["top"]) for e in entries] if self.top_logprobs
-                else None, "text_offset": offsets}
+                "top_logprobs": [None if e["top"] is None else dict(e["top"])
+                                 for e in entries] if self.top_logprobs else None,
+                "text_offset": offsets}

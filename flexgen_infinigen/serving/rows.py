@@ -80,6 +80,10 @@ class RowChooser:
             if row.feed:  # the prompt is not all in yet: its next token, no choice
                 tokens[r] = row.feed.pop(0)
                 self.feeding.add(index)
+                request = row.request
+                if request.echo is not None and request.top_logprobs is not None:
+                    request.prompt_logprobs.append(self._logprobs(
+                        logits[r], int(tokens[r]), request.top_logprobs))
                 continue
             tokens[r] = self.choose(index, logits[r], step)
         return tokens
