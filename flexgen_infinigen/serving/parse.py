@@ -128,6 +128,7 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                           constraint=grammars.constraint(grammar) if grammar else None)
     if echo:  # the prompt's text before the answer's, and its tokens' log-probabilities
         served.echo = [lm.tokenizer.decode([t]) if lm.tokenizer else "" for t in ids]
+        served.echo_text = lm.tokenizer.decode(ids) if lm.tokenizer else ""
     return served
 
 

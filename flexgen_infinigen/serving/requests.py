@@ -63,6 +63,7 @@ class ServeRequest:
     # echo (a completion's): each prompt token's text; its log-probability entries are kept
     # as its row feeds the prompt a token a step (the first token's has none)
     echo: list[str] | None = None
+    echo_text: str = ""  # the prompt's text, decoded whole (a character may span tokens)
     prompt_logprobs: list[dict] = field(default_factory=list)
     index: int = 0  # the choice's index in the body's answer (n > 1, several prompts)
     first_of_prompt: bool = True  # its prompt's tokens count in usage (once a prompt)
@@ -158,7 +159,7 @@ class ServeRequest:
         else:
             choice["text"] = text
         if self.echo is not None:  # the prompt first, in text and in log-probabilities
-            choice["text"] = "".join(self.echo) + text
+            choice["text"] = self.echo_text + text
             first = {"token": self.echo[0], "logprob": None, "top": None}
             choice["logprobs"] = self.logprobs_object([first, *self.prompt_logprobs,
                                                        *logprobs])
