@@ -1,6 +1,7 @@
 """Where weights come from when a model is loaded: a converted store, or dummy values."""
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -67,13 +68,11 @@ class DummySource:
         if len(shape) == 1:
             return torch.ones(shape)
         seed = self.seed * 1_000_003 + zlib.crc32(name.encode())
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if n <= DUMMY_CHUNK:
             return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * self.std
-        # a big matrix in chunks, each from its own seed, on all cores: one generator is serial
-        # (a 13B model's weights took minutes); the values depend on the seed and name alone
+        # a big matrix in chunks, each from its own seed, on all cores (one generator draws
+        # serially); the values depend on the seed and the name alone
         out = torch.empty(n)
         chunks = out.split(DUMMY_CHUNK)
 
