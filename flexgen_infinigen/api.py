@@ -79,6 +79,7 @@ class OffloadedLM:
             kv = make_kv_policy(kv_policy, **(kv_options or {}))
         kv.check_placement(policy.cpu_cache_compute)
         cfg, source, store = find_weights(model, path, dummy, seed, progress)
+        kv.check_model(cfg)
         if policy.cpu_expert_compute and not cfg.num_experts:
             raise ConfigError(f"--cpu-expert-compute needs a mixture-of-experts model; "
                               f"{cfg.name} has no routed experts (drop the flag)")
@@ -124,6 +125,7 @@ class OffloadedLM:
         checked, it takes what it needs from the model (InfiniGen: its skew), and the byte
         ledger restarts, so that it counts generation, not set-up."""
         kv.check_placement(self.policy.cpu_cache_compute)
+        kv.check_model(self.cfg)
         kv.prepare(self.policy_context())
         self.engine.kv_policy = kv
         self.tiers.reset_counters()

@@ -78,6 +78,17 @@ class ModelConfig:
     # kv_b_proj kept as llama.cpp splits it: W_UK^T per head (k_b_proj, [heads * kv_rank,
     # nope]) and W_UV (v_b_proj, [heads * v, kv_rank])
     mla_kv_b_split: bool = False
+    # gpt-oss (models/gpt_oss.py): a learned logit per query head that takes part in each
+    # softmax's normalizer and adds no value (``layers.{i}.sinks``)
+    attn_sinks: bool = False
+    # a bias on the router's logits (``router.bias``; gpt-oss) and on each routed expert's
+    # three matrices (``experts.{e}.{m}.bias``)
+    router_bias: bool = False
+    expert_bias: bool = False
+    # the routed experts' clamped SwiGLU (gpt-oss): gate clamped above and up on both sides
+    # at ``swiglu_limit``, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: plain SwiGLU
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
@@ -203,6 +214,22 @@ def _gemma3(name, hidden, layers, heads, kv_heads, head_dim, ffn, window, scalar
         query_scale=0.0 if scalar == head_dim else scalar ** -0.5, model_type="gemma3")
 
 
+def _gpt_oss(name, layers, experts) -> ModelConfig:
+    return ModelConfig(
+        name=name, family="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_layers=layers, num_heads=64, num_kv_heads=8,
+        attn_head_dim=64, max_positions=131072, norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                      "truncate": False},
+        tie_word_embeddings=False, bos_token_id=199998, eos_token_id=200002,
+        pad_token_id=199999, qkv_bias=True, o_bias=True,
+        layer_windows=tuple(128 if i % 2 == 0 else 0 for i in range(layers)),
+        num_experts=experts, experts_per_token=4, expert_intermediate_size=2880,
+        norm_topk_prob=True, attn_sinks=True, router_bias=True, expert_bias=True,
+        swiglu_limit=7.0, swiglu_alpha=1.702, model_type="gpt_oss")
+
+
 DEFAULT_MODEL = "smollm2-135m"
 
 KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
@@ -258,6 +285,10 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
            norm_topk_prob=True, shared_expert_gated=False, router_sigmoid=True,
            router_groups=8, router_topk_groups=4, routed_scaling=2.5,
            model_type="deepseek_v3"), family="mla"),
+    # gpt-oss: 128-token windows on every other layer (the first windowed), attention sinks,
+    # biased router and experts with the clamped SwiGLU, YaRN RoPE (32x of 4K)
+    *[_gpt_oss(name, layers, experts) for name, layers, experts in (
+        ("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))],
     # Gemma 3 (text), its published shapes: five windowed layers to one global
     *[_gemma3(name, *shape) for name, shape in {
         "gemma-3-1b": (1152, 26, 4, 1, 256, 6912, 512, 256, 262144, {}),

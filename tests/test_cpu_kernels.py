@@ -320,8 +320,8 @@ def test_infinigen_reading_selected_rows_in_place_equals_gathering_them(tiny_lla
     calls = []
     real_kernel = kernels.attend_indexed
 
-    def counted(*a):  # counts the calls the kernel took (None: it refused the layout)
-        out = real_kernel(*a)
+    def counted(*a, **kw):  # counts the calls the kernel took (None: it refused the layout)
+        out = real_kernel(*a, **kw)
         calls.append(out is not None)
         return out
 
@@ -400,14 +400,14 @@ def test_a_4bit_cache_read_in_place_equals_expanding_it(smollm2_store, batch, mo
     calls = []
     real = ck.attend_rows_q4
 
-    def counted(*a):  # counts the calls the kernel took (None: it refused the layout)
-        out = real(*a)
+    def counted(*a, **kw):  # counts the calls the kernel took (None: it refused the layout)
+        out = real(*a, **kw)
         calls.append(out is not None)
         return out
 
     runs = []
     for in_place in (True, False):
-        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
+        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a, **kw: None))
         policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=batch,
                                      compress_cache=True)
         with OffloadedLM.load(path=smollm2_store, policy=policy, progress=False) as lm:
@@ -431,8 +431,8 @@ def test_infinigen_reading_a_4bit_layer_whole_reads_it_in_place(smollm2_store, m
     calls = []
     real = ck.attend_rows_q4
 
-    def counted(*a):  # counts the calls the kernel took (None: it refused the layout)
-        out = real(*a)
+    def counted(*a, **kw):  # counts the calls the kernel took (None: it refused the layout)
+        out = real(*a, **kw)
         calls.append(out is not None)
         return out
 
@@ -472,13 +472,13 @@ def test_infinigen_reads_its_chosen_4bit_rows_in_place(smollm2_store, keys, monk
     calls, runs = [], []
     real = ck.attend_rows_q4
 
-    def counted(*a):  # counts the calls the kernel took (None: it refused the layout)
-        out = real(*a)
+    def counted(*a, **kw):  # counts the calls the kernel took (None: it refused the layout)
+        out = real(*a, **kw)
         calls.append(out is not None)
         return out
 
     for in_place in (True, False):
-        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a: None))
+        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a, **kw: None))
         policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=2,
                                      compress_cache=True)
         with OffloadedLM.load(path=smollm2_store, policy=policy, kv_policy="infinigen",

@@ -110,26 +110,27 @@ class StageExperts:
         return self.w[moe.expert_matrix(e, m)]
 
     def matrices(self, e: int) -> list:
-        return [fetch(self._handle(e, m)) for m in moe.EXPERT_MATRICES]
+        return [fetch(self.w[n]) for n in moe.expert_parts(e, self.w)]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 used: list[int]) -> torch.Tensor:
+                 used: list[int], expert=None) -> torch.Tensor:
         on_host = [e for e in used if isinstance(self._handle(e, moe.EXPERT_MATRICES[0]),
                                                  OnHost)]
         here = [e for e in used if e not in on_host] if on_host else used
         for e in here:  # reads from disk all in flight before the first is needed
-            for m in moe.EXPERT_MATRICES:
-                handle = self._handle(e, m)
+            for n in moe.expert_parts(e, self.w):
+                handle = self.w[n]
                 if isinstance(handle, OnDemand):
                     handle.start()
         out = moe.apply_experts(x, weights, experts, here, self.matrices,
-                                some=bool(on_host)) if here else torch.zeros_like(x)
+                                some=bool(on_host), expert=expert) if here else \
+            torch.zeros_like(x)
         if on_host:
-            out += self._on_host(x, weights, experts, on_host)
+            out += self._on_host(x, weights, experts, on_host, expert)
         return out
 
     def _on_host(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 used: list[int]) -> torch.Tensor:
+                 used: list[int], expert=None) -> torch.Tensor:
         """The experts ``used`` (:class:`OnHost`) multiplied in CPU memory: the tokens' rows
         and their routing cross to the host, the sum comes back; the experts do not move. In
         float32 on the host when the experts are codes (the CPU kernels' form)."""
@@ -137,7 +138,7 @@ class StageExperts:
         rows, wts, exps = (handle.to_host(t) for t in (x, weights, experts))
         if isinstance(handle.value, codes.PackedWeight):
             rows, wts = rows.float(), wts.float()
-        out = moe.apply_experts(rows, wts, exps, used, self.matrices, some=True)
+        out = moe.apply_experts(rows, wts, exps, used, self.matrices, some=True, expert=expert)
         return handle.to_compute(out.to(x.dtype))
 
 

@@ -67,6 +67,7 @@ class MoePlan:
 def moe_plan(cfg: ModelConfig, w: dict) -> MoePlan | None:
     """Stage weights ``w``'s plan, or None where the call does not apply (see the module)."""
     if (not FUSED.get() or not cfg.num_experts or cfg.shared_expert_size or cfg.router_sigmoid
+            or cfg.router_bias or not moe.plain_experts(cfg)
             or not 0 < cfg.experts_per_token <= min(cfg.num_experts, MAX_TOP_K)):
         return None
     router, norm = w.get(moe.ROUTER), w.get("mlp_norm.weight")

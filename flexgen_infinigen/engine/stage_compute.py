@@ -117,8 +117,9 @@ class StageCompute:
         if p.decode:
             self._speculate_next(block, stage, batch, x)
         q, k, v = fam.attn_qkv(cfg, w, x, pos_enc)
+        sinks = fam.attention_sinks(cfg, w)
         if p.decode:
-            out = block.caches[(stage, batch)].attend(loaded, q, k, v, seen, bias)
+            out = block.caches[(stage, batch)].attend(loaded, q, k, v, seen, bias, sinks=sinks)
         else:
             known = block.prefix.kv.get((self.stages[stage].layer, batch)) \
                 if block.prefix is not None else None
@@ -126,7 +127,7 @@ class StageCompute:
                 k = torch.cat([known[0].to(k.device, k.dtype), k], 1)
                 v = torch.cat([known[1].to(v.device, v.dtype), v], 1)
             rows = min(p.mode.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
-            out = attend_prompt(q, k, v, state.valid, window, rows=rows)
+            out = attend_prompt(q, k, v, state.valid, window, rows=rows, sinks=sinks)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
 
     def _experts_for_block(self, block: Block, p: Pass, stage: int, w: dict) -> None:

@@ -77,7 +77,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 
 def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                  window: int = 0, rows: int | None = None) -> torch.Tensor:
+                  window: int = 0, rows: int | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a prompt (or a chunk of one) through torch's fused attention,
     without any [q, k]-sized mask.
 
@@ -85,9 +86,38 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     ``valid`` [b, t]. Query rows go in chunks (``rows``), each with its own boolean mask over
     only the keys it may see (up to its last query), so the causal half of the score matrix
     is never computed. Equal to ``attend(q, k, v, mask_bias(valid, s, ...))`` on real query
-    rows; padding query rows are zero.
+    rows; padding query rows are zero. With ``sinks`` [H] (a logit per query head in each
+    softmax's normalizer, gpt-oss's) the probabilities are materialized in chunks of query
+    rows instead (torch's fused kernels take no sink).
     """
+    if sinks is not None:
+        return _attend_prompt_sinks(q, k, v, valid, window, rows, sinks)
     return _attend_prompt_fused(q, k, v, valid, window, rows)
+
+
+def _attend_prompt_sinks(q, k, v, valid, window: int, rows: int | None, sinks: torch.Tensor):
+    """:func:`attend_prompt` with attention sinks: chunks of ``rows`` query rows (default:
+    float32 scores under ``SCORE_CHUNK_BYTES``), each over only the keys it may see."""
+    b, s, heads, d = q.shape
+    t, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    rows = rows or score_rows(b, heads, t)
+    offset = t - s
+    out = torch.zeros(b, s, heads * d, dtype=q.dtype, device=q.device)
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        first = max(0, offset + start + 1 - window) if window else 0
+        end = offset + stop
+        bias = _chunk_bias(valid[:, first:end], start + offset - first, stop - start, q.dtype,
+                           window)
+        probs = _probabilities(q[:, start:stop], k[:, first:end], bias, sinks)
+        n = stop - start
+        got = torch.matmul(probs.to(v.dtype).reshape(b, kv_heads, group * n, -1),
+                           v[:, first:end].permute(0, 2, 1, 3))
+        got = got.view(b, kv_heads, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, -1)
+        real = valid[:, offset + start:offset + stop, None]  # padding queries: zeros
+        out[:, start:stop] = torch.where(real, got, 0.0)
+    return out
 
 
 # the fused key mass holds about this many q-sized float32 tensors at once (repeated keys,
@@ -270,9 +300,11 @@ def _chunk_bias(valid: torch.Tensor, first_query: int, n: int, dtype: torch.dtyp
     return torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, neg)
 
 
-def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 softmax probabilities [b, KV, group, s, t] of queries [b, s, H, d] over keys
-    [b, t, KV, d] with an additive ``bias`` broadcastable to [b, 1, s, t]."""
+    [b, t, KV, d] with an additive ``bias`` broadcastable to [b, 1, s, t]; with ``sinks``
+    [H], each head's sink logit joins the normalizer (its probability is dropped)."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -282,7 +314,19 @@ def _probabilities(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor) -> torc
     # scaled before the product: q.k of a large model can pass fp16's range, q.k / sqrt(d) not
     scores = torch.matmul(qg * (1.0 / math.sqrt(d)), kt).float()
     scores = scores.view(b, kv_heads, group, s, -1) + bias[:, :, None].float()
-    return torch.softmax(scores, dim=-1)
+    return _softmax(scores, sinks)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` [b, KV, group, ..., t]; with ``sinks``
+    [KV * group] (query heads in order), one more column per head holds its sink logit and
+    is dropped after the softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    b, kv_heads, group = scores.shape[:3]
+    shape = (1, kv_heads, group) + (1,) * (scores.dim() - 3)
+    sink = sinks.to(scores.device, torch.float32).view(shape).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
 
 
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -298,13 +342,14 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
 
 
 def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bias: torch.Tensor,
-                return_key_mass: bool = False):
+                return_key_mass: bool = False, sinks: torch.Tensor | None = None):
     """Decode attention of one new token over keys and values kept token-major, as the cache
     stores them, without reordering them first.
 
     q: [b, 1, H, d]; k_rows, v_rows: [t, b*KV, d]; bias: additive, broadcastable to
     [b, KV, 1, t]. Returns [b, 1, H*d] (and with ``return_key_mass`` the attention each key
-    receives summed over the group's query heads, [b, KV, t]).
+    receives summed over the group's query heads, [b, KV, t]). ``sinks`` [H]: each query
+    head's sink logit in the normalizer (gpt-oss).
     """
     b, _, heads, d = q.shape
     t, cols, _ = k_rows.shape
@@ -313,12 +358,21 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bia
     qc = q.reshape(cols, group, d)
     if not return_key_mass:  # a CPU kernel that reads each K and V row once (cpu_kernels)
         flat = bias.float().expand(b, kv_heads, 1, t).reshape(cols, t)
-        out = cpu_kernels.attend_rows(qc * (1.0 / math.sqrt(d)), k_rows, v_rows, flat)
+        out = cpu_kernels.attend_rows(qc * (1.0 / math.sqrt(d)), k_rows, v_rows, flat,
+                                      sinks=column_sinks(sinks, b))
         if out is not None:
             return out.view(b, 1, heads * d).to(q.dtype)
     scores = torch.bmm(qc * (1.0 / math.sqrt(d)), k_rows.permute(1, 2, 0)).float()
     scores = scores.view(b, kv_heads, group, t) + bias.float()
-    probs = torch.softmax(scores, dim=-1)
+    probs = _softmax(scores, sinks)
     out = torch.bmm(probs.to(v_rows.dtype).view(cols, group, t), v_rows.permute(1, 0, 2))
     out = out.view(b, 1, heads * d)
     return (out, probs.sum(2)) if return_key_mass else out
+
+
+def column_sinks(sinks: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Sinks [H] as the CPU kernels take them: one per (column, head of its group),
+    ``[batch * H]`` float32 (a column is a row's KV head; its group's heads follow)."""
+    if sinks is None:
+        return None
+    return sinks.float().cpu().repeat(batch).contiguous()

@@ -281,12 +281,22 @@ def _row_strides(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
     return k.stride(0), k.stride(1)
 
 
+def _sinks_ptr(sinks: torch.Tensor | None, c: int, g: int):
+    """The sinks' pointer (None: no sinks); ``sinks``: ``[C * G]`` float32 on the CPU,
+    contiguous (``attention.column_sinks``)."""
+    if sinks is None:
+        return None
+    assert sinks.dtype == torch.float32 and sinks.numel() == c * g and sinks.is_contiguous()
+    return sinks.data_ptr()
+
+
 def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                bias: torch.Tensor) -> torch.Tensor | None:
+                bias: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention ``[C, G, D]`` of pre-scaled queries ``q [C, G, D]`` over the rows
     ``k_rows``/``v_rows`` ``[T, C, D]`` (token-major or a head-major cache's view; each row
-    contiguous) with an additive ``bias`` ``[C, T]``; K and V are each read once. None when
-    the kernel cannot take the inputs."""
+    contiguous) with an additive ``bias`` ``[C, T]``; K and V are each read once. ``sinks``
+    ``[C * G]``: a logit per (column, head) in the normalizer (gpt-oss). None when the
+    kernel cannot take the inputs."""
     t, c, d = k_rows.shape
     g = q.shape[1]
     strides = _row_strides(k_rows, v_rows)
@@ -300,13 +310,14 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     out = torch.empty(c, g, d, dtype=torch.float32)
     st, sc = strides
     invoke("attend_rows", q=q.data_ptr(), k=k_rows.data_ptr(), v=v_rows.data_ptr(),
-           bias=bias.data_ptr(), out=out.data_ptr(), T=t, C=c, G=g, D=d, st=st, sc=sc,
+           bias=bias.data_ptr(), out=out.data_ptr(), sinks=_sinks_ptr(sinks, c, g), T=t, C=c, G=g, D=d, st=st, sc=sc,
            nthreads=torch.get_num_threads())
     return out
 
 
 def attend_rows_q4(q: torch.Tensor, k, v, bias: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor | None:
+                   v_new: torch.Tensor, index: torch.Tensor | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention ``[C, G, D]`` of pre-scaled ``q [C, G, D]`` over every row of a 4-bit
     cache (``k``/``v``: :class:`~..memory.codes.Packed` parts ``[T, C, D / 64, ...]``, read
     where they are, token-major or head-major) with ``bias [C, T]``, then each column's new
@@ -332,19 +343,20 @@ def attend_rows_q4(q: torch.Tensor, k, v, bias: torch.Tensor, k_new: torch.Tenso
            km=k.minimum.data_ptr(), vc=v.codes.data_ptr(), vs=v.scale.data_ptr(),
            vm=v.minimum.data_ptr(), bias=bias.data_ptr(),
            index=None if index is None else index.data_ptr(), k_new=k_new.data_ptr(),
-           v_new=v_new.data_ptr(), out=out.data_ptr(), T=t, C=c, G=g, D=d,
-           cs0=codes.stride(0), cs1=codes.stride(1), ss0=scale.stride(0),
+           v_new=v_new.data_ptr(), out=out.data_ptr(), sinks=_sinks_ptr(sinks, c, g), T=t,
+           C=c, G=g, D=d, cs0=codes.stride(0), cs1=codes.stride(1), ss0=scale.stride(0),
            ss1=scale.stride(1), nthreads=torch.get_num_threads())
     return out
 
 
 def attend_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                   counts: torch.Tensor, k_new: torch.Tensor,
-                   v_new: torch.Tensor) -> torch.Tensor | None:
+                   counts: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention ``[C, G, D]`` of pre-scaled ``q [C, G, D]`` over rows
     ``index[c, :counts[c]]`` of the caches ``k``/``v`` (``[T, C, D]``, token-major or a
     head-major cache's view, read where they are, nothing gathered) plus each column's new
-    token ``k_new``/``v_new [C, D]``. None when the kernel cannot take the inputs."""
+    token ``k_new``/``v_new [C, D]``; ``sinks`` as :func:`attend_rows`'. None when the
+    kernel cannot take the inputs."""
     c, g, d = q.shape
     strides = _row_strides(k, v)
     if (q.is_cuda or q.dtype != torch.float32 or k.dtype != torch.float32 or g > MAX_GROUP
@@ -360,8 +372,8 @@ def attend_indexed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
     st, sc = strides
     invoke("attend_indexed", q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
            index=index.data_ptr(), counts=counts.data_ptr(), n=n, k_new=k_new.data_ptr(),
-           v_new=v_new.data_ptr(), out=out.data_ptr(), C=c, G=g, D=d, st=st, sc=sc,
-           nthreads=torch.get_num_threads())
+           v_new=v_new.data_ptr(), out=out.data_ptr(), sinks=_sinks_ptr(sinks, c, g), C=c,
+           G=g, D=d, st=st, sc=sc, nthreads=torch.get_num_threads())
     return out
 
 

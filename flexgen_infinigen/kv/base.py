@@ -161,7 +161,10 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(self, loaded: Loaded, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               valid: torch.Tensor, bias: torch.Tensor) -> torch.Tensor: ...
+               valid: torch.Tensor, bias: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The new token's attention [b, 1, H*d]; ``sinks`` [H]: each query head's sink logit
+        in the normalizer (only a policy with ``computes_sinks`` is given them)."""
 
     @abstractmethod
     def store_token(self, k_new: torch.Tensor, v_new: torch.Tensor, position: int) -> None: ...
@@ -220,6 +223,7 @@ class KVPolicy(ABC):
     summary = ""  # one line for ``--kv-policy``'s help
     plannable = True  # the optimizer and cost model can plan for it
     attends_on_cpu = True  # it can attend where the cache lives (``--cpu-cache-compute``)
+    computes_sinks = False  # its attention takes attention sinks (gpt-oss), see ``attend``
     speculates = False  # its caches use ``speculate`` (a pipeline then sends its input on)
     # its caches' ``store_prompt`` reads the prompt's queries (it cannot start from a kept
     # prefill, which holds keys and values only: :mod:`flexgen_infinigen.engine.prefill_cache`)
@@ -246,6 +250,14 @@ class KVPolicy(ABC):
         if cpu_cache_compute and not self.attends_on_cpu:
             raise ConfigError(f"--kv-policy {self.name} moves selected KV rows to the compute "
                               "device; it cannot be combined with --cpu-cache-compute (drop one)")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse a model whose attention this policy does not compute (a
+        :class:`ConfigError` naming the fix), before its weights are read."""
+        if cfg.attn_sinks and not self.computes_sinks:
+            raise ConfigError(f"--kv-policy {self.name} does not compute attention sinks, which "
+                              f"{cfg.name} ({cfg.architecture}) has; use --kv-policy full or "
+                              "infinigen")
 
     # ---- what it costs ----------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..kernels import cpu_kernels
+from ..kernels.attention import column_sinks
 from .base import CacheSpec
 from .full import FullCache, FullPolicy, row_buffers, to_rows
 from .stats import FetchStats
@@ -92,7 +93,7 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
 
 
 def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts,
-                       length: int) -> torch.Tensor | None:
+                       length: int, sinks=None) -> torch.Tensor | None:
     """Attention over the chosen rows ``order[b, KV, :counts]`` of a 4-bit cache in CPU memory
     (``packed_here``) plus the new token: ``attend_rows_q4`` reads each chosen row's codes
     where they are (by index, nothing gathered), the rows past each column's count masked.
@@ -104,18 +105,19 @@ def attend_packed_rows(cache: FullCache, q, k_new, v_new, order, counts,
     bias = torch.zeros(cols, top)
     bias.masked_fill_(torch.arange(top)[None, :] >= counts.reshape(cols, 1), float("-inf"))
     return cache.attend_codes(q, cache.k.packed(), cache.v.packed(), bias, k_new, v_new,
-                              index=rows)
+                              index=rows, sinks=sinks)
 
 
 def attend_chosen_in_place(cache: FullCache, q, k_new, v_new, order,
-                           counts) -> torch.Tensor:
+                           counts, sinks=None) -> torch.Tensor:
     """Attention over the chosen rows ``order[b, KV, :counts]`` read where a float32 cache in
     CPU memory lives (``attend_indexed``), plus the new token."""
     b, heads, d = q.shape[0], q.shape[2], q.shape[3]
     cols = b * cache.spec.kv_heads
     qc = q.reshape(cols, heads // cache.spec.kv_heads, d) * (1.0 / math.sqrt(d))
     out = cpu_kernels.attend_indexed(qc, cache.k.view(), cache.v.view(), order, counts,
-                                     to_rows(k_new)[0], to_rows(v_new)[0])
+                                     to_rows(k_new)[0], to_rows(v_new)[0],
+                                     sinks=column_sinks(sinks, b))
     return out.view(b, 1, heads * d).to(q.dtype)
 
 

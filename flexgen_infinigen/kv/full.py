@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels.attention import attend_rows
+from ..kernels.attention import attend_rows, column_sinks
 from ..memory.split_tensor import SplitTensor
 from ..memory.tiers import DEVICE, HOST
 from .base import CacheSpec, KVCache, KVPolicy, Loaded, Read
@@ -28,7 +28,7 @@ def from_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bool = False,
-                    bias: torch.Tensor | None = None):
+                    bias: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Attention over per-KV-head selected rows plus the new token.
 
     ``k_rows``/``v_rows``: [n + 1, b*KV, d] buffers of fetched rows with the last row free for
@@ -41,7 +41,7 @@ def attend_selected(q, k_rows, v_rows, k_new, v_new, counts, return_key_mass: bo
     v_rows.select(0, top).copy_(v_new.reshape(-1, d))
     if bias is None:
         bias = selected_bias(counts, top)
-    return attend_rows(q, k_rows, v_rows, bias, return_key_mass=return_key_mass)
+    return attend_rows(q, k_rows, v_rows, bias, return_key_mass=return_key_mass, sinks=sinks)
 
 
 def selected_bias(counts: torch.Tensor, top: int) -> torch.Tensor:
@@ -136,16 +136,16 @@ class FullCache(KVCache):
             return Loaded.later()
         return Loaded.rows(self._read_rows(length))
 
-    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias, sinks=None) -> torch.Tensor:
         length = valid.shape[1] - q.shape[1]
         first = self.spec.first_visible(length)  # rows before it are outside the window
         bias = bias[..., first:]
         if self.in_place:
             self._store(k_new, v_new, length)
             rows = slice(first, length + q.shape[1])
-            return attend_rows(q, self.k.view(rows), self.v.view(rows), bias)
+            return attend_rows(q, self.k.view(rows), self.v.view(rows), bias, sinks=sinks)
         if self.packed_in_place:
-            out = self._attend_packed(q, k_new, v_new, bias, first, length)
+            out = self._attend_packed(q, k_new, v_new, bias, first, length, sinks)
             if out is not None:
                 return out
             loaded = Loaded.rows(self._read_rows(length))  # no kernel: expand, as a copy would
@@ -160,12 +160,12 @@ class FullCache(KVCache):
         k, v = loaded.k, loaded.v
         k[length - first] = to_rows(k_new)[0]
         v[length - first] = to_rows(v_new)[0]
-        out = attend_rows(q, k, v, bias)
+        out = attend_rows(q, k, v, bias, sinks=sinks)
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")
         return out
 
-    def _attend_packed(self, q, k_new, v_new, bias, first: int, length: int):
+    def _attend_packed(self, q, k_new, v_new, bias, first: int, length: int, sinks=None):
         """Attention over the 4-bit rows ``first .. length`` read where they are, plus the new
         token (exact), by a CPU kernel; None without it."""
         from ..memory.codes import Packed
@@ -178,9 +178,9 @@ class FullCache(KVCache):
         flat = bias[..., :length - first].float().expand(b, self.spec.kv_heads, 1,
                                                          length - first)
         return self.attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
-                                 v_new)
+                                 v_new, sinks=sinks)
 
-    def attend_codes(self, q, k, v, bias, k_new, v_new, index=None):
+    def attend_codes(self, q, k, v, bias, k_new, v_new, index=None, sinks=None):
         """``attend_rows_q4`` of the decode query ``q [b, 1, H, d]`` over 4-bit rows ``k``/``v``
         (:class:`Packed` ``[t, b*KV, ...]``; with ``index [b*KV, n]`` only those rows of each
         column) with ``bias [b*KV, t or n]``, plus the new token; ``[b, 1, H*d]``, or None
@@ -191,7 +191,7 @@ class FullCache(KVCache):
         cols = b * self.spec.kv_heads
         qc = q.reshape(cols, heads // self.spec.kv_heads, d) * (1.0 / math.sqrt(d))
         out = cpu_kernels.attend_rows_q4(qc, k, v, bias, to_rows(k_new)[0], to_rows(v_new)[0],
-                                         index)
+                                         index, sinks=column_sinks(sinks, b))
         return None if out is None else out.view(b, 1, heads * d).to(q.dtype)
 
     def _store(self, k_new, v_new, position: int) -> None:
@@ -245,6 +245,7 @@ class WholeLayer:
 
 class FullPolicy(KVPolicy):
     name = "full"
+    computes_sinks = True
     summary = "every cached token's key and value is read at every step (default)"
 
     def make_cache(self, spec: CacheSpec) -> KVCache:

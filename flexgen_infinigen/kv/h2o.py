@@ -105,7 +105,7 @@ class H2OCache(SelectiveCache):
         return Loaded.chosen(k_sel, v_sel, tiers.index_to_device(counts),
                              tiers.index_to_device(order))
 
-    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias, sinks=None) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         k_sel, v_sel, counts, order = loaded.k, loaded.v, loaded.counts, loaded.order
         top = k_sel.shape[0] - 1  # the last row is the new token's
@@ -122,6 +122,7 @@ class H2OCache(SelectiveCache):
 
 
 class H2OPolicy(SelectivePolicy):
+    computes_sinks = False  # its attention takes no sinks
     name = "h2o"
     summary = "keep the heavy hitters and the newest tokens, evict the rest for good"
     needs_prompt_queries = True  # the prompt's attention scores the heavy hitters

@@ -143,7 +143,7 @@ class KiviCache(KVCache):
     def load(self, length: int) -> Loaded:
         return Loaded.later()
 
-    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias, sinks=None) -> torch.Tensor:
         length = valid.shape[1] - q.shape[1]
         if length != self.length:
             raise RuntimeError(f"kivi cache: attention after {length} rows, {self.length} held")

@@ -19,7 +19,7 @@ from .chosen_rows import SelectiveCache, SelectivePolicy
 
 
 class OracleCache(SelectiveCache):
-    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias, sinks=None) -> torch.Tensor:
         b, kv = self.spec.batch_size, self.spec.kv_heads
         length = valid.shape[1] - 1
         if not self.selecting:
@@ -44,6 +44,7 @@ class OracleCache(SelectiveCache):
 
 
 class OraclePolicy(SelectivePolicy):
+    computes_sinks = False  # its attention takes no sinks
     name = "oracle"
     summary = ("exact top tokens by true attention at the same budget; it reads the whole "
                "cache to score it, so it is an accuracy upper bound for evaluation, not a fast "

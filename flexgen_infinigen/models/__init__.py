@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import ModelConfig
-from . import gemma3, llama, mla, opt
+from . import gemma3, gpt_oss, llama, mla, opt
 
 
 @runtime_checkable
@@ -75,8 +75,14 @@ class Family(Protocol):
         """The logits of the hidden state ``h``."""
         ...
 
+    def attention_sinks(self, cfg: ModelConfig, w: dict) -> torch.Tensor | None:
+        """A logit per query head [H] that joins each softmax's normalizer with no value
+        (gpt-oss's sinks), from an attention stage's weights; None: no sinks."""
+        ...
 
-FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3, "mla": mla}
+
+FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3, "mla": mla,
+                               "gpt_oss": gpt_oss}
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -124,3 +124,8 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
         cap = cfg.final_logit_softcap
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def attention_sinks(cfg: ModelConfig, w: dict) -> None:
+    """No attention sinks."""
+    return None

@@ -253,3 +253,8 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = rms_norm(h, w["final_norm.weight"], cfg.norm_eps)
     table = w["embed.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
     return linear(x, table)
+
+
+def attention_sinks(cfg: ModelConfig, w: dict) -> None:
+    """No attention sinks."""
+    return None

@@ -146,3 +146,8 @@ def attn_out(cfg: ModelConfig, w: dict, h: torch.Tensor, attn: torch.Tensor) -> 
     values = torch.einsum("bshc,hvc->bshv", heads, _w_uv(cfg, w).to(attn.dtype))
     return h + linear(values.reshape(b, s, -1), w["o_proj.weight"])
 
+
+
+def attention_sinks(cfg: ModelConfig, w: dict) -> None:
+    """No attention sinks."""
+    return None

@@ -112,3 +112,8 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
     if "project_out.weight" in w:
         h = linear(h, w["project_out.weight"])
     return linear(h, w["embed.weight"])
+
+
+def attention_sinks(cfg: ModelConfig, w: dict) -> None:
+    """No attention sinks."""
+    return None

@@ -13,6 +13,7 @@ from ..config import ConfigError, ModelConfig
 from .hf_fields import _first, _require, rope_from_hf
 from .hf_deepseek import DEEPSEEK_V3_FIELDS, deepseek_v3
 from .hf_gemma3 import GEMMA3_FIELDS, GEMMA3_VISION, gemma3, text_config
+from .hf_gpt_oss import GPT_OSS_FIELDS, gpt_oss
 
 # present in most configs, no effect on the numbers of inference
 METADATA = frozenset({
@@ -58,6 +59,7 @@ UNDERSTOOD = {
     "glm4_moe": LLAMA_FIELDS | GLM4_MOE,
     "gemma3_text": GEMMA3_FIELDS,
     "gemma3": GEMMA3_VISION,
+    "gpt_oss": GPT_OSS_FIELDS,
     "llama": LLAMA_FIELDS,
     "mistral": LLAMA_FIELDS | {"sliding_window"},
     "qwen2": LLAMA_FIELDS | QWEN_WINDOW,
@@ -78,7 +80,6 @@ MOE_HINTS = ("expert", "moe", "router")
 NOT_COMPUTED = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited router (V3's MLA and sigmoid router "
                    "are computed: model_type deepseek_v3)",
-    "gpt_oss": "gpt-oss's attention sinks",
 }
 
 
@@ -100,7 +101,8 @@ def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
             f"change the model's math; if it does not, pass --allow-field {field} to convert")
 
 
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
+             "gpt_oss")
 
 
 def experts_from_hf(hf: dict, kind: str) -> dict:
@@ -240,6 +242,8 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
             check_fields(text_config(hf), "gemma3_text")
         if kind in ("gemma3", "gemma3_text"):
             return gemma3(hf, name)
+        if kind == "gpt_oss":
+            return gpt_oss(hf, name)
         if kind == "deepseek_v3":
             return deepseek_v3(hf, name, experts_from_hf(hf, kind))
         return llama_like(hf, name, kind)

@@ -28,6 +28,7 @@ from ..models import family_of
 from ..guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
+from .hf_gpt_oss import gpt_oss_tensors
 from .hub_files import safe_file_name
 from .store import StoreWriter
 
@@ -116,6 +117,17 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
     return _LLAMA_TOP.get(name)
+
+
+def stored_tensors(cfg: ModelConfig, hf_name: str, tensor: torch.Tensor):
+    """The store's (name or None, tensor) pairs of one checkpoint tensor: itself under
+    :func:`store_name`, except a gpt-oss folder's sinks, router and fused experts (one
+    tensor for every expert, split here)."""
+    if cfg.family == "gpt_oss":
+        got = gpt_oss_tensors(hf_name, tensor)
+        if got is not None:
+            return got
+    return iter([(store_name(cfg, hf_name), tensor)])
 
 
 def stored_value(cfg: ModelConfig, ours: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -306,14 +318,15 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
             raise_if_interrupted()
-            ours = store_name(cfg, hf_name)
-            if ours is None or ours not in expected:
-                continue
-            if tuple(tensor.shape) != expected[ours]:
-                raise ConfigError(f"{hf_name} has shape {tuple(tensor.shape)}, config.json "
-                                  f"implies {expected[ours]}; the checkpoint is inconsistent")
-            w.add(ours, *to_numpy(stored_value(cfg, ours, tensor)))
-            seen.add(ours)
+            for ours, value in stored_tensors(cfg, hf_name, tensor):
+                if ours is None or ours not in expected:
+                    continue
+                if tuple(value.shape) != expected[ours]:
+                    raise ConfigError(f"{hf_name} has shape {tuple(tensor.shape)}, config.json "
+                                      f"implies {expected[ours]} for {ours}; the checkpoint is "
+                                      "inconsistent")
+                w.add(ours, *to_numpy(stored_value(cfg, ours, value)))
+                seen.add(ours)
             del tensor
         missing = sorted(set(expected) - seen)
         if missing:

@@ -7,9 +7,10 @@
 /* Attention over every row: row t of column c of k and v is at t * st + c * sc floats
    (token-major [T, C, D]: st = C * D, sc = D; head-major [C, T, D]: st = D, sc = T' * D).
    q: [C, G, D]; bias: [C, T]; out: [C, G, D]. Work items are (column, range of rows; see
-   ranges_of), each walked in order, so that a head-major cache is read as one stream per item. */
+   ranges_of), each walked in order, so that a head-major cache is read as one stream per item.
+   sinks: NULL or [C, G], see merge_states. */
 void attend_rows(const float *q, const float *k, const float *v, const float *bias,
-                 float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
+                 float *out, const float *sinks, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
                  int64_t sc, int64_t nthreads) {
     const int64_t R = ranges_of(T), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
@@ -38,7 +39,7 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
                          NULL, 0);
         }
     }
-    merge_states(out, part, C * G, D, R);
+    merge_states(out, part, C * G, D, R, sinks);
     free(part);
     free(first);
 }
@@ -48,8 +49,8 @@ void attend_rows(const float *q, const float *k, const float *v, const float *bi
    t * st + c * sc), then to its new token k_new[c], v_new[c]. q, out: [C, G, D]. */
 void attend_indexed(const float *q, const float *k, const float *v, const int64_t *index,
                     const int64_t *counts, int64_t n, const float *k_new, const float *v_new,
-                    float *out, int64_t C, int64_t G, int64_t D, int64_t st, int64_t sc,
-                    int64_t nthreads) {
+                    float *out, const float *sinks, int64_t C, int64_t G, int64_t D,
+                    int64_t st, int64_t sc, int64_t nthreads) {
     const int64_t R = ranges_of(n + 1), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -79,6 +80,6 @@ void attend_indexed(const float *q, const float *k, const float *v, const int64_
             attend_block(q + c * G * D, kr, vr, NULL, m, G, D, state, s, ahead, na, vahead, na);
         }
     }
-    merge_states(out, part, C * G, D, R);
+    merge_states(out, part, C * G, D, R, sinks);
     free(part);
 }

@@ -246,14 +246,19 @@ static void init_states(float *state, int64_t n, int64_t D) {
 }
 
 /* out[c, g] from the states of `parts` ranges of every (column, head): range r's state of
-   (column, head) cg, (m, l, acc[D]), at part + (r * CG + cg) * (D + 2). */
-static void merge_states(float *out, const float *part, int64_t CG, int64_t D, int64_t parts) {
+   (column, head) cg, (m, l, acc[D]), at part + (r * CG + cg) * (D + 2). sinks: NULL, or a
+   logit per (column, head) [CG] that joins the normalizer with no value (gpt-oss's
+   attention sinks): a state (sink, 1, 0) merged with the ranges'. */
+static void merge_states(float *out, const float *part, int64_t CG, int64_t D, int64_t parts,
+                         const float *sinks) {
     for (int64_t cg = 0; cg < CG; cg++) {
-        float m = -3.0e38f, l = 0.0f;
+        float m = sinks ? sinks[cg] : -3.0e38f, l = 0.0f;
         for (int64_t r = 0; r < parts; r++) {
             const float mr = part[(r * CG + cg) * (D + 2)];
             m = mr > m ? mr : m;
         }
+        if (sinks)
+            l = expf(sinks[cg] - m);
         float *o = out + cg * D;
         for (int64_t d = 0; d < D; d++)
             o[d] = 0.0f;

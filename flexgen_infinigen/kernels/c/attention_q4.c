@@ -26,7 +26,7 @@ static inline void expand_q4(const uint8_t *codes, const float *scale, const flo
 void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const float *km,
                     const uint8_t *vc, const float *vs, const float *vm, const float *bias,
                     const int64_t *index, const float *k_new, const float *v_new, float *out,
-                    int64_t T, int64_t C, int64_t G, int64_t D, int64_t cs0, int64_t cs1,
+                    const float *sinks, int64_t T, int64_t C, int64_t G, int64_t D, int64_t cs0, int64_t cs1,
                     int64_t ss0, int64_t ss1, int64_t nthreads) {
     const int64_t R = ranges_of(T + 1), S = G * (D + 2);
     float *part = (float *)malloc(sizeof(float) * C * R * S);
@@ -69,7 +69,7 @@ void attend_rows_q4(const float *q, const uint8_t *kc, const float *ks, const fl
             }
         }
     }
-    merge_states(out, part, C * G, D, R);
+    merge_states(out, part, C * G, D, R, sinks);
     free(part);
     free(first);
 }

@@ -92,7 +92,7 @@ int decode_layer(const dl_args *a, int64_t mode) {
         for (int64_t i = 0; i < B * H * D; i++)  /* q [B, H, D] is [C, G, D] */
             a->lin[i] = a->q_rot[i] * scale;
         attend_rows(a->lin, a->kc + a->first * a->st, a->vc + a->first * a->st, a->bias_rows,
-                    a->attn, T, C, G, D, a->st, a->sc, nt);
+                    a->attn, NULL, T, C, G, D, a->st, a->sc, nt);
     }
     if (mode & DL_OUT) {
         float *dst = (mode & DL_MLP) ? a->mid : a->h_out;

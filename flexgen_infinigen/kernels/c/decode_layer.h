@@ -26,8 +26,8 @@ int linear_q8_h16(const float *x, const int8_t *codes, const uint16_t *scale,
                   const uint16_t *minimum, const float *bias, float *out, int64_t M, int64_t N,
                   int64_t K, int64_t group, int64_t nthreads);
 void attend_rows(const float *q, const float *k, const float *v, const float *bias,
-                 float *out, int64_t T, int64_t C, int64_t G, int64_t D, int64_t st,
-                 int64_t sc, int64_t nthreads);
+                 float *out, const float *sinks, int64_t T, int64_t C, int64_t G, int64_t D,
+                 int64_t st, int64_t sc, int64_t nthreads);
 
 enum { LIN_FLOAT = 0, LIN_Q4 = 1, LIN_Q8 = 2, LIN_Q4_H16 = 3, LIN_Q8_H16 = 4, LIN_GGUF = 5 };
 enum { DL_IN = 1, DL_ATTEND = 2, DL_OUT = 4, DL_MLP = 8, DL_CHOSEN = 16,

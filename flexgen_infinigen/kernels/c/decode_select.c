@@ -30,8 +30,8 @@ void speculate_mass(const uint8_t *codes, const float *scale, const float *lo, c
                     int64_t G, int64_t bits, int64_t width, int64_t nthreads);
 void attend_indexed(const float *q, const float *k, const float *v, const int64_t *index,
                     const int64_t *counts, int64_t n, const float *k_new, const float *v_new,
-                    float *out, int64_t C, int64_t G, int64_t D, int64_t st, int64_t sc,
-                    int64_t nthreads);
+                    float *out, const float *sinks, int64_t C, int64_t G, int64_t D,
+                    int64_t st, int64_t sc, int64_t nthreads);
 
 static int dl_attend_chosen(const dl_args *a) {
     const dl_select *s = a->sel;
@@ -45,8 +45,8 @@ static int dl_attend_chosen(const dl_args *a) {
     const float scale = 1.0f / sqrtf((float)D);
     for (int64_t i = 0; i < B * H * D; i++)  /* q [B, H, D] is [C, G, D] */
         a->lin[i] = a->q_rot[i] * scale;
-    attend_indexed(a->lin, a->kc, a->vc, s->index, s->counts, s->n, a->kn, a->vn, a->attn, C,
-                   H / KV, D, a->st, a->sc, nt);
+    attend_indexed(a->lin, a->kc, a->vc, s->index, s->counts, s->n, a->kn, a->vn, a->attn,
+                   NULL, C, H / KV, D, a->st, a->sc, nt);
     /* the chosen rows are all before `position`: the new row is written after attention */
     for (int64_t c = 0; c < C; c++) {
         __builtin_memcpy(a->kc + a->position * a->st + c * a->sc, a->kn + c * D,

@@ -285,12 +285,12 @@ class InfiniGenCache(SelectiveCache):
         self.count(moved, moved, length)
         return Loaded.chosen(k_sel, v_sel, counts, order[:, :, :k_sel.shape[0] - 1])
 
-    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def attend(self, loaded: Loaded, q, k_new, v_new, valid, bias, sinks=None) -> torch.Tensor:
         if not self.selecting:
-            return super().attend(loaded, q, k_new, v_new, valid, bias)
+            return super().attend(loaded, q, k_new, v_new, valid, bias, sinks)
         if loaded.read in (Read.LATER, Read.ROWS):  # this step reads the layer whole
             self.defer_keys(k_new, valid.shape[1] - 1)
-            return self._attend_whole(loaded, q, k_new, v_new, valid, bias)
+            return self._attend_whole(loaded, q, k_new, v_new, valid, bias, sinks)
         if loaded.read is Read.CHOOSE_WHEN_ATTENDING:  # its own (rotated) query, its keys
             self.flush_keys()
             start = time.perf_counter()
@@ -307,14 +307,15 @@ class InfiniGenCache(SelectiveCache):
                 index, counts, valid, self.spec.batch_size, self.spec.kv_heads)
         if loaded.read is Read.CHOSEN_PACKED:
             out = attend_packed_rows(self, q, k_new, v_new, index, counts,
-                                     valid.shape[1] - 1)
+                                     valid.shape[1] - 1, sinks)
             if out is not None:
                 return out
             k_sel, v_sel, _ = fetch_selected(self, index, counts)  # no kernel: expand them
         elif loaded.read is Read.CHOSEN_IN_PLACE:
-            return attend_chosen_in_place(self, q, k_new, v_new, index, counts)
+            return attend_chosen_in_place(self, q, k_new, v_new, index, counts, sinks)
         return attend_selected(q, k_sel, v_sel, k_new, v_new, counts,
-                               bias=self.policy.rows_bias(counts, k_sel.shape[0] - 1))
+                               bias=self.policy.rows_bias(counts, k_sel.shape[0] - 1),
+                               sinks=sinks)
 
     def store_token(self, k_new, v_new, position: int) -> None:
         if self.stored_at == position:  # written in place before attention read it
@@ -322,24 +323,26 @@ class InfiniGenCache(SelectiveCache):
             return
         super().store_token(k_new, v_new, position)
 
-    def _attend_whole(self, loaded: Loaded, q, k_new, v_new, valid, bias) -> torch.Tensor:
+    def _attend_whole(self, loaded: Loaded, q, k_new, v_new, valid, bias,
+                      sinks=None) -> torch.Tensor:
         """Attention over every visible row, as the full cache attends: read where the cache
         lives (the new row written first, and not again by ``store_token``), or over the
         rows ``load`` brought."""
         if loaded.read is Read.ROWS:
-            return super().attend(loaded, q, k_new, v_new, valid, bias)
+            return super().attend(loaded, q, k_new, v_new, valid, bias, sinks)
         length = valid.shape[1] - 1
         first = self.spec.first_visible(length)
         if self.packed_here:  # 4-bit codes read where they are; store_token stores the row
-            out = self._attend_packed(q, k_new, v_new, bias[..., first:], first, length)
+            out = self._attend_packed(q, k_new, v_new, bias[..., first:], first, length, sinks)
             if out is not None:
                 return out
             return super().attend(Loaded.rows(self._read_rows(length)), q, k_new, v_new,
-                                  valid, bias)
+                                  valid, bias, sinks)
         self._store(k_new, v_new, length)
         self.stored_at = length
         rows = slice(first, length + 1)
-        return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:])
+        return attend_rows(q, self.k.view(rows), self.v.view(rows), bias[..., first:],
+                           sinks=sinks)
 
     # ---- the fused decode layer -------------------------------------------------------------
     def fused_attention(self, call: "LayerCall", next_cache: KVCache | None):
