@@ -310,8 +310,8 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
     out = torch.empty(c, g, d, dtype=torch.float32)
     st, sc = strides
     invoke("attend_rows", q=q.data_ptr(), k=k_rows.data_ptr(), v=v_rows.data_ptr(),
-           bias=bias.data_ptr(), out=out.data_ptr(), sinks=_sinks_ptr(sinks, c, g), T=t, C=c, G=g, D=d, st=st, sc=sc,
-           nthreads=torch.get_num_threads())
+           bias=bias.data_ptr(), out=out.data_ptr(), sinks=_sinks_ptr(sinks, c, g), T=t, C=c,
+           G=g, D=d, st=st, sc=sc, nthreads=torch.get_num_threads())
     return out
 
 
