@@ -11,7 +11,7 @@ import sys
 from .cli.args import add_offline_arg, write_json
 from .config import DEFAULT_MODEL
 from .flags import int_or_auto
-from .kv import plannable_names
+from .kv import plannable_names, policy_class
 from .planner.auto import (
     check_possible,
     default_kv_fraction,
@@ -74,6 +74,7 @@ def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     check_output_path(a.json, "--json")
     cfg = model_config(a.model, shapes_only=True)  # planning needs shapes, no weights
+    policy_class(a.kv_policy, plannable=True).check_model(cfg)
     if a.hw is None:  # profiling this machine takes a while: first what needs no profile
         check_possible(cfg, a.prompt_len, a.gen_len, a.dtype_bytes or 2, a.offload_dir,
                        a.gpu_mem, a.cpu_mem, a.disk_mem)

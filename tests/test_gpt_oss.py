@@ -143,6 +143,8 @@ def test_the_hubs_config_reads_as_published():
     assert cfg.layer_windows[:4] == (128, 0, 128, 0) and cfg.rope["factor"] == 32.0
     with pytest.raises(ConfigError, match="swiglu_limit"):
         config_from_hf({**hub, "swiglu_limit": -1.0}, "x")
+    with pytest.raises(ConfigError, match="MXFP4 blocks.*bf16 copy"):  # the Hub's own folder
+        config_from_hf({**hub, "quantization_config": {"quant_method": "mxfp4"}}, "x")
 
 
 @pytest.mark.parametrize("b,kv,group,length,d", [(1, 2, 4, 2500, 64), (2, 8, 8, 2049, 64)])

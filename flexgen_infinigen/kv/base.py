@@ -251,11 +251,12 @@ class KVPolicy(ABC):
             raise ConfigError(f"--kv-policy {self.name} moves selected KV rows to the compute "
                               "device; it cannot be combined with --cpu-cache-compute (drop one)")
 
-    def check_model(self, cfg: ModelConfig) -> None:
+    @classmethod
+    def check_model(cls, cfg: ModelConfig) -> None:
         """Refuse a model whose attention this policy does not compute (a
         :class:`ConfigError` naming the fix), before its weights are read."""
-        if cfg.attn_sinks and not self.computes_sinks:
-            raise ConfigError(f"--kv-policy {self.name} does not compute attention sinks, which "
+        if cfg.attn_sinks and not cls.computes_sinks:
+            raise ConfigError(f"--kv-policy {cls.name} does not compute attention sinks, which "
                               f"{cfg.name} ({cfg.architecture}) has; use --kv-policy full or "
                               "infinigen")
 
