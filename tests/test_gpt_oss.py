@@ -41,25 +41,28 @@ PLACEMENTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    """(transformers model in fp32, our converted store)."""
+def _build(folder, **changes):
+    """(transformers model in fp32, our converted store) of ``CONFIG`` with ``changes``."""
     import transformers
 
     from flexgen_infinigen.weights.hf_convert import convert_hf
 
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **changes}))
     with torch.no_grad():  # sinks and biases start near 0, experts small: make them count
         for name, p in model.named_parameters():
             if "sinks" in name or "bias" in name:
                 p.copy_(torch.randn_like(p))
             elif "experts" in name:
                 p.mul_(20)  # past the SwiGLU's clamp at 7
-    folder = tmp_path_factory.mktemp("gpt_oss")
     model.save_pretrained(folder)
     ref = transformers.GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return ref, convert_hf(folder, folder / "store", "gpt-oss-tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def _run(store, policy, kv="full", kv_options=None):
@@ -183,3 +186,34 @@ def test_kernel_sinks_equal_torch(b, kv, group, length, d):
         scores = torch.cat([qc[c] @ kc.T, heads[:, None]], -1)
         want = torch.softmax(scores, -1)[:, :-1] @ vc
         assert (got[c] - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kv", ["full", "infinigen"])
+def test_a_4bit_cache_with_sinks_read_in_place_equals_expanding_it(tmp_path, kv, monkeypatch):
+    """The 4-bit KV cache's kernel (``attend_rows_q4``: every row, or InfiniGen's chosen rows
+    by index) takes the sinks: the same tokens and logits as expanding the cache into floats
+    and attending in torch (64-dim heads, the kernel's width)."""
+    from flexgen_infinigen.kernels import cpu_kernels as ck
+
+    if ck.library() is None:
+        pytest.skip("no C compiler here: the kernels fall back to torch")
+    _, store = _build(tmp_path, head_dim=64, hidden_size=128)
+    real, calls, runs = ck.attend_rows_q4, [], []
+
+    def counted(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(out is not None and kw.get("sinks") is not None)
+        return out
+
+    options = {"options": InfiniGenOptions(alpha=2.0, max_kv_fraction=0.5, first_layer=1)} \
+        if kv == "infinigen" else None
+    for in_place in (True, False):
+        monkeypatch.setattr(ck, "attend_rows_q4", counted if in_place else (lambda *a, **kw: None))
+        policy = Placement.from_percent([100, 0, 0, 100, 100, 0], compress_cache=True)
+        runs.append(_run(store, policy, kv, options))
+        if in_place:
+            assert calls and all(calls), "the kernel was not used with the sinks"
+    a, b = runs
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() < 1e-3
