@@ -217,3 +217,30 @@ def test_a_4bit_cache_with_sinks_read_in_place_equals_expanding_it(tmp_path, kv,
     assert a.token_ids == b.token_ids
     for x, y in zip(a.logits, b.logits):
         assert (x - y).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_prompt_attention_with_sinks_equals_the_extra_column(window, padded):
+    """The prompt's attention with sinks (torch's fused kernel and its log normalizer for a
+    causal prompt alone; query chunks otherwise) against the softmax that holds each head's
+    sink as one more column, as transformers computes it."""
+    from flexgen_infinigen.kernels.attention import attend_prompt
+
+    torch.manual_seed(window + padded)
+    b, s, heads, kv, d = 2, 21, 4, 2, 16
+    q, k, v = torch.randn(b, s, heads, d), torch.randn(b, s, kv, d), torch.randn(b, s, kv, d)
+    sinks = torch.randn(heads) * 2
+    valid = torch.ones(b, s, dtype=torch.bool)
+    if padded:
+        valid[1, :6] = False
+    got = attend_prompt(q, k, v, valid, window, rows=8, sinks=sinks)
+    scores = torch.einsum("bshd,bthd->bhst", q, k.repeat_interleave(heads // kv, 2)) / d ** 0.5
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    seen = (j <= i) & ((i - j < window) if window else True) & valid[:, None, None, :]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    column = sinks.view(1, heads, 1, 1).expand(b, heads, s, 1)
+    probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    want = torch.einsum("bhst,bthd->bshd", probs, v.repeat_interleave(heads // kv, 2))
+    want = torch.where(valid[:, :, None, None], want, 0.0).reshape(b, s, heads * d)
+    assert (got - want).abs().max().item() < 1e-5

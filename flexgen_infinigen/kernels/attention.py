@@ -91,8 +91,30 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     rows instead (torch's fused kernels take no sink).
     """
     if sinks is not None:
-        return _attend_prompt_sinks(q, k, v, valid, window, rows, sinks)
+        fused = _causal_with_sinks(q, k, v, valid, window, sinks)
+        return fused if fused is not None else \
+            _attend_prompt_sinks(q, k, v, valid, window, rows, sinks)
     return _attend_prompt_fused(q, k, v, valid, window, rows)
+
+
+def _causal_with_sinks(q, k, v, valid, window: int, sinks: torch.Tensor):
+    """:func:`attend_prompt` with sinks through torch's fused CPU kernel, which also returns
+    each query's log normalizer ``lse``: a sink adds exp(sink) to the normalizer, so the
+    output is the kernel's times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink).
+    Only a causal prompt of its own, without padding or window, float32 on a CPU (else
+    None: the chunked path)."""
+    b, s, heads, d = q.shape
+    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if (fused is None or window or k.shape[1] != s or q.device.type != "cpu"
+            or q.dtype != torch.float32 or not bool(valid.all())):
+        return None
+    group = heads // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.transpose(1, 2).repeat_interleave(group, 1)
+    vt = v.transpose(1, 2).repeat_interleave(group, 1)
+    out, lse = fused(qt, kt, vt, is_causal=True, scale=1.0 / math.sqrt(d))  # [b, H, s, d]
+    keep = torch.sigmoid(lse - sinks.float().view(1, heads, 1))  # [b, H, s]
+    return (out * keep[..., None]).transpose(1, 2).reshape(b, s, heads * d)
 
 
 def _attend_prompt_sinks(q, k, v, valid, window: int, rows: int | None, sinks: torch.Tensor):
