@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.layers import linear
 from ..memory.codes import lookup
-from .llama import (attention_factor, head_weights, inverse_frequencies, model_shapes,
-                    rms_norm, rotary, rotary_tables)
+from .llama import (attention_factor, inverse_frequencies, rms_norm, rotary, rotary_tables,
+                    same_layers)
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -42,14 +42,11 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    per_layer = {n: s for part in _layer_shapes(cfg).values() for n, s in part.items()}
-    return model_shapes(cfg, lambda i: per_layer)
+    return same_layers(cfg, _layer_shapes(cfg))[0]
 
 
 def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
-    parts = _layer_shapes(cfg)
-    return {"embed": ["embed.weight"], "attn": list(parts["attn"]), "mlp": list(parts["mlp"]),
-            "head": head_weights(cfg)}
+    return same_layers(cfg, _layer_shapes(cfg))[1]
 
 
 QUERY_WEIGHTS = ("q_proj.weight", "q_proj.bias", "q_norm.weight")

@@ -17,7 +17,7 @@ import torch
 from ..config import ModelConfig
 from . import llama, moe
 from .llama import (attn_input, attn_out, attn_qkv, embed, encode_positions, head,  # noqa: F401
-                    model_shapes, query, rms_norm)
+                    query, rms_norm, same_layers)
 
 SINKS = "sinks"
 
@@ -32,14 +32,11 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    per_layer = {n: s for part in _layer_shapes(cfg).values() for n, s in part.items()}
-    return model_shapes(cfg, lambda i: per_layer)
+    return same_layers(cfg, _layer_shapes(cfg))[0]
 
 
 def stage_weights(cfg: ModelConfig, layer: int = 0) -> dict[str, list[str]]:
-    parts = _layer_shapes(cfg)
-    return {"embed": ["embed.weight"], "attn": list(parts["attn"]), "mlp": list(parts["mlp"]),
-            "head": llama.head_weights(cfg)}
+    return same_layers(cfg, _layer_shapes(cfg))[1]
 
 
 QUERY_WEIGHTS = llama.QUERY_WEIGHTS

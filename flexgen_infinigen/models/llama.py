@@ -57,6 +57,16 @@ def model_shapes(cfg: ModelConfig, layer_shapes) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def same_layers(cfg: ModelConfig, parts: dict[str, dict[str, tuple[int, ...]]]):
+    """(every weight's shape, the stages' weight names) of a model whose layers all have the
+    weights ``parts`` gives by stage kind (``attn``, ``mlp``): what :func:`weight_shapes` and
+    :func:`stage_weights` return for such a family (Gemma 3, gpt-oss)."""
+    per_layer = {n: s for part in parts.values() for n, s in part.items()}
+    stages = {"embed": ["embed.weight"], "attn": list(parts["attn"]), "mlp": list(parts["mlp"]),
+              "head": head_weights(cfg)}
+    return model_shapes(cfg, lambda i: per_layer), stages
+
+
 def head_weights(cfg: ModelConfig) -> list[str]:
     """The head stage's weights: the final norm and the head (the embedding when tied)."""
     return ["final_norm.weight", "embed.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
