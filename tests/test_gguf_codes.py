@@ -33,6 +33,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int, scale: float = 1.0
     for at in F16_AT.get(kind, []):
         f = (rng.standard_normal((rows, cols // per)) * scale).astype(np.float16)
         raw[..., at:at + 2] = f.view(np.uint8).reshape(rows, cols // per, 2)
+    if kind == "MXFP4":  # every exponent 0..254: subnormal powers of two included
+        raw[..., 0] = rng.integers(0, 255, (rows, cols // per))
     return raw.reshape(rows, -1)
 
 

@@ -21,7 +21,9 @@ from flexgen_infinigen.kernels.layers import linear  # noqa: E402
 # (byte offset, typical value) of each float16 factor in a block: d, and m or dmin
 FACTORS = {"Q4_0": [(0, .01)], "Q4_1": [(0, .01), (2, -.05)], "Q5_0": [(0, .01)],
            "Q5_1": [(0, .01), (2, -.05)], "Q8_0": [(0, .001)], "Q4_K": [(0, .001), (2, .002)],
-           "Q5_K": [(0, .001), (2, .002)], "Q6_K": [(208, .001)]}
+           "Q5_K": [(0, .001), (2, .002)], "Q6_K": [(208, .001)], "MXFP4": []}
+# MXFP4's exponent byte (block byte 0): 2^(e - 128) for e in this range, weights' sizes
+MXFP4_E = (118, 131)
 
 
 def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
@@ -30,6 +32,8 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     for at, v in FACTORS[kind]:
         vals = ((rng.random((n, k // per)) * 0.5 + 0.75) * v).astype(np.float16)
         raw[..., at:at + 2] = vals[..., None].view(np.uint8)
+    if kind == "MXFP4":
+        raw[..., 0] = rng.integers(*MXFP4_E, (n, k // per))
     return np.ascontiguousarray(raw.reshape(n, -1))
 
 

@@ -18,7 +18,7 @@ from .cpu_kernels import invoke, library
 
 # ggml's numbers for the types (gguf_dot.h's GT_* values)
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-            "Q6_K": 14}
+            "Q6_K": 14, "MXFP4": 39}
 assert set(TYPE_IDS) == set(BLOCK_FORMS)
 
 

@@ -17,7 +17,8 @@ GROUP_SIZE = 64
 
 # GGUF block types kept as stored (:class:`Blocks`): bytes a block, values a block
 BLOCK_FORMS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
-               "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+               "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256),
+               "MXFP4": (17, 32)}
 
 
 def block_row_bytes(kind: str, values: int) -> int:

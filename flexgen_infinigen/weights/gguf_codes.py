@@ -15,7 +15,10 @@ same values either way. Only the order of the codes changes, never a code:
   32 (what ``kernels/c/linear.c``'s 4-bit kernel reads);
 - Q8_0, Q5_0, Q5_1, Q5_K (groups of 32) and Q6_K (groups of 16): one signed byte a code
   (``kernels/c/linear.c``'s 8-bit kernel). Q5_0's ``q - 16`` and Q6_K's ``q - 32`` become the
-  codes themselves (minimum 0).
+  codes themselves (minimum 0);
+- MXFP4 (gpt-oss's experts; blocks of 32 4-bit codes and one power-of-two exponent): the
+  value each code names (an integer in [-12, 12], :data:`MXFP4_VALUES`) as a signed byte,
+  its block's power of two as the scale.
 
 F32, F16 and BF16 tensors stay floats at their own width. Any other type is refused by name
 (:func:`check_kept`) before anything is written.
@@ -30,7 +33,10 @@ from ..memory.codes import BLOCK_FORMS
 # type name -> (bytes a block, values a block, code bits, values a group) of the codes
 # they become for a GPU (or a CPU without the GGUF kernels)
 _CODES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q8_0": (8, 32), "Q5_0": (8, 32),
-          "Q5_1": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+          "Q5_1": (8, 32), "Q5_K": (8, 32), "Q6_K": (8, 16), "MXFP4": (8, 32)}
+# MXFP4's 4-bit codes name these values (twice the FP4 E2M1 numbers), times its block's
+# power of two 2^(e - 128) (half of the E8M0 exponent's 2^(e - 127))
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 BLOCKS = {kind: (*BLOCK_FORMS[kind], *form) for kind, form in _CODES.items()}
 # the types the CPU kernels multiply as stored (kernels/c/gguf_dot.c): a weight of one of
 # these stays the file's blocks when a CPU computes (memory.codes.Blocks)
@@ -107,6 +113,9 @@ def _factors(blocks: np.ndarray, type_name: str):
     if type_name == "Q6_K":
         sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
         return _f16(blocks[..., 208:210]) * sc, None
+    if type_name == "MXFP4":  # exact powers of two, down to float32's subnormals
+        e = blocks[..., 0:1].astype(np.int32)
+        return np.ldexp(np.float32(1), e - 128).astype(np.float32), None
     raise ConfigError(f"GGUF type {type_name} is not kept")  # pragma: no cover
 
 
@@ -134,6 +143,8 @@ def _codes(blocks: np.ndarray, type_name: str) -> np.ndarray:
             [0, 2, 4, 6], np.uint8).reshape(4, 1)
         return ((ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 0x03).reshape(rows, -1, 8, 32)
                                                         << 4)).astype(np.int8) - np.int8(32)
+    if type_name == "MXFP4":
+        return MXFP4_VALUES[_split_nibbles(blocks[..., 1:17])]
     raise ConfigError(f"GGUF type {type_name} is not kept")  # pragma: no cover
 
 

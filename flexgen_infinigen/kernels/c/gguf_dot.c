@@ -121,6 +121,7 @@ typedef void (*tile_fn)(const uint8_t *, const uint8_t *, int64_t, int, int64_t,
 static const gguf_format FORMATS[] = {
     {GT_Q4_0, 18, 32}, {GT_Q4_1, 20, 32}, {GT_Q5_0, 22, 32}, {GT_Q5_1, 24, 32},
     {GT_Q8_0, 34, 32}, {GT_Q4_K, 144, 256}, {GT_Q5_K, 176, 256}, {GT_Q6_K, 210, 256},
+    {GT_MXFP4, 17, 32},
 };
 
 const gguf_format *gguf_format_of(int64_t type) {
@@ -147,6 +148,11 @@ static tile_fn tile_of(int64_t type) {
     (void)type;
     return NULL;
 }
+#else
+static tile_fn tile_of(int64_t type) {  /* the AVX-512 build's tiles are tile2_of's */
+    (void)type;
+    return NULL;
+}
 #endif
 
 #ifdef GD512
@@ -163,7 +169,7 @@ static tile2_fn tile2_of(int64_t type) {
         case GT_Q5_1: return run2_q5_1;
         case GT_Q8_0: return run2_q8_0;
     }
-    return NULL;
+    return NULL;  /* MXFP4: the portable loop */
 }
 #endif
 
@@ -201,32 +207,37 @@ int gguf_linear_q(int64_t type, const uint8_t *w, const int32_t *order, const ui
     const int64_t nb = K / f->values, wrow = nb * f->bytes, xrow = gguf_act_bytes(type, K);
 #ifdef GD512
     const tile2_fn tile2 = tile2_of(type);
-    /* half of L2: the rest holds the weight rows in use and what the other thread's
-       output and the hardware's read-ahead bring in */
-    int64_t chunk = (512 * 1024 / xrow) / X512 * X512;
-    if (chunk < X512)
-        chunk = X512;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t p = 0; p < (N + 1) / 2; p++) {
-            const int64_t o = 2 * p;
-            const int wr = N - o < 2 ? 1 : 2;  /* a last odd row goes in as both rows */
-            const uint8_t *w0 = w + (int64_t)(order ? order[o] : o) * wrow;
-            const uint8_t *w1 = wr == 2 ? w + (int64_t)(order ? order[o + 1] : o + 1) * wrow
-                                        : w0;
-            for (int64_t r = 0; r < mc; r += X512) {
-                const int xr = mc - r < X512 ? (int)(mc - r) : X512;
-                float res[2 * X512];
-                tile2(w0, w1, xq + (m0 + r) * xrow, xrow, xr, nb, r == 0, res);
-                for (int i = 0; i < wr; i++)
-                    for (int k = 0; k < xr; k++)
-                        out[(m0 + r + k) * N + o + i] = res[X512 * i + k] +
-                                                        (bias ? bias[o + i] : 0.0f);
+    if (tile2 != NULL) {
+        /* half of L2: the rest holds the weight rows in use and what the other thread's
+           output and the hardware's read-ahead bring in */
+        int64_t chunk = (512 * 1024 / xrow) / X512 * X512;
+        if (chunk < X512)
+            chunk = X512;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+            #pragma omp parallel for schedule(static) num_threads(nthreads)
+            for (int64_t p = 0; p < (N + 1) / 2; p++) {
+                const int64_t o = 2 * p;
+                const int wr = N - o < 2 ? 1 : 2;  /* a last odd row goes in as both rows */
+                const uint8_t *w0 = w + (int64_t)(order ? order[o] : o) * wrow;
+                const uint8_t *w1 = wr == 2 ? w + (int64_t)(order ? order[o + 1] : o + 1) * wrow
+                                            : w0;
+                for (int64_t r = 0; r < mc; r += X512) {
+                    const int xr = mc - r < X512 ? (int)(mc - r) : X512;
+                    float res[2 * X512];
+                    tile2(w0, w1, xq + (m0 + r) * xrow, xrow, xr, nb, r == 0, res);
+                    for (int i = 0; i < wr; i++)
+                        for (int k = 0; k < xr; k++)
+                            out[(m0 + r + k) * N + o + i] = res[X512 * i + k] +
+                                                            (bias ? bias[o + i] : 0.0f);
+                }
             }
         }
+        return 1;
     }
-#else
+#endif
+    /* one weight row against four rows of x: the AVX2 tiles, or the portable loop for a
+       type without a tile here */
     const tile_fn tile = tile_of(type);
     int64_t chunk = (256 * 1024 / xrow) & ~(int64_t)3;
     if (chunk < 4)
@@ -251,7 +262,6 @@ int gguf_linear_q(int64_t type, const uint8_t *w, const int32_t *order, const ui
             }
         }
     }
-#endif
     return 1;
 }
 

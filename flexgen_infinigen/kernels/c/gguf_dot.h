@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 enum { GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8, GT_Q4_K = 12,
-       GT_Q5_K = 13, GT_Q6_K = 14 };
+       GT_Q5_K = 13, GT_Q6_K = 14, GT_MXFP4 = 39 };
 
 typedef struct {
     int64_t type, bytes, values;

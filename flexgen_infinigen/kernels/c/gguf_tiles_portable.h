@@ -50,6 +50,17 @@ static int unpack_block(int64_t type, const uint8_t *blk, int16_t *q, float *fac
             }
             return 16;
         }
+        case GT_MXFP4: {  /* gpt-oss's experts: 2^(e - 128) times twice an FP4 E2M1 value */
+            static const int8_t values[16] = {0, 1, 2, 3, 4, 6, 8, 12,
+                                              0, -1, -2, -3, -4, -6, -8, -12};
+            for (int l = 0; l < 16; l++) {
+                q[l] = values[blk[1 + l] & 0x0F];
+                q[l + 16] = values[blk[1 + l] >> 4];
+            }
+            factor[0] = ldexpf(1.0f, (int)blk[0] - 128);
+            minimum[0] = 0.0f;
+            return 32;
+        }
         case GT_Q8_0:
             for (int i = 0; i < 32; i++)
                 q[i] = ((const int8_t *)(blk + 2))[i];
@@ -80,7 +91,6 @@ static int unpack_block(int64_t type, const uint8_t *blk, int16_t *q, float *fac
     }
 }
 
-#ifndef GD512
 static void run_portable(int64_t type, const uint8_t *w, const uint8_t *x, int64_t xs, int xr,
                          int64_t nb, float *res) {
     const gguf_format *f = gguf_format_of(type);
@@ -113,6 +123,5 @@ static void run_portable(int64_t type, const uint8_t *w, const uint8_t *x, int64
         res[r] = total;
     }
 }
-#endif
 
 #endif
