@@ -7,6 +7,7 @@ equals the full cache; the CPU kernels' sinks equal torch's; a policy whose atte
 sinks is refused before any weight is read."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -244,3 +245,128 @@ def test_prompt_attention_with_sinks_equals_the_extra_column(window, padded):
     want = torch.einsum("bhst,bthd->bshd", probs, v.repeat_interleave(heads // kv, 2))
     want = torch.where(valid[:, :, None, None], want, 0.0).reshape(b, s, heads * d)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def _write_gguf(model, path, experts: str = "MXFP4") -> None:
+    """``model`` as llama.cpp's converter writes a gpt-oss: float32 tensors, experts cut
+    into gate, up and down (each ``[experts, out, in]``, biases ``[experts, out]``) and
+    quantized to ``experts``; the model's expert weights replaced by what the file encodes,
+    so that the reference runs on exactly those values."""
+    import numpy as np
+    from gguf_header import add_model_metadata
+
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    add_model_metadata(w, c, "gpt-oss", "llama")
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    rope = c.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    qtype = gguf.GGMLQuantizationType[experts]
+
+    def add(name, t):
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
+
+    add("token_embd.weight", model.model.embed_tokens.weight)
+    add("output_norm.weight", model.model.norm.weight)
+    add("output.weight", model.lm_head.weight)
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"blk.{i}.post_attention_norm.weight", layer.post_attention_layernorm.weight)
+        for ours, proj in (("attn_q", a.q_proj), ("attn_k", a.k_proj), ("attn_v", a.v_proj),
+                           ("attn_output", a.o_proj)):
+            add(f"blk.{i}.{ours}.weight", proj.weight)
+            add(f"blk.{i}.{ours}.bias", proj.bias)
+        add(f"blk.{i}.attn_sinks.weight", a.sinks)
+        add(f"blk.{i}.ffn_gate_inp.weight", m.router.weight)
+        add(f"blk.{i}.ffn_gate_inp.bias", m.router.bias)
+        e = m.experts
+        gate_up = e.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], gate and up interleaved
+        mats = {"ffn_gate_exps": gate_up[:, 0::2], "ffn_up_exps": gate_up[:, 1::2],
+                "ffn_down_exps": e.down_proj.detach().transpose(1, 2)}  # [E, H, I]
+        coded = {}
+        for ours, t in mats.items():
+            t = np.ascontiguousarray(t.float().numpy())
+            raw = quantize(t, qtype)
+            w.add_tensor(f"blk.{i}.{ours}.weight", raw, raw_dtype=qtype)
+            coded[ours] = torch.from_numpy(dequantize(raw, qtype).reshape(t.shape))
+        add(f"blk.{i}.ffn_gate_exps.bias", e.gate_up_proj_bias[:, 0::2])
+        add(f"blk.{i}.ffn_up_exps.bias", e.gate_up_proj_bias[:, 1::2])
+        add(f"blk.{i}.ffn_down_exps.bias", e.down_proj_bias)
+        with torch.no_grad():  # the reference runs on the file's values
+            both = torch.empty_like(gate_up)
+            both[:, 0::2], both[:, 1::2] = coded["ffn_gate_exps"], coded["ffn_up_exps"]
+            e.gate_up_proj.copy_(both.transpose(1, 2))
+            e.down_proj.copy_(coded["ffn_down_exps"].transpose(1, 2))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("experts", ["MXFP4", "Q8_0"])
+@pytest.mark.parametrize("placement", ["all-on-device", "experts-multiplied-in-cpu-memory"])
+def test_a_gguf_runs_from_its_codes(tmp_path, experts, placement):
+    """The same tiny model written as llama.cpp writes a gpt-oss GGUF, its experts MXFP4
+    blocks (or Q8_0), read in place: the tokens and logits of transformers run on the
+    values the file encodes (the experts multiplied as stored, against 8-bit activations)."""
+    import transformers
+
+    torch.manual_seed(1)  # experts' widths whole blocks of 32
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **{**CONFIG, "intermediate_size": 64}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name or "bias" in name:
+                p.copy_(torch.randn_like(p))
+            elif "experts" in name:
+                p.mul_(20)
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    _write_gguf(model, path, experts)
+    model.eval()
+    with OffloadedLM.load(model=str(path), policy=PLACEMENTS[placement],
+                          progress=False) as lm:
+        assert lm.cfg.family == "gpt_oss" and lm.cfg.layer_windows == (8, 0, 8, 0)
+        assert lm.weight_formats.get("layers.0.experts.0.gate_proj.weight") == experts
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+    with experts_inputs_rounded(model):
+        for row, prompt in enumerate(PROMPTS):
+            tokens, logits = hf_greedy(model, prompt, STEPS)
+            assert out.token_ids[row] == tokens
+            assert (out.logits[row] - logits).abs().max().item() < 1e-4
+
+
+@contextlib.contextmanager
+def experts_inputs_rounded(model):
+    """transformers' gpt-oss with both expert products' inputs (the hidden state, the gated
+    activation) rounded as the GGUF block kernels round them: 8-bit codes per block of 32
+    values (``conftest.inputs_rounded`` does it for ``nn.Linear`` layers; the experts are
+    not)."""
+    def rounded(x):
+        b = x.float().reshape(-1, 32)
+        amax = b.abs().amax(1, keepdim=True)
+        q = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+        return (q * (amax / 127)).reshape(x.shape).to(x.dtype)
+
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    gates = [e._apply_gate for e in experts]
+    handles = [e.register_forward_pre_hook(lambda m, args: (rounded(args[0]), *args[1:]))
+               for e in experts]
+    for e, gate in zip(experts, gates):
+        e._apply_gate = lambda gate_up, gate=gate: rounded(gate(gate_up))
+    try:
+        yield model
+    finally:
+        for e, h in zip(experts, handles):
+            h.remove()
+            del e._apply_gate

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, ModelConfig, get_config
 from ..models import family_of
-from ..models.moe import is_expert_weight
+from ..models.moe import is_expert_weight, plain_experts
 from ..placement import Placement
 from ..weights.sources import DummySource, StoreSource
 from ..weights.store import WeightStore
@@ -111,7 +111,11 @@ def weight_layouts(source, cfg: ModelConfig, native: bool = True) -> dict[str, C
     if layout is None:
         return {}
     native = native and GGUF_BLOCKS.get()
-    found = {n: layout(n, native=native) for n in family_of(cfg).weight_shapes(cfg)}
+    # experts the compiled MoE call never reads (biases, gpt-oss's clamped SwiGLU) are
+    # multiplied by the GGUF kernels as stored, as dense weights are
+    experts = native and not plain_experts(cfg)
+    found = {n: layout(n, native=native, native_experts=experts)
+             for n in family_of(cfg).weight_shapes(cfg)}
     return {n: lay for n, lay in found.items() if lay is not None}
 
 

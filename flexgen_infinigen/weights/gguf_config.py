@@ -14,7 +14,7 @@ from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3",
-                 "glm4moe", "deepseek2")
+                 "glm4moe", "deepseek2", "gpt-oss")
 
 
 def _open_reader(path: Path):
@@ -71,6 +71,28 @@ def _gemma3(reader, p: str, layers: int, hidden: int, heads: int, head_dim: int)
                 query_scale=0.0 if scalar == head_dim else scalar ** -0.5,
                 final_logit_softcap=float(field_value(reader, p + "final_logit_softcapping",
                                                       0.0) or 0.0))
+
+
+def _gpt_oss(reader, p: str, layers: int) -> dict:
+    """gpt-oss as llama.cpp writes it: every other layer windowed, the first one first (its
+    window from the file); sinks, biases on the router, the experts and the attention's
+    output, and the clamped SwiGLU, whose limit and alpha llama.cpp's graph fixes (7 and
+    1.702, as the Hugging Face config has them)."""
+    window = int(field_value(reader, p + "attention.sliding_window", 0) or 0)
+    return dict(family="gpt_oss", o_bias=True, attn_sinks=True, router_bias=True,
+                expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+                layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)))
+
+
+def _gpt_oss_yarn(reader, p: str) -> dict:
+    """gpt-oss's YaRN: the file's factor and original context, the ramp unrounded
+    (``truncate`` false, as the model's config says; llama.cpp rounds its ends)."""
+    return {"rope_type": "yarn", "factor": float(field_value(reader, p + "rope.scaling.factor")),
+            "original_max_position_embeddings": int(field_value(
+                reader, p + "rope.scaling.original_context_length")),
+            "beta_fast": float(field_value(reader, p + "rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(field_value(reader, p + "rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": False}
 
 
 def _deepseek_yarn(reader, p: str) -> dict:
@@ -135,6 +157,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
                                                                    p + "rope.scaling.factor"))}
     elif scaling == "yarn" and arch == "deepseek2":
         rope = _deepseek_yarn(reader, p)
+    elif scaling == "yarn" and arch == "gpt-oss":
+        rope = _gpt_oss_yarn(reader, p)
     elif scaling not in (None, "none"):
         raise ConfigError(f"GGUF {source} uses rope scaling {scaling!r}, which the GGUF path "
                           "does not read; convert the Hugging Face checkpoint instead")
@@ -143,7 +167,8 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
         field_value(reader, p + "nextn_predict_layers", 0) or 0)
     moe = gguf_moe.experts_from_gguf(reader, arch, source, layers)
     extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else \
-        _deepseek2(reader, p, rope_dim, rope, tensors) if arch == "deepseek2" else {}
+        _deepseek2(reader, p, rope_dim, rope, tensors) if arch == "deepseek2" else \
+        _gpt_oss(reader, p, layers) if arch == "gpt-oss" else {}
     fields = dict(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family=extra.pop("family", "llama"),

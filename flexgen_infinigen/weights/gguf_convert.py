@@ -67,7 +67,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
             "qwen2moe": False, "olmoe": False, "gemma3": False, "glm4moe": False,
-            "deepseek2": False}
+            "deepseek2": False, "gpt-oss": False}
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
@@ -76,8 +76,10 @@ def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and cfg is not None and m.group(2) == "exp_probs_b" and cfg.router_sigmoid:
         return [f"layers.{m.group(1)}.router.choice_bias"]
-    moe = m and cfg is not None and m.group(3) == "weight" and gguf_moe.store_names(
-        int(m.group(1)), m.group(2), cfg)
+    if m and cfg is not None and m.group(2) == "attn_sinks" and cfg.attn_sinks:
+        return [f"layers.{m.group(1)}.sinks"]
+    moe = m and cfg is not None and gguf_moe.store_names(int(m.group(1)), m.group(2), cfg,
+                                                         m.group(3))
     return moe or [store_name(gguf_name, cfg)]
 
 

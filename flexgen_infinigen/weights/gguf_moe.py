@@ -34,7 +34,8 @@ from ..config import ConfigError, ModelConfig
 # GGUF architecture -> (our model_type, top-k weights renormalised when the file is silent)
 MOE_ARCHITECTURES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False),
                      "olmoe": ("olmoe", False), "llama": ("mixtral", True),
-                     "glm4moe": ("glm4_moe", True), "deepseek2": ("deepseek_v3", True)}
+                     "glm4moe": ("glm4_moe", True), "deepseek2": ("deepseek_v3", True),
+                     "gpt-oss": ("gpt_oss", True)}
 # what llama.cpp divides the dense width by when a Qwen MoE file has no expert width
 _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 # metadata read here (after the ``{arch}.`` prefix); any other key naming experts or MoE
@@ -193,14 +194,18 @@ def _sigmoid_router(reader, arch: str, source: str, experts: int, top_k: int, ga
                 routed_scaling=float(_field(reader, p + "expert_weights_scale", 1.0) or 1.0))
 
 
-def store_names(block: int, part: str, cfg: ModelConfig) -> list[str] | None:
-    """The store names a MoE tensor ``blk.{block}.{part}.weight`` becomes (one per expert
-    for a fused tensor), or None when ``part`` is not a MoE tensor."""
+def store_names(block: int, part: str, cfg: ModelConfig,
+                kind: str = "weight") -> list[str] | None:
+    """The store names a MoE tensor ``blk.{block}.{part}.{kind}`` becomes (one per expert
+    for a fused tensor: gpt-oss's expert biases ``[experts, out]`` too), or None when
+    ``part`` is not a MoE tensor (or the model has no such bias)."""
+    if kind == "bias" and not (cfg.expert_bias if part in FUSED else cfg.router_bias):
+        return None
     if cfg.num_experts and part in FUSED:
-        return [f"layers.{block}.experts.{e}.{m}.weight"
+        return [f"layers.{block}.experts.{e}.{m}.{kind}"
                 for e in range(cfg.num_experts) for m in FUSED[part]]
     if cfg.num_experts and part in LAYER_NAMES:
-        return [f"layers.{block}.{LAYER_NAMES[part]}.weight"]
+        return [f"layers.{block}.{LAYER_NAMES[part]}.{kind}"]
     return None
 
 
@@ -220,7 +225,13 @@ def check_shape(name: str, shape: tuple[int, ...], keys: list[str], expected: di
     """The shape each store tensor of GGUF tensor ``name`` gets; one error when the file's
     shape disagrees with the metadata (an expert count or width)."""
     want = expected[keys[0]]
-    if len(keys) > 1:  # a fused tensor: [experts, out (of each matrix, in turn), in]
+    if len(keys) > 1 and keys[0].endswith(".bias"):  # fused biases: [experts, out]
+        if len(shape) != 2 or shape[0] != cfg.num_experts:
+            raise ConfigError(f"GGUF {source}: tensor {name!r} has shape {shape}, not one "
+                              f"bias row for each of expert_count = {cfg.num_experts} experts; "
+                              "the file disagrees with its metadata")
+        shape = shape[1:]
+    elif len(keys) > 1:  # a fused tensor: [experts, out (of each matrix, in turn), in]
         if len(shape) != 3 or shape[0] != cfg.num_experts:
             count = shape[0] if len(shape) == 3 else "no expert axis"
             raise ConfigError(f"GGUF {source}: tensor {name!r} holds {count} experts, but its "

@@ -31,16 +31,18 @@ class StoreSource:
             return self.store.packed(name)
         return self.store.tensor(name)
 
-    def layout(self, name: str, native: bool = False) -> CodeLayout | None:
+    def layout(self, name: str, native: bool = False,
+               native_experts: bool = False) -> CodeLayout | None:
         """The form ``name`` is placed in: None for floats; its blocks as stored when
         ``native`` (a CPU computes), the CPU kernels read its type and it is not a routed
-        expert; else codes."""
+        expert (or ``native_experts``: the model's experts never take the compiled MoE
+        call); else codes."""
         if name not in self.store.tensors:
             return None
         kind = self.store.tensors[name].get("gguf_type")
-        # a routed expert stays codes: the MoE stage's one compiled call reads codes
+        # a routed expert stays codes where the MoE stage's one compiled call may read them
         if (native and kind in gguf_codes.NATIVE and len(self.store.tensors[name]["shape"]) == 2
-                and not is_expert_weight(name)):
+                and (native_experts or not is_expert_weight(name))):
             return CodeLayout(*gguf_codes.layout(kind), False, kind)
         return self.store.layout(name)
 
