@@ -105,6 +105,18 @@ static inline int k_min_dot(const uint8_t *mn, const int16_t *bsums) {
     return s;
 }
 
+/* MXFP4's block factor from its exponent byte: 2^(e - 128) (half of E8M0's 2^(e - 127),
+   its codes naming twice the FP4 values), built from its bits; e < 2 is a subnormal. */
+static inline float mxfp4_factor(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* MXFP4's sixteen values, what a code names (twice FP4 E2M1's), as a shuffle's table */
+#define MXFP4_TABLE 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
 /* How a tile asks for weight bytes ahead (ahead): not at all (0), for one pass over the
    weight (ASK_STREAM), or for a first pass that later passes follow (ASK_REUSE). */
 enum { ASK_STREAM = 1, ASK_REUSE = 2 };
@@ -143,6 +155,7 @@ static tile_fn tile_of(int64_t type) {
         case GT_Q5_0: return run_q5_0;
         case GT_Q5_1: return run_q5_1;
         case GT_Q8_0: return run_q8_0;
+        case GT_MXFP4: return run_mxfp4;
     }
 #endif
     (void)type;
@@ -168,8 +181,9 @@ static tile2_fn tile2_of(int64_t type) {
         case GT_Q5_0: return run2_q5_0;
         case GT_Q5_1: return run2_q5_1;
         case GT_Q8_0: return run2_q8_0;
+        case GT_MXFP4: return run2_mxfp4;
     }
-    return NULL;  /* MXFP4: the portable loop */
+    return NULL;
 }
 #endif
 

@@ -260,6 +260,33 @@ static inline __attribute__((always_inline)) void tile_q8_0(
         res[r] = hsum_ps(acc[r]);
 }
 
+/* MXFP4: each nibble names a signed value (MXFP4_TABLE, looked up by a shuffle), then as
+   Q8_0; the factor is the block's power of two. */
+static inline __attribute__((always_inline)) void tile_mxfp4(
+        const int XR, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t nb, int ahead,
+        float *res) {
+    const __m256i table = _mm256_setr_epi8(MXFP4_TABLE, MXFP4_TABLE);
+    __m256 acc[4];
+    for (int r = 0; r < XR; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + 17 * b;
+        if ((b & 3) == 0)
+            ASK(ahead, blk, 64);
+        const float d = mxfp4_factor(blk[0]);
+        const __m256i q = _mm256_shuffle_epi8(table, nibbles_32(blk + 1));
+        const __m256i u = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < XR; r++) {
+            const xq_32 *y = X_32(r, b);
+            const __m256i s = _mm256_sign_epi8(load32(y->qs), q);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y->d),
+                                     _mm256_cvtepi32_ps(dot_plain(u, s)), acc[r]);
+        }
+    }
+    for (int r = 0; r < XR; r++)
+        res[r] = hsum_ps(acc[r]);
+}
+
 #define DISPATCH(NAME)                                                                        \
 static void run_##NAME(const uint8_t *w, const uint8_t *x, int64_t xs, int xr, int64_t nb,   \
                        int ahead, float *res) {                                               \
@@ -278,6 +305,7 @@ DISPATCH(q4_1)
 DISPATCH(q5_0)
 DISPATCH(q5_1)
 DISPATCH(q8_0)
+DISPATCH(mxfp4)
 #endif  /* !GD512 */
 #endif  /* __AVX2__ */
 

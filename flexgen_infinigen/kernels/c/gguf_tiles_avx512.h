@@ -231,7 +231,8 @@ static inline __attribute__((always_inline)) void tile512_plain(
         const int TYPE, const int XR, const uint8_t *w0, const uint8_t *w1, const uint8_t *x,
         int64_t xs, int64_t nb, int ahead, float *res) {
     const int64_t bytes = TYPE == GT_Q4_0 ? 18 : TYPE == GT_Q4_1 ? 20 : TYPE == GT_Q5_0 ? 22
-                        : TYPE == GT_Q5_1 ? 24 : 34;
+                        : TYPE == GT_Q5_1 ? 24 : TYPE == GT_MXFP4 ? 17 : 34;
+    const int signed_codes = TYPE == GT_Q8_0 || TYPE == GT_MXFP4;  /* |q|, sign onto x */
     const int has_min = TYPE == GT_Q4_1 || TYPE == GT_Q5_1;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[X512];
@@ -243,8 +244,12 @@ static inline __attribute__((always_inline)) void tile512_plain(
             ASK_KEEP(b0, 64, W_AHEAD2);
             ASK_KEEP(b1, 64, W_AHEAD2);
         }
-        __m512 m;
-        const __m512 d = pair_f16(b0, b1, 0, &m);
+        __m512 m, d;
+        if (TYPE == GT_MXFP4)
+            d = _mm512_insertf32x8(_mm512_set1_ps(mxfp4_factor(b0[0])),
+                                   _mm256_set1_ps(mxfp4_factor(b1[0])), 1);
+        else
+            d = pair_f16(b0, b1, 0, &m);
         __m512i u;
         __mmask64 neg = 0;
         if (TYPE == GT_Q8_0) {
@@ -254,7 +259,8 @@ static inline __attribute__((always_inline)) void tile512_plain(
         } else {
             /* lanes: row 0's sixteen bytes twice, row 1's twice; the second copy's high
                nibbles are values 16-31 */
-            const int at = 2 + 2 * has_min + (TYPE == GT_Q5_0 || TYPE == GT_Q5_1 ? 4 : 0);
+            const int at = TYPE == GT_MXFP4 ? 1 :
+                           2 + 2 * has_min + (TYPE == GT_Q5_0 || TYPE == GT_Q5_1 ? 4 : 0);
             const __m512i t = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_broadcastsi128_si256(
                     _mm_loadu_si128((const __m128i *)(b0 + at)))),
@@ -267,17 +273,23 @@ static inline __attribute__((always_inline)) void tile512_plain(
                 u = _mm512_mask_add_epi8(u, _cvtu64_mask64(h0 | (uint64_t)h1 << 32), u,
                                          _mm512_set1_epi8(0x10));
             }
+            if (TYPE == GT_MXFP4) {  /* the values the codes name, then as Q8_0 */
+                const __m512i q = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_TABLE)), u);
+                u = _mm512_abs_epi8(q);
+                neg = _mm512_movepi8_mask(q);
+            }
         }
         /* each lane's share of the offset or minimum term: an eighth of the row's */
         __m512 off = _mm512_setzero_ps();
         if (has_min)
             off = _mm512_mul_ps(m, _mm512_set1_ps(0.125f));
-        else if (TYPE != GT_Q8_0)
+        else if (!signed_codes)
             off = _mm512_mul_ps(d, _mm512_set1_ps(TYPE == GT_Q4_0 ? -1.0f : -2.0f));
         for (int r = 0; r < XR; r++) {
             const xq_32 *y = X_32(r, b);
             __m512i v = twice32(y->qs);
-            if (TYPE == GT_Q8_0)
+            if (signed_codes)
                 v = _mm512_mask_sub_epi8(v, neg, _mm512_setzero_si512(), v);
 #ifdef __AVX512VNNI__
             const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, v);
@@ -287,7 +299,7 @@ static inline __attribute__((always_inline)) void tile512_plain(
 #endif
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
                                      _mm512_mul_ps(d, _mm512_set1_ps(y->d)), acc[r]);
-            if (TYPE != GT_Q8_0)
+            if (!signed_codes)
                 acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(y->dsum), acc[r]);
         }
     }
@@ -306,6 +318,7 @@ PLAIN512(q4_1, GT_Q4_1)
 PLAIN512(q5_0, GT_Q5_0)
 PLAIN512(q5_1, GT_Q5_1)
 PLAIN512(q8_0, GT_Q8_0)
+PLAIN512(mxfp4, GT_MXFP4)
 
 /* Weight rows w0, w1 against xr (1 to X512) rows of x: res[X512 i + r]. With ahead set (the
    first rows of x to pass these weight rows in a chunk) the tile asks for the rows' bytes
@@ -332,6 +345,7 @@ DISPATCH2(q4_1)
 DISPATCH2(q5_0)
 DISPATCH2(q5_1)
 DISPATCH2(q8_0)
+DISPATCH2(mxfp4)
 #endif  /* AVX-512 */
 
 #endif

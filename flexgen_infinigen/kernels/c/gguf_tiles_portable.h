@@ -51,13 +51,12 @@ static int unpack_block(int64_t type, const uint8_t *blk, int16_t *q, float *fac
             return 16;
         }
         case GT_MXFP4: {  /* gpt-oss's experts: 2^(e - 128) times twice an FP4 E2M1 value */
-            static const int8_t values[16] = {0, 1, 2, 3, 4, 6, 8, 12,
-                                              0, -1, -2, -3, -4, -6, -8, -12};
+            static const int8_t values[16] = {MXFP4_TABLE};
             for (int l = 0; l < 16; l++) {
                 q[l] = values[blk[1 + l] & 0x0F];
                 q[l + 16] = values[blk[1 + l] >> 4];
             }
-            factor[0] = ldexpf(1.0f, (int)blk[0] - 128);
+            factor[0] = mxfp4_factor(blk[0]);
             minimum[0] = 0.0f;
             return 32;
         }
