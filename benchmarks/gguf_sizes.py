@@ -51,9 +51,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout, not an install
 import artifacts  # noqa: E402
+import random_gpt_oss_gguf as moe_files  # noqa: E402
 import random_kquant_gguf as files  # noqa: E402
 
 OUT = artifacts.RESULTS / "gguf_sizes"
+# every model's shape: the dense Q4_K_M ones and gpt-oss with MXFP4 experts
+SHAPES = {**files.SHAPES, **moe_files.SHAPES}
+
+
+def files_of(key: str):
+    """The module that writes and describes ``key``'s file (random_kquant_gguf for the dense
+    models, random_gpt_oss_gguf for gpt-oss): ``file_name``, ``file_bytes``, ``write_gguf``,
+    ``describe``, ``decode_read_bytes`` and ``kv_read_bytes``."""
+    return moe_files if key in moe_files.SHAPES else files
 DEFAULT_MODELS = ["qwen2.5-7b", "llama-3.1-8b", "qwen2.5-14b"]
 # (depth, gen, prefill, batch prompt): the full run's lengths and --quick's
 LENGTHS = {"full": (4096, 32, 512, 128), "quick": (512, 8, 64, 16)}
@@ -61,22 +71,19 @@ LENGTHS = {"full": (4096, 32, 512, 128), "quick": (512, 8, 64, 16)}
 
 # --- the bound -----------------------------------------------------------------------------
 
-def kv_bytes(shape, layers: int, context: float) -> float:
-    """f16 K and V rows of ``context`` tokens in every layer (llama.cpp's cache)."""
-    return 2 * layers * shape.kv_heads * shape.head_dim * 2 * context
-
-
 def bound_row(key: str, layers: int, s: dict, bandwidth: float) -> dict:
-    """Tokens/s if a step took only its must-read bytes at ``bandwidth``."""
-    shape = files.SHAPES[key]
-    weights = files.describe(key, layers)["decode_read_bytes"]
+    """Tokens/s if a step took only its must-read bytes at ``bandwidth``: the weights a step
+    at that batch reads (a MoE model's: the experts its tokens route to) and the KV rows."""
+    f = files_of(key)
     mid = s["gen"] / 2  # the generated tokens' mean depth
 
     def rate(batch, context):
-        return batch * bandwidth / (weights + batch * kv_bytes(shape, layers, context))
+        return batch * bandwidth / (f.decode_read_bytes(key, layers, batch)
+                                    + batch * f.kv_read_bytes(key, layers, context))
     return {"decode_0_tokens_s": rate(1, mid), "decode_depth_tokens_s": rate(1, s["depth"] + mid),
             "batch_tokens_s": rate(s["batch"], s["batch_prompt"] + mid),
-            "must_read_weight_bytes": weights, "bandwidth_gb_s": bandwidth / 1e9}
+            "must_read_weight_bytes": f.decode_read_bytes(key, layers, 1),
+            "bandwidth_gb_s": bandwidth / 1e9}
 
 
 # --- one run -------------------------------------------------------------------------------
@@ -87,9 +94,9 @@ def one_run(a, key: str, gguf: Path, settings: dict, run: int, prefill_dir: str)
     from gguf_sizes_ours import in_subprocess
     from long_context import read_bandwidth
 
-    full = files.SHAPES[key].layers
+    full = SHAPES[key].layers
     layers = a.layers or full
-    label = files.SHAPES[key].name + ("" if layers == full else f", {layers} of {full} layers")
+    label = SHAPES[key].name + ("" if layers == full else f", {layers} of {full} layers")
     base = {"model": label, "model_key": key, "layers": layers, "run": run, **settings}
     bandwidth = read_bandwidth()
     spec = {"gguf": str(gguf), "prefill_dir": prefill_dir, **settings}
@@ -157,7 +164,7 @@ def _summary(r: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(files.SHAPES))
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(SHAPES))
     p.add_argument("--out-dir", default=None,
                    help="the folder of the GGUF files (written there once, 5-20 GB each)")
     p.add_argument("--layers", type=int, default=None,
@@ -219,9 +226,9 @@ def main(argv=None) -> int:
     if a.runs < 1 or a.batch < 2:
         p.error("--runs must be at least 1 and --batch at least 2")
     for key in a.models:
-        if a.layers is not None and not 1 <= a.layers <= files.SHAPES[key].layers:
-            p.error(f"--layers {a.layers}: {files.SHAPES[key].name} has 1.."
-                    f"{files.SHAPES[key].layers} layers")
+        if a.layers is not None and not 1 <= a.layers <= SHAPES[key].layers:
+            p.error(f"--layers {a.layers}: {SHAPES[key].name} has 1.."
+                    f"{SHAPES[key].layers} layers")
     a.llama_bench = llama.check_binary("--llama-bench", a.llama_bench)
     a.llama_batched_bench = llama.check_binary("--llama-batched-bench", a.llama_batched_bench)
     if not (a.llama_bench or a.llama_batched_bench):
@@ -230,13 +237,13 @@ def main(argv=None) -> int:
     earlier = {"runs": []} if a.fresh else artifacts.load(stem)  # refuses an old-format file
     out_dir = Path(a.out_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {k: out_dir / files.file_name(k, a.layers) for k in a.models}
+    paths = {k: out_dir / files_of(k).file_name(k, a.layers) for k in a.models}
     todo = [k for k, path in paths.items() if not path.is_file()]
-    files.check_room(out_dir, sum(files.file_bytes(files.SHAPES[k], a.layers) for k in todo))
+    files.check_room(out_dir, sum(files_of(k).file_bytes(SHAPES[k], a.layers) for k in todo))
     settings = settings_of(a)
 
     for key in todo:
-        files.write_dense_gguf(key, paths[key], a.layers)
+        files_of(key).write_gguf(key, paths[key], a.layers)
     for path in paths.values():
         got = in_subprocess({"gguf": str(path), "warm": True, **settings}, a.timeout)
         if "error" in got:
@@ -268,17 +275,22 @@ def save(stem: Path, earlier: dict, meta: dict, rows: list[dict], a, settings: d
     bw = [r["bandwidth_gb_s"] for r in rows if "bandwidth_gb_s" in r]
     run = {"meta": {**meta, "machine": machine_info(), "settings": settings,
                     "bandwidth_gb_s": round(statistics.median(bw), 1) if bw else None},
-           "files": {k: {**files.describe(k, a.layers or files.SHAPES[k].layers),
+           "files": {k: {**files_of(k).describe(k, a.layers or SHAPES[k].layers),
                          "file": p.name, "file_bytes": p.stat().st_size}
                      for k, p in paths.items() if p.is_file()},
            "rows": rows}
+    from gguf_sizes_report import MOE_TITLE
+    gpt_oss = all(k in moe_files.SHAPES for k in paths)
     doc = {**earlier, "runs": [*earlier["runs"], run],
+           **({"title": MOE_TITLE} if gpt_oss else {}),
            "benchmark": "gguf_sizes.py: dense Q4_K_M models (random codes, real shapes), our "
                         "runtime and llama.cpp on the same file in the same run, beside the "
                         "decode step's must-read bound",
            "files_note": "random codes in llama.cpp's Q4_K_M mix (random_kquant_gguf.py); "
                          + "; ".join(f"{files.SHAPES[k].name}: {n}"
-                                     for k, n in files.NOTES.items())}
+                                     for k, n in files.NOTES.items())
+                         + "; gpt-oss: random codes, MXFP4 experts and Q8_0 matrices "
+                           "(random_gpt_oss_gguf.py)"}
     artifacts.save(stem, doc)
     return doc
 

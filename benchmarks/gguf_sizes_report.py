@@ -20,6 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import artifacts  # noqa: E402
 
 TITLE = "Dense Q4_K_M models against llama.cpp"
+# an artifact set of gpt-oss files (``--out``) has its own section
+MOE_TITLE = "gpt-oss with MXFP4 experts against llama.cpp"
+
+
+def title_of(doc: dict) -> str:
+    return doc.get("title") or TITLE
+
+
+def moe(doc: dict) -> bool:
+    return title_of(doc) == MOE_TITLE
 SETTINGS = ("depth", "gen", "prefill", "batch", "batch_prompt", "threads")
 
 
@@ -65,15 +75,17 @@ def note(s: dict) -> str:
             f"{s['batch']}`); llama.cpp's flash attention off or on, whichever was faster; "
             "x llama.cpp: our rate over llama.cpp's in the same run. "
             "First token: from our process's start (interpreter, load, the prefill prompt). "
-            f"bound: every tensor but `token_embd` plus the f16 KV at the depth, over the "
-            f"read bandwidth measured before the run; {s['threads']} threads for both.")
+            f"bound: every tensor but `token_embd` (a MoE model: with only the experts a "
+            f"step's rows route to, expected) plus the f16 KV at the depth (gpt-oss: its "
+            f"windowed layers' window), over the read bandwidth measured before the run; "
+            f"{s['threads']} threads for both.")
 
 
 def markdown(doc: dict) -> str:
     text, s, runs = table(doc)
     if s is None:
-        return f"# {TITLE}\n\n{text}"
-    return (f"# {TITLE}\n\n{artifacts.meta_line(runs)}; read bandwidth "
+        return f"# {title_of(doc)}\n\n{text}"
+    return (f"# {title_of(doc)}\n\n{artifacts.meta_line(runs)}; read bandwidth "
             f"{_bandwidths(runs)}\n\n{text}\n{note(s)}\n")
 
 
@@ -117,7 +129,8 @@ def plot(doc: dict, path: Path) -> None:
         ax.set(title=title, ylabel="tokens/s")
         ax.grid(axis="y", alpha=0.3)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
-    fig.suptitle(f"Dense Q4_K_M, random codes ({len(runs)} run"
+    fig.suptitle(f"{'gpt-oss, MXFP4 experts' if moe(doc) else 'Dense Q4_K_M'}, random codes "
+                 f"({len(runs)} run"
                  f"{'s' if len(runs) != 1 else ''})")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
@@ -141,14 +154,16 @@ def docs_section(doc: dict, stem: Path, results_md: Path) -> str:
     dates = ", ".join(dict.fromkeys(str(m.get("date")) for m in metas))
     commits = ", ".join(f"`{c}`" for c in dict.fromkeys(str(m.get("commit")) for m in metas))
     commands = "\n".join(dict.fromkeys(_command(str(m.get("command"))) for m in metas))
-    lines = [f"## {TITLE}",
+    lines = [f"## {title_of(doc)}",
              textwrap.fill(f"{cpus}; read bandwidth {_bandwidths(runs)}; {dates}, {commits}; "
                            f"{links}.", 100),
              "```bash", commands, "```", text.rstrip("\n"), ""]
     if s is not None:
         # a link is never broken across lines, or markdown would not render it
         lines.append(textwrap.fill(
-            f"Random codes in llama.cpp's Q4_K_M mix, one file for both; {s['threads']} threads; "
+            ("Random codes, MXFP4 experts and Q8_0 matrices" if moe(doc) else
+             "Random codes in llama.cpp's Q4_K_M mix")
+            + f", one file for both; {s['threads']} threads; "
             "llama.cpp's better flash-attention setting; bound: a step's bytes over the measured "
             "bandwidth ([columns](../benchmarks/README.md"
             "#gguf_sizespy-dense-7b-14b-q4_k_m-models-against-llamacpp-on-the-same-file)).",
@@ -189,7 +204,7 @@ def write_docs(doc: dict, stem: Path, results_md: Path) -> None:
     section = docs_section(doc, stem, results_md)
     old = results_md.read_text() if results_md.is_file() else "# Results\n"
     lines = old.splitlines(keepends=True)
-    head = f"## {TITLE}"
+    head = f"## {title_of(doc)}"
     start = next((i for i, line in enumerate(lines) if line.rstrip() == head), None)
     if start is None:
         new = old.rstrip("\n") + "\n\n" + section

@@ -186,6 +186,22 @@ def write_dense_gguf(key: str, path: str | Path, layers: int | None = None, seed
     return describe(key, n, seed)
 
 
+def write_gguf(key: str, path, layers: int | None = None) -> dict:
+    """The file (the interface ``gguf_sizes.files_of`` names)."""
+    return write_dense_gguf(key, path, layers)
+
+
+def decode_read_bytes(key: str, layers: int, batch: int) -> int:
+    """The weight bytes a decode step reads at any batch: all but ``token_embd``."""
+    return describe(key, layers)["decode_read_bytes"]
+
+
+def kv_read_bytes(key: str, layers: int, context: float) -> float:
+    """f16 K and V rows of ``context`` tokens in every layer (llama.cpp's cache), a row."""
+    shape = SHAPES[key]
+    return 2 * layers * shape.kv_heads * shape.head_dim * 2 * context
+
+
 def describe(key: str, layers: int, seed: int = 0) -> dict:
     """What a file of ``key`` cut to ``layers`` holds, for a results JSON."""
     shape = SHAPES[key]
