@@ -1,8 +1,10 @@
 """A GGUF file's tensors as a weight store's: checked and named here (:func:`prepare`, also
 for the index that reads them in place, :mod:`.gguf_index`), or copied into a store of their
 own (:func:`convert_gguf`). The llama, qwen2, qwen3 and gemma3 architectures, and
-the mixture-of-experts qwen3moe, qwen2moe, olmoe and llama with experts (Mixtral), whose
-fused expert tensors are cut into one store tensor per expert matrix (:mod:`.gguf_moe`).
+the mixture-of-experts qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss and llama with
+experts (Mixtral), whose fused expert tensors (gpt-oss's expert biases too) are cut into one
+store tensor per expert matrix (:mod:`.gguf_moe`); gpt-oss's ``attn_sinks`` become each
+layer's ``sinks``.
 The header and config are read by :mod:`.gguf_config`.
 
 Every tensor is kept as the file stores it, renamed to the store's canonical names:

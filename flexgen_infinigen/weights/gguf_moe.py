@@ -1,6 +1,7 @@
 """Mixture-of-experts GGUF files: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``glm4moe``,
-``deepseek2`` and ``llama`` with experts (Mixtral), read into the same per-expert store
-tensors a Hugging Face folder gives. ``glm4moe``'s and ``deepseek2``'s routers are sigmoid
+``deepseek2``, ``gpt-oss`` (its experts' biases ``[experts, out]`` cut like the matrices,
+its router's bias read) and ``llama`` with experts (Mixtral), read into the same per-expert
+store tensors a Hugging Face folder gives. ``glm4moe``'s and ``deepseek2``'s routers are sigmoid
 (:data:`SIGMOID_ROUTERS`: their choice bias ``exp_probs_b``, groups, weight scale and
 ungated shared experts are read; the others keep the rules below).
 

@@ -1,7 +1,7 @@
 """Convert a local Hugging Face checkpoint folder (OPT, Llama 1-3.x, Mistral, Qwen2/2.5,
 Qwen3, Gemma 3's text model, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
-GLM-4.5 and DeepSeek-V3 with one tensor per expert matrix, as the Hub writes them) into a
-weight store.
+GLM-4.5 and DeepSeek-V3 with one tensor per expert matrix, as the Hub writes them, and
+gpt-oss, whose fused experts are split per expert: :mod:`.hf_gpt_oss`) into a weight store.
 
 Reads ``config.json`` (:mod:`.hf_config` refuses what we do not compute, before any tensor
 is read) and the weights: ``*.safetensors``, sharded with ``model.safetensors.index.json``
