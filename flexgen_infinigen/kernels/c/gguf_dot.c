@@ -114,7 +114,10 @@ static inline float mxfp4_factor(uint8_t e) {
     return f;
 }
 
-/* MXFP4's sixteen values, what a code names (twice FP4 E2M1's), as a shuffle's table */
+/* MXFP4's sixteen values, what a code names (twice FP4 E2M1's), as a shuffle's table. The
+   tiles multiply them signed, as Q8_0's codes (|q| against x with q's sign), not as an
+   unsigned value and an offset taken back through x's block sum: the offset's term is 12
+   times the block's sum, and subtracting it in floats loses bits the signed form keeps */
 #define MXFP4_TABLE 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 
 /* How a tile asks for weight bytes ahead (ahead): not at all (0), for one pass over the
@@ -143,7 +146,8 @@ const gguf_format *gguf_format_of(int64_t type) {
     return NULL;
 }
 
-#ifndef GD512
+/* One weight row against up to four rows of x: the AVX2 tiles (also in an AVX-512 build,
+   for Q8_0 against one or two rows of x: see gguf_linear_q), or NULL: the portable loop. */
 static tile_fn tile_of(int64_t type) {
 #ifdef __AVX2__
     switch (type) {
@@ -161,12 +165,6 @@ static tile_fn tile_of(int64_t type) {
     (void)type;
     return NULL;
 }
-#else
-static tile_fn tile_of(int64_t type) {  /* the AVX-512 build's tiles are tile2_of's */
-    (void)type;
-    return NULL;
-}
-#endif
 
 #ifdef GD512
 typedef void (*tile2_fn)(const uint8_t *, const uint8_t *, const uint8_t *, int64_t, int,
@@ -221,7 +219,11 @@ int gguf_linear_q(int64_t type, const uint8_t *w, const int32_t *order, const ui
     const int64_t nb = K / f->values, wrow = nb * f->bytes, xrow = gguf_act_bytes(type, K);
 #ifdef GD512
     const tile2_fn tile2 = tile2_of(type);
-    if (tile2 != NULL) {
+    /* Q8_0's blocks are small (34 bytes), and the two-row tile widens and spreads two
+       factors a block: with one or two rows of x (a decode step) that work, not memory,
+       sets the pace, and the one-row AVX2 tile reads the weight faster */
+    const int few = M <= 2 && type == GT_Q8_0 && tile_of(type) != NULL;
+    if (tile2 != NULL && !few) {
         /* half of L2: the rest holds the weight rows in use and what the other thread's
            output and the hardware's read-ahead bring in */
         int64_t chunk = (512 * 1024 / xrow) / X512 * X512;

@@ -68,7 +68,6 @@ static inline __m256i dot_plain(__m256i u, __m256i s) {
 #define X_K(r, b) ((const xq_k *)(x + (r) * xs) + (b))
 #define X_32(r, b) ((const xq_32 *)(x + (r) * xs) + (b))
 
-#ifndef GD512
 static inline __attribute__((always_inline)) void tile_q4_k(
         const int XR, const uint8_t *w, const uint8_t *x, int64_t xs, int64_t nb, int ahead,
         float *res) {
@@ -306,7 +305,6 @@ DISPATCH(q5_0)
 DISPATCH(q5_1)
 DISPATCH(q8_0)
 DISPATCH(mxfp4)
-#endif  /* !GD512 */
 #endif  /* __AVX2__ */
 
 #endif
