@@ -378,7 +378,9 @@ def attend_rows(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, bia
     kv_heads = cols // b
     group = heads // kv_heads
     qc = q.reshape(cols, group, d)
-    if not return_key_mass:  # a CPU kernel that reads each K and V row once (cpu_kernels)
+    # a CPU kernel that reads each K and V row once (cpu_kernels); never asked on a GPU,
+    # where handing it the sinks would copy them to the host (a sync a layer)
+    if not return_key_mass and not q.is_cuda:
         flat = bias.float().expand(b, kv_heads, 1, t).reshape(cols, t)
         out = cpu_kernels.attend_rows(qc * (1.0 / math.sqrt(d)), k_rows, v_rows, flat,
                                       sinks=column_sinks(sinks, b))
