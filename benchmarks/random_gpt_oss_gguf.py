@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from random_kquant_gguf import add_placeholder_vocab
+
 DESCRIPTION = ("random codes, MXFP4 experts and Q8_0 matrices (benchmarks/random_gpt_oss_gguf.py):"
                " nothing in it is a trained value")
 STD = 0.02
@@ -223,19 +225,7 @@ def _metadata(w, s: Shape, layers: int) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
-    w.add_vocab_size(s.vocab)
-    special = ["<unk>", "<s>", "</s>"]
-    tokens = special + [f"<0x{i:02X}>" for i in range(256)]
-    tokens += [f"t{i}" for i in range(s.vocab - len(tokens))]
-    T = gguf.TokenType
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
-                      + [T.NORMAL] * (len(tokens) - 259))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_placeholder_vocab(w, s.vocab)
 
 
 def main(argv=None) -> int:

@@ -234,10 +234,18 @@ def _metadata(w, shape: Dense, layers: int) -> None:
     w.add_rope_dimension_count(shape.head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.norm_eps)
-    w.add_vocab_size(shape.vocab)
+    add_placeholder_vocab(w, shape.vocab)
+
+
+def add_placeholder_vocab(w, vocab: int) -> None:
+    """A SentencePiece vocabulary of ``vocab`` placeholder tokens (llama.cpp needs one; the
+    benchmarks feed random ids): unk, bos, eos, the 256 bytes, then ``t{i}``."""
+    import gguf
+
+    w.add_vocab_size(vocab)
     special = ["<unk>", "<s>", "</s>"]
     tokens = special + [f"<0x{i:02X}>" for i in range(256)]
-    tokens += [f"t{i}" for i in range(shape.vocab - len(tokens))]
+    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
     T = gguf.TokenType
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
