@@ -335,7 +335,7 @@ class OffloadedLM:
 
     def _kept_prefill(self, cache: PrefillCache | None, batches):
         """(prefill to start from, or None; where to keep this one's, or None; its key)."""
-        if cache is None:
+        if cache is None or self.cfg.linear_layers:  # a recurrent state is not K/V columns
             return None, None, None
         key = cache.key(self, batches)
         found = None if self.engine.kv_policy.needs_prompt_queries else cache.get(key)

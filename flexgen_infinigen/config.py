@@ -89,6 +89,18 @@ class ModelConfig:
     # at ``swiglu_limit``, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: plain SwiGLU
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    # Qwen3.5 / Qwen3-Next hybrids (models/qwen3_next.py): the layers whose token mixer is a
+    # Gated DeltaNet recurrence (a state per row, no KV cache) instead of attention; its
+    # key and value heads and their widths, and its causal convolution's kernel
+    linear_layers: tuple = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 0
+    # the attention output times sigmoid of a second, gate projection of its input
+    # (``q_gate.weight``; the hybrids' full-attention layers)
+    attn_output_gate: bool = False
     # RoPE scaling as sorted (key, value) pairs (hashable); a dict is accepted and converted
     rope_scaling: tuple = ()
     # the architecture's own name (config.json's model_type, GGUF's general.architecture);
@@ -103,6 +115,7 @@ class ModelConfig:
         object.__setattr__(self, "rope_scaling", tuple(sorted(scaling.items())))
         object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers or ())))
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        object.__setattr__(self, "linear_layers", tuple(sorted(self.linear_layers or ())))
         if self.rotary_dim == self.head_dim:
             object.__setattr__(self, "rotary_dim", 0)  # one way to say "every dim"
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
@@ -112,6 +125,15 @@ class ModelConfig:
     def window_of(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: it sees every key)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def is_linear(self, layer: int) -> bool:
+        """Layer ``layer`` mixes tokens by a recurrence with a state per row (no KV cache)."""
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> int:
+        """How many layers keep a KV cache (the hybrids' recurrent layers keep none)."""
+        return self.num_layers - len(self.linear_layers)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -289,6 +311,19 @@ KNOWN_MODELS: dict[str, ModelConfig] = {c.name: c for c in [
     # biased router and experts with the clamped SwiGLU, YaRN RoPE (32x of 4K)
     *[_gpt_oss(name, layers, experts) for name, layers, experts in (
         ("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))],
+    # Qwen3-Next-80B-A3B: three Gated DeltaNet layers to one gated attention layer, 512
+    # routed experts and a gated shared expert, RoPE on a quarter of each head
+    ModelConfig(name="qwen3-next-80b-a3b", family="qwen3_next", vocab_size=151936,
+                hidden_size=2048, intermediate_size=5120, num_layers=48, num_heads=16,
+                num_kv_heads=2, attn_head_dim=256, max_positions=262144, norm_eps=1e-6,
+                rope_theta=1e7, tie_word_embeddings=False, bos_token_id=151643,
+                eos_token_id=151645, pad_token_id=151643, qk_norm=True, rotary_dim=64,
+                attn_output_gate=True,
+                linear_layers=tuple(i for i in range(48) if (i + 1) % 4),
+                linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
+                linear_value_dim=128, linear_conv=4, num_experts=512, experts_per_token=10,
+                expert_intermediate_size=512, shared_expert_size=512, norm_topk_prob=True,
+                model_type="qwen3_next"),
     # Gemma 3 (text), its published shapes: five windowed layers to one global
     *[_gemma3(name, *shape) for name, shape in {
         "gemma-3-1b": (1152, 26, 4, 1, 256, 6912, 512, 256, 262144, {}),

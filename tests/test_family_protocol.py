@@ -32,7 +32,8 @@ def _parameters(sig: inspect.Signature, drop_self: bool) -> list[tuple[str, obje
 def test_the_protocol_names_what_a_family_must_provide():
     assert set(_functions()) == {"weight_shapes", "stage_weights", "encode_positions",
                                  "embed", "attn_input", "query", "attn_qkv", "attn_out",
-                                 "mlp", "head", "attention_sinks"}
+                                 "mlp", "head", "attention_sinks",
+                                 "recurrent_state_shapes", "recurrent_mix"}
     assert set(_flags()) == {"QUERY_WEIGHTS", "SKEW_FOLDS_INTO_WEIGHTS", "FUSED_DECODE"}
 
 

@@ -140,6 +140,9 @@ class Block:
         of them."""
         self.states[batch].valid[row] = False
         self.pending[batch][row] = token
+        for (_, b), cache in self.caches.items():
+            if b == batch:
+                cache.restart_row(row)
 
     def place_row(self, batch: int, row: int, start: int, token: int) -> None:
         """Row ``row`` of GPU batch ``batch`` holds a sequence in its columns from ``start`` on

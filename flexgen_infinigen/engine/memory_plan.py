@@ -20,6 +20,7 @@ from ..models import family_of
 from ..models.moe import is_expert_weight, is_moe_layer
 from ..placement import Placement
 from ..kernels.attention import FUSED_ROWS
+from ..kv.recurrent import state_bytes
 from ..memory.codes import can_compress, stored_bytes
 from ..memory.offload_dir import remove_stale_folders
 from ..memory.split_tensor import split_sizes
@@ -193,6 +194,9 @@ def plan(cfg: ModelConfig, policy: Placement, dtype: torch.dtype, prompt_len: in
     shapes = _weight_shapes(cfg)  # read only
     layer_stages, layer_experts = _layer_sizes(cfg)
     ends = head = True
+    layers = range(cfg.num_layers) if part is None else part.layers
+    recurrent = sum(cfg.is_linear(i) for i in layers)  # layers with a state, not a cache
+    state_row = state_bytes(family_of(cfg).recurrent_state_shapes(cfg)) if recurrent else 0
     if part is not None:
         names = part.weight_names(cfg)
         shapes = {n: s for n, s in shapes.items() if n in names or n.startswith("layers.0.")}
@@ -219,8 +223,11 @@ def plan(cfg: ModelConfig, policy: Placement, dtype: torch.dtype, prompt_len: in
     b, max_len = policy.gpu_batch_size, prompt_len + gen_len
     cache_shape = (max_len, b * cfg.num_kv_heads, cfg.head_dim)
     per_cache = _split_bytes(cache_shape, 1, policy.cache_split, item, policy.compress_cache)
-    n_caches = 2 * cfg.num_layers * policy.num_gpu_batches
-    cache = [n * n_caches for n in per_cache]
+    n_caches = 2 * (cfg.num_layers - recurrent) * policy.num_gpu_batches
+    # a recurrent layer's rows each hold one state, split over the tiers by whole rows
+    states = [rows * state_row * recurrent * policy.num_gpu_batches
+              for rows in split_sizes(b, policy.cache_split)]
+    cache = [n * n_caches + st for n, st in zip(per_cache, states)]
     act_shape = (b, prompt_len, cfg.hidden_size)
     act = [n * policy.num_gpu_batches
            for n in _split_bytes(act_shape, 0, policy.act_split, item, False)]

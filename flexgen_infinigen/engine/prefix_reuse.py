@@ -27,9 +27,9 @@ def whole(engine) -> bool:
 def usable(engine) -> bool:
     """The engine's caches can start from known keys and values: its policy does not read
     the prompt's queries at prefill (H2O, a per-prompt skew), one process runs every
-    layer."""
+    layer, and no layer keeps a recurrent state (a state holds no columns to start from)."""
     return not engine.kv_policy.needs_prompt_queries and whole(engine) \
-        and not engine.policy.compress_cache
+        and not engine.policy.compress_cache and not engine.cfg.linear_layers
 
 
 def block_prefix(pages: PrefixPages | None, engine, prompts: list[list[int]],

@@ -32,6 +32,7 @@ import torch
 
 from ..config import ModelConfig
 from ..kv.base import CacheSpec, KVPolicy, PromptRecorder
+from ..kv.recurrent import RecurrentState
 from ..memory.lanes import Lanes
 from ..memory.split_tensor import SplitTensor
 from ..memory.tiers import Tiers
@@ -284,7 +285,11 @@ class Engine:
                                  cfg.num_kv_heads, cfg.head_dim, self.dtype, p.cache_split,
                                  p.compress_cache, p.cpu_cache_compute,
                                  cfg.window_of(s.layer))
-                block.caches[(stage, batch)] = self.kv_policy.make_cache(spec)
+                if cfg.is_linear(s.layer):  # a row's state where its KV cache would be
+                    cache = RecurrentState(spec, self.family.recurrent_state_shapes(cfg))
+                else:
+                    cache = self.kv_policy.make_cache(spec)
+                block.caches[(stage, batch)] = cache
                 block.attention_stage[s.layer] = stage
 
     def _advance(self, batch: int, new: torch.Tensor) -> None:

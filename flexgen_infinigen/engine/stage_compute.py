@@ -111,6 +111,8 @@ class StageCompute:
     def _attention(self, block: Block, p: Pass, stage: int, batch: int, w: dict,
                    h: torch.Tensor, loaded):
         fam, cfg, state = self.family, self.cfg, block.states[batch]
+        if cfg.is_linear(self.stages[stage].layer):
+            return self._recurrent(block, p, stage, batch, w, h), None
         window = cfg.window_of(self.stages[stage].layer)
         pos_enc, bias, seen = state.attention_inputs(window)
         x = fam.attn_input(cfg, w, h)
@@ -129,6 +131,26 @@ class StageCompute:
             rows = min(p.mode.prefill_chunk, score_rows(q.shape[0], q.shape[2], k.shape[1]))
             out = attend_prompt(q, k, v, state.valid, window, rows=rows, sinks=sinks)
         return fam.attn_out(cfg, w, h, out), (q, k, v, state.valid)
+
+    def _recurrent(self, block: Block, p: Pass, stage: int, batch: int, w: dict,
+                   h: torch.Tensor) -> torch.Tensor:
+        """A recurrent layer's token mixing: its rows' states read from where they are
+        held, mixed with the new tokens by the family's math, written back. A prompt pass
+        that keeps no caches (a recorder's) starts from zero states and keeps none."""
+        fam, cfg, state = self.family, self.cfg, block.states[batch]
+        if p.decode:
+            self._speculate_next(block, stage, batch, fam.attn_input(cfg, w, h))
+        held = block.caches.get((stage, batch))
+        if held is None:
+            rows = {name: torch.zeros((h.shape[0], *shape), dtype=torch.float32,
+                                      device=h.device)
+                    for name, shape in fam.recurrent_state_shapes(cfg).items()}
+        else:
+            rows = held.read()
+        out, rows = fam.recurrent_mix(cfg, w, h, rows, state.valid[:, -h.shape[1]:])
+        if held is not None:
+            held.write(rows)
+        return out
 
     def _experts_for_block(self, block: Block, p: Pass, stage: int, w: dict) -> None:
         """A MoE MLP stage of a decode step for every GPU batch of the pass at once: the

@@ -194,6 +194,11 @@ class KVCache(ABC):
         ``takes_rows``."""
         raise NotImplementedError(f"{type(self).__name__} cannot take a row's columns")
 
+    def restart_row(self, row: int) -> None:
+        """Between two steps: row ``row`` starts a new sequence. A KV cache needs nothing
+        (the row's old columns are masked out by its ``valid``); a state that is not kept
+        per column (a recurrent layer's) starts over."""
+
     def abort(self) -> None:
         """The block failed: wake a ``load`` that waits for work the engine will not do."""
 

@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import ModelConfig
-from . import gemma3, gpt_oss, llama, mla, opt
+from . import gemma3, gpt_oss, llama, mla, opt, qwen3_next
 
 
 @runtime_checkable
@@ -80,9 +80,22 @@ class Family(Protocol):
         (gpt-oss's sinks), from an attention stage's weights; None: no sinks."""
         ...
 
+    def recurrent_state_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """One row's state of a layer in ``cfg.linear_layers``, by name (float32; the
+        engine holds it like a KV cache); empty for a family without such layers."""
+        ...
+
+    def recurrent_mix(self, cfg: ModelConfig, w: dict, h: torch.Tensor,
+                      state: dict[str, torch.Tensor], valid: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The hidden state after a recurrent layer's token mixing of ``h`` [b, s, D]
+        (``valid`` [b, s]) and the rows' states after its last token, from ``state`` (a
+        batch dim before :meth:`recurrent_state_shapes`'s)."""
+        ...
+
 
 FAMILIES: dict[str, Family] = {"opt": opt, "llama": llama, "gemma3": gemma3, "mla": mla,
-                               "gpt_oss": gpt_oss}
+                               "gpt_oss": gpt_oss, "qwen3_next": qwen3_next}
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.layers import linear
 from ..memory.codes import lookup
-from .llama import (attention_factor, inverse_frequencies, rms_norm, rotary, rotary_tables,
-                    same_layers)
+from .llama import (attention_factor, inverse_frequencies, recurrent_mix,  # noqa: F401
+                    recurrent_state_shapes, rms_norm, rotary, rotary_tables, same_layers)
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:

@@ -17,7 +17,7 @@ import torch
 from ..config import ModelConfig
 from . import llama, moe
 from .llama import (attn_input, attn_out, attn_qkv, embed, encode_positions, head,  # noqa: F401
-                    query, rms_norm, same_layers)
+                    query, recurrent_mix, recurrent_state_shapes, rms_norm, same_layers)
 
 SINKS = "sinks"
 

@@ -268,3 +268,13 @@ def head(cfg: ModelConfig, w: dict, h: torch.Tensor) -> torch.Tensor:
 def attention_sinks(cfg: ModelConfig, w: dict) -> None:
     """No attention sinks."""
     return None
+
+
+def recurrent_state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """No layer keeps a recurrent state."""
+    return {}
+
+
+def recurrent_mix(cfg: ModelConfig, w: dict, h: torch.Tensor, state: dict[str, torch.Tensor],
+                  valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    raise ValueError(f"{cfg.name} has no recurrent layers")

@@ -27,6 +27,7 @@ from ..config import ModelConfig
 from ..kernels.layers import linear
 from ..memory.codes import dense
 from . import llama, moe
+from .llama import recurrent_mix, recurrent_state_shapes  # noqa: F401
 
 
 def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

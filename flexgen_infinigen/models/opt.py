@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..memory.codes import lookup
 from ..kernels.layers import linear
+from .llama import recurrent_mix, recurrent_state_shapes  # noqa: F401
 
 POSITION_OFFSET = 2
 

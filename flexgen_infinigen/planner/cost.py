@@ -154,9 +154,10 @@ def decode_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict
     b, n, layers = policy.gpu_batch_size, policy.num_gpu_batches, cfg.num_layers
     f = work.fetch_fraction(context)
     hid = n * b * cfg.hidden_size * item * sz.num_stages
-    ctx = n * b * context * sz.kv_token * layers * f  # cached bytes read, as stored
-    ctx_raw = n * b * context * sz.kv_token_raw * layers * f
-    kv_new = n * b * sz.kv_token * layers
+    # cached bytes read, as stored, and the recurrent layers' states (read whole)
+    ctx = n * b * (context * sz.kv_token * layers * f + sz.state_row)
+    ctx_raw = n * b * (context * sz.kv_token_raw * layers * f + sz.state_row)
+    kv_new = n * b * (sz.kv_token * layers + sz.state_row)  # and the states written back
     off_w, off_c, off_h = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"] + x["hd"]
     copies, kv_copies = n * sz.num_stages, 2 * n * layers  # K and V are separate copies
     r = work.weight_reads

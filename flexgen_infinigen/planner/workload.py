@@ -13,6 +13,7 @@ from ..models.moe import is_expert_weight, is_moe_layer
 from ..placement import Placement
 from ..engine import memory_plan
 from ..memory.codes import stored_bytes
+from ..kv.recurrent import state_bytes
 from ..engine.stages import build_stages
 from .hardware import HardwareProfile
 
@@ -84,6 +85,9 @@ class Sizes:
     expert_bytes: float = 0.0
     expert_bytes_raw: float = 0.0
     expert_params: float = 0.0
+    # one row's recurrent states over every recurrent layer (a hybrid's), read and written
+    # whole at each decode step (0 for a model of attention layers only)
+    state_row: float = 0.0
 
     @classmethod
     def of(cls, work: Workload, policy: Placement) -> "Sizes":
@@ -104,13 +108,18 @@ class Sizes:
         kv_raw = 2 * cfg.kv_dim * item
         # one token's row of the cache, as stored ([tokens, KV heads, head_dim] per K and V)
         kv = 2 * stored_bytes((cfg.num_kv_heads, cfg.head_dim), item, policy.compress_cache)
+        # per layer on average: a hybrid's recurrent layers keep no cache, but a state a row
+        share = cfg.attention_layers / cfg.num_layers
+        kv, kv_raw = kv * share, kv_raw * share
+        state = len(cfg.linear_layers) * state_bytes(family_of(cfg).recurrent_state_shapes(cfg))
         moe = [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
         one = [shapes[f"layers.{moe[0]}.experts.0.{m}_proj.weight"]
                for m in ("gate", "up", "down")] if moe else []
         return cls(sum(tensors), tensors, raw, layer, cfg.vocab_size * cfg.hidden_size, kv, kv_raw,
                    len(stages), len(moe),
                    sum(stored_bytes(s, item, policy.compress_weight) for s in one),
-                   sum(math.prod(s) for s in one) * item, sum(math.prod(s) for s in one))
+                   sum(math.prod(s) for s in one) * item, sum(math.prod(s) for s in one),
+                   state)
 
     def expert_step_bytes(self, cfg: ModelConfig, tokens: float, raw: bool = False) -> float:
         """Routed-expert bytes one step of ``tokens`` tokens reads (the union of their

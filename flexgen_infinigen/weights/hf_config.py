@@ -14,6 +14,8 @@ from .hf_fields import _first, _require, rope_from_hf
 from .hf_deepseek import DEEPSEEK_V3_FIELDS, deepseek_v3
 from .hf_gemma3 import GEMMA3_FIELDS, GEMMA3_VISION, gemma3, text_config
 from .hf_gpt_oss import GPT_OSS_FIELDS, gpt_oss
+from .hf_qwen3_next import HYBRID_FIELDS, HYBRID_TYPES, HYBRID_VISION, hybrid
+from .hf_qwen3_next import text_config as hybrid_text
 
 # present in most configs, no effect on the numbers of inference
 METADATA = frozenset({
@@ -60,6 +62,9 @@ UNDERSTOOD = {
     "gemma3_text": GEMMA3_FIELDS,
     "gemma3": GEMMA3_VISION,
     "gpt_oss": GPT_OSS_FIELDS,
+    **{kind: HYBRID_FIELDS for kind in HYBRID_TYPES},
+    "qwen3_5": HYBRID_VISION,
+    "qwen3_5_moe": HYBRID_VISION,
     "llama": LLAMA_FIELDS,
     "mistral": LLAMA_FIELDS | {"sliding_window"},
     "qwen2": LLAMA_FIELDS | QWEN_WINDOW,
@@ -102,7 +107,7 @@ def check_fields(hf: dict, kind: str, allow: tuple[str, ...] = ()) -> None:
 
 
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3",
-             "gpt_oss")
+             "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def experts_from_hf(hf: dict, kind: str) -> dict:
@@ -249,6 +254,14 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
             return gemma3(hf, name)
         if kind == "gpt_oss":
             return gpt_oss(hf, name)
+        if kind in ("qwen3_5", "qwen3_5_moe"):  # the text model's own fields and type
+            text = hybrid_text(hf)
+            kind = text.get("model_type") or f"{kind}_text"
+            _require(kind in HYBRID_TYPES, "text_config.model_type", kind,
+                     " or ".join(HYBRID_TYPES))
+            check_fields(text, kind, allow)
+        if kind in HYBRID_TYPES:
+            return hybrid(hf, name, kind)
         if kind == "deepseek_v3":
             return deepseek_v3(hf, name, experts_from_hf(hf, kind))
         return llama_like(hf, name, kind)

@@ -29,6 +29,7 @@ from ..guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
 from .hf_gpt_oss import gpt_oss_tensors
+from .hf_qwen3_next import hybrid_tensors
 from .hub_files import safe_file_name
 from .store import StoreWriter
 
@@ -94,7 +95,8 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             return None
         return _LLAMA_TOP.get(name)
-    name = re.sub(r"^(model\.)", "", hf_name)
+    name = re.sub(r"^(model\.language_model\.|model\.)", "", hf_name) \
+        if cfg.family == "qwen3_next" else re.sub(r"^(model\.)", "", hf_name)
     if cfg.family == "opt":
         if name == "lm_head.weight":
             return None  # tied to the token embedding
@@ -127,6 +129,10 @@ def stored_tensors(cfg: ModelConfig, hf_name: str, tensor: torch.Tensor):
         got = gpt_oss_tensors(hf_name, tensor)
         if got is not None:
             return got
+    if cfg.family == "qwen3_next":
+        got = hybrid_tensors(cfg, hf_name, tensor)
+        if got is not None:
+            return got
     return iter([(store_name(cfg, hf_name), tensor)])
 
 
@@ -136,6 +142,9 @@ def stored_value(cfg: ModelConfig, ours: str, tensor: torch.Tensor) -> torch.Ten
     Gemma does, and before any rounding to 16 bits), so that the runtime's norms are
     plain."""
     if cfg.family == "gemma3" and ours.endswith("norm.weight"):
+        return tensor.float() + 1.0
+    # the hybrids' norms multiply by 1 + w too, except the DeltaNet's output norm
+    if cfg.family == "qwen3_next" and ours.endswith("norm.weight") and ".linear." not in ours:
         return tensor.float() + 1.0
     return tensor
 
