@@ -132,9 +132,10 @@ def hybrid_tensors(cfg: ModelConfig, hf_name: str, tensor: torch.Tensor
         return _split_qkvz(cfg, prefix, tensor)
     if part == "in_proj_ba.weight":
         per = cfg.linear_value_heads // cfg.linear_key_heads
-        grouped = tensor.reshape(cfg.linear_key_heads, 2, per, tensor.shape[-1])
-        return iter([(prefix + "linear.b_proj.weight", grouped[:, 0].reshape(-1, grouped.shape[-1])),
-                     (prefix + "linear.a_proj.weight", grouped[:, 1].reshape(-1, grouped.shape[-1]))])
+        width = tensor.shape[-1]
+        grouped = tensor.reshape(cfg.linear_key_heads, 2, per, width)
+        return iter([(prefix + "linear.b_proj.weight", grouped[:, 0].reshape(-1, width)),
+                     (prefix + "linear.a_proj.weight", grouped[:, 1].reshape(-1, width))])
     if part == "conv1d.weight":  # [channels, 1, kernel]
         return iter([(prefix + "linear.conv.weight", tensor.reshape(tensor.shape[0], -1))])
     if part in _DELTANET:
