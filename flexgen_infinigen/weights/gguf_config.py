@@ -13,6 +13,8 @@ from . import gguf_moe
 from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
+# computed from Hugging Face folders (models/qwen3_next.py), not yet from their GGUF files
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3",
                  "glm4moe", "deepseek2", "gpt-oss")
 
@@ -131,6 +133,10 @@ def _deepseek2(reader, p: str, rope_dim: int, rope: dict, tensors) -> dict:
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
     arch = field_value(reader, "general.architecture")
+    if arch in HYBRID_ARCHITECTURES:
+        raise ConfigError(f"GGUF {source} has architecture {arch!r} (a Qwen3.5 / Qwen3-Next "
+                          "hybrid), whose GGUF tensors this runtime does not read yet; give "
+                          "the model's Hugging Face folder or Hub name instead")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
                           f"{', '.join(ARCHITECTURES)} GGUF files can be converted")
