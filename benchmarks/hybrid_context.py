@@ -1,16 +1,19 @@
-"""Where a hybrid's decode step goes as the context grows: Qwen3-Next-80B-A3B's layers (three
-Gated DeltaNet layers to one gated attention layer, in their real widths), a layer cut.
+"""A hybrid's decode against the context, and against llama.cpp on the same file: a layer
+cut of Qwen3.5-35B-A3B in its real shapes (three Gated DeltaNet layers to one gated
+attention layer, 256 routed experts of 512, 8 a token, and a shared expert), random Q4_K
+codes written as llama.cpp's converter writes a ``qwen35moe`` GGUF
+(:mod:`random_qwen35_gguf`), read in place by us and by llama.cpp's ``llama-bench``.
 
 A DeltaNet layer reads and replaces a fixed state per row at each step, so its time should
 not move with the context; an attention layer reads every cached row, so its time grows
-with it. This runs the engine on seeded random weights (``--dummy``) at each context and
-times each layer kind's token mixing at every decode step (the engine's own calls, wrapped),
-beside the whole step. The cut replaces the routed experts by a dense MLP of the same
-active width (10 experts of 512 and the shared expert: 5,632), which weighs the same at
-every context and keeps the cut in memory.
+with it. At each context this times our decode steps and each layer kind's token mixing
+within them (the engine's own calls, wrapped), and llama-bench's decode after as many
+cached tokens, in the same run. Bound: the bytes a step must read (the weights but the
+embedding and the unrouted experts, the KV rows, the DeltaNet state read and written) over
+the read bandwidth measured before the run.
 
-    python benchmarks/hybrid_context.py --contexts 1024 4096 16384 --runs 2 \\
-        --out benchmarks/results/hybrid_context --docs
+    python benchmarks/hybrid_context.py --gguf-dir G --contexts 1024 4096 16384 --runs 2 \\
+        --llama-bench path/to/llama-bench --out benchmarks/results/hybrid_context --docs
 
 Prints a table (``--json`` for one JSON object). With ``--out STEM`` the run is appended to
 STEM.json's ``runs`` (``--fresh`` starts them anew), STEM.md and STEM.png are rewritten
@@ -19,7 +22,6 @@ from all of them, and ``--docs`` replaces the section of docs/results.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -31,24 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import artifacts  # noqa: E402
+import random_qwen35_gguf as files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = ["layers", "context"]
-HEADING = "## A hybrid's decode step against the context"
-
-
-def cut_config(layers: int):
-    from flexgen_infinigen.config import KNOWN_MODELS, get_config
-
-    full = get_config("qwen3-next-80b-a3b")
-    active = full.experts_per_token * full.expert_intermediate_size + full.shared_expert_size
-    cfg = dataclasses.replace(
-        full, name=f"qwen3-next-80b-a3b-cut{layers}", num_layers=layers,
-        linear_layers=tuple(i for i in range(layers) if (i + 1) % 4),
-        num_experts=0, experts_per_token=0, expert_intermediate_size=0,
-        shared_expert_size=0, norm_topk_prob=False, intermediate_size=active)
-    KNOWN_MODELS[cfg.name] = cfg  # --dummy weights by name
-    return cfg
+KEYS = ["program", "context"]
+HEADING = "## A hybrid's decode against the context"
+MODEL = "qwen3.5-35b-a3b"
 
 
 class MixerClock:
@@ -90,31 +80,60 @@ def measure(lm, cfg, clock: MixerClock, context: int, steps: int) -> dict:
     attention = cfg.num_layers - linear
     step_ms = 1e3 * statistics.median(times)
     per = {k: 1e3 * v / steps for k, v in clock.seconds.items()}
-    return {"layers": f"{linear} DeltaNet + {attention} attention", "context": context,
-            "step_ms": step_ms, "deltanet_ms": per["deltanet"], "attention_ms": per["attention"],
+    mean_ms = 1e3 * sum(times) / steps
+    return {"program": "flexgen_infinigen", "context": context, "step_ms": step_ms,
+            "decode_tokens_s": 1e3 / step_ms,
             "deltanet_layer_ms": per["deltanet"] / linear,
             "attention_layer_ms": per["attention"] / attention,
-            "deltanet_share": per["deltanet"] / (1e3 * sum(times) / steps),
-            "attention_share": per["attention"] / (1e3 * sum(times) / steps)}
+            "deltanet_share": per["deltanet"] / mean_ms,
+            "attention_share": per["attention"] / mean_ms}
 
 
-COLUMNS = [("step ms", "step_ms"), ("DeltaNet ms / layer", "deltanet_layer_ms"),
+COLUMNS = [("decode tok/s", "decode_tokens_s"), ("step ms", "step_ms"),
+           ("step / bound", "step_over_bound"), ("x llama.cpp", "x_llama_cpp"),
+           ("DeltaNet ms / layer", "deltanet_layer_ms"),
            ("attention ms / layer", "attention_layer_ms"),
            ("DeltaNet share", "deltanet_share"), ("attention share", "attention_share")]
 
 
+def llama_rows(binary: str, path: Path, contexts: list[int], steps: int, threads: int) -> list:
+    from llama_cpp import llama_bench_rows
+
+    rows = llama_bench_rows(binary, str(path), contexts, threads, gen_tokens=steps,
+                            prefill_tokens=0, model_label=path.name)
+    return [{"program": "llama.cpp", "context": r["context"], "error": r["error"]}
+            if "error" in r else
+            {"program": "llama.cpp", "context": r["context"],
+             "decode_tokens_s": r["decode_tokens_s"], "step_ms": 1e3 * r["decode_step_s"],
+             "command": r["command"]} for r in rows]
+
+
+def with_bounds(rows: list[dict], layers: int, bandwidth: float) -> list[dict]:
+    """Each row's step over its bound, and ours over llama.cpp's rate at its context."""
+    weights = files.describe(MODEL, layers)["decode_read_bytes_batch_1"]
+    theirs = {r["context"]: r.get("decode_tokens_s") for r in rows
+              if r["program"] == "llama.cpp"}
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        bound = (weights + files.state_read_bytes(MODEL, layers, r["context"])) / bandwidth
+        r["bound_ms"] = 1e3 * bound
+        r["step_over_bound"] = r["step_ms"] / r["bound_ms"]
+        if r["program"] != "llama.cpp" and theirs.get(r["context"]):
+            r["x_llama_cpp"] = r["decode_tokens_s"] / theirs[r["context"]]
+    return rows
+
+
 def report(doc: dict, out: Path) -> str:
     runs = doc["runs"]
-    text = "\n".join([HEADING[3:], "", artifacts.meta_line(runs), "",
-                      "Each cell: median (min-max, N runs).", "",
-                      artifacts.table(runs, KEYS, COLUMNS, fmt="{:.3g}")])
-    out.with_suffix(".md").write_text(f"# {text}\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    table = artifacts.table(runs, KEYS, COLUMNS, fmt="{:.3g}")
+    out.with_suffix(".md").write_text(f"# {HEADING[3:]}\n\n{artifacts.meta_line(runs)}\n\n"
+                                      f"{table}\n")
+    plt = artifacts.pyplot()
+    if plt is None:
+        return table
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    rows = [r for run in runs for r in run["rows"]]
+    rows = [r for run in runs for r in run["rows"] if r["program"] == "flexgen_infinigen"]
     contexts = sorted({r["context"] for r in rows})
     for key, label in (("deltanet_layer_ms", "a DeltaNet layer"),
                        ("attention_layer_ms", "an attention layer")):
@@ -125,25 +144,37 @@ def report(doc: dict, out: Path) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms a decode step (median, min-max)")
+    ax.set_title("token mixing a layer, Qwen3.5-35B-A3B shapes")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
     plt.close(fig)
-    return text
+    return table
 
 
-def write_docs(text: str, out: Path, results_md: Path) -> None:
+def write_docs(doc: dict, table: str, out: Path, results_md: Path) -> None:
     """Replace this benchmark's section of ``results_md`` (heading to the next ``## ``), or
-    add it at the end."""
-    rel = out.relative_to(results_md.parent.parent) if out.is_absolute() else out
-    body = text.split("\n", 1)[1]
-    section = (f"{HEADING}\n{body}\n\nArtifacts: `{rel.with_suffix('.json')}`, "
-               f"`{rel.with_suffix('.png')}`.\n")
+    add it at the end, in the page's form: machines, bandwidths, dates and commits, links,
+    the command, the table, what the rows are."""
+    runs = doc["runs"]
+    rel = Path("..") / (out.relative_to(ROOT) if out.is_absolute() else out)
+    each = artifacts.meta_line(runs).split("; ", 1)[1]
+    bandwidths = [r["meta"]["read_bandwidth_gb_s"] for r in runs]
+    links = ", ".join(f"[{ext}]({rel.with_suffix('.' + ext)})" for ext in ("json", "md", "png"))
+    command = runs[-1]["meta"].get("command", "")
+    section = (f"{HEADING}\n{len(runs)} runs; {each}; read bandwidth "
+               f"{min(bandwidths):.1f}-{max(bandwidths):.1f} GB/s; {links}.\n"
+               f"```bash\n{command}\n```\n{table}\n\n"
+               f"A cut of {runs[-1]['meta']['layers']} of 40 layers, random Q4_K codes, one file "
+               "for both programs; 2 threads; shares: each layer kind's token mixing over the "
+               "step.\n")
     page = results_md.read_text()
-    if HEADING in page:
-        start = page.index(HEADING)
-        end = page.find("\n## ", start + len(HEADING))
-        page = page[:start] + section + ("" if end < 0 else page[end:])
+    old = next((h for h in (HEADING, "## A hybrid's decode step against the context")
+                if h in page), None)
+    if old:
+        start = page.index(old)
+        end = page.find("\n## ", start + len(old))
+        page = page[:start] + section + ("" if end < 0 else "\n" + page[end + 1:])
     else:
         page = page.rstrip("\n") + "\n\n" + section
     results_md.write_text(page)
@@ -151,11 +182,15 @@ def write_docs(text: str, out: Path, results_md: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf-dir", type=Path, required=True,
+                   help="where the cut's GGUF is (written there when missing)")
     p.add_argument("--layers", type=int, default=4, help="the cut's layers (every fourth is "
                    "attention; default 4)")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--steps", type=int, default=8, help="decode steps timed at each context")
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="llama-bench's threads")
+    p.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--fresh", action="store_true")
@@ -163,32 +198,48 @@ def main() -> None:
     a = p.parse_args()
     if a.layers < 4:
         p.error("--layers must be 4 or more (every fourth layer is the attention layer)")
+    if a.llama_bench:  # one error before any long work
+        from gguf_sizes_llama import check_binary
+        a.llama_bench = check_binary("--llama-bench", a.llama_bench)
+    from long_context import read_bandwidth
+
     from flexgen_infinigen import OffloadedLM, Placement
 
-    cfg = cut_config(a.layers)
-    clock = MixerClock(cfg)
-    rows = []
-    with OffloadedLM.load(model=cfg.name, dummy=True, policy=Placement(), progress=False,
-                          max_len_hint=(max(a.contexts), a.steps + 1)) as lm:
-        for run in range(a.runs):
+    path = a.gguf_dir / files.file_name(MODEL, a.layers)
+    if not path.is_file():
+        a.gguf_dir.mkdir(parents=True, exist_ok=True)
+        files.write_gguf(MODEL, path, a.layers)
+    doc, clock = None, None
+    for run in range(a.runs):
+        bandwidth = read_bandwidth(1 << 30)
+        rows = []
+        with OffloadedLM.load(model=str(path), policy=Placement(), progress=False,
+                              max_len_hint=(max(a.contexts), a.steps + 1)) as lm:
+            clock = clock or MixerClock(lm.cfg)  # wraps the engine's call once
             for context in a.contexts:
-                row = measure(lm, cfg, clock, context, a.steps)
-                rows.append({**row, "run": run})
-                if not a.json:
-                    print(f"run {run} context {context}: step {row['step_ms']:.1f} ms, "
-                          f"DeltaNet {row['deltanet_layer_ms']:.2f} ms/layer, "
-                          f"attention {row['attention_layer_ms']:.2f} ms/layer", flush=True)
-    if a.json:
-        print(json.dumps({"config": cfg.name, "rows": rows}))
-    if a.out is not None:
-        meta = artifacts.run_meta(model=cfg.name, steps=a.steps)
-        for run in range(a.runs):  # each repeat is a run of the artifact set
-            doc = artifacts.append_run(a.out, {"meta": meta, "rows": [
-                {k: v for k, v in r.items() if k != "run"} for r in rows if r["run"] == run]},
-                fresh=a.fresh and run == 0, benchmark=__doc__.splitlines()[0])
-        text = report(doc, a.out)
+                rows.append(measure(lm, lm.cfg, clock, context, a.steps))
+        if a.llama_bench:
+            rows += llama_rows(a.llama_bench, path, a.contexts, a.steps, a.threads)
+        rows = with_bounds(rows, a.layers, bandwidth)
+        for r in rows:
+            if not a.json:
+                print(f"run {run} {r['program']} context {r['context']}: "
+                      + (r.get("error") or f"{r['decode_tokens_s']:.2f} tok/s, "
+                         f"step/bound {r['step_over_bound']:.2f}"), flush=True)
+        if a.out is not None:
+            meta = artifacts.run_meta(model=MODEL, layers=a.layers, steps=a.steps,
+                                      read_bandwidth_gb_s=bandwidth / 1e9, gguf=path.name)
+            doc = artifacts.append_run(a.out, {"meta": meta, "rows": rows},
+                                       fresh=a.fresh and run == 0,
+                                       benchmark=__doc__.splitlines()[0])
+        elif a.json:
+            print(json.dumps({"run": run, "rows": rows}))
+    if doc is not None:
+        table = report(doc, a.out)
+        if a.json:
+            print(json.dumps(doc))
         if a.docs:
-            write_docs(text, a.out, Path(a.docs))
+            write_docs(doc, table, a.out, Path(a.docs))
 
 
 if __name__ == "__main__":

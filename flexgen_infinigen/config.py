@@ -98,6 +98,9 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv: int = 0
+    # value head j reads key head j % key_heads (llama.cpp's qwen35 files, which reorder the
+    # value heads so); False: key head j // (value_heads / key_heads), as Hugging Face's
+    linear_value_tiled: bool = False
     # the attention output times sigmoid of a second, gate projection of its input
     # (``q_gate.weight``; the hybrids' full-attention layers)
     attn_output_gate: bool = False

@@ -130,7 +130,7 @@ def _random_weights(cfg, layer: int) -> dict:
     prefix = f"layers.{layer}."
     w = {n[len(prefix):]: torch.randn(s) * 0.3 for n, s in shapes.items()
          if n.startswith(prefix)}
-    w["linear.A_log"] = torch.rand_like(w["linear.A_log"]).log()
+    w["linear.A"] = -torch.rand_like(w["linear.A"])
     return w
 
 
@@ -222,21 +222,3 @@ def test_configs_read_and_refuse():
         config_from_hf({**text, "linear_new_thing": 1}, "t")
     with pytest.raises(ConfigError, match="hidden_act"):
         config_from_hf({**text, "hidden_act": "gelu"}, "t")
-
-
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
-def test_a_hybrid_gguf_is_refused_by_name(tmp_path, arch):
-    """Their GGUF tensors are not read yet: one error naming the way that works."""
-    import gguf
-
-    from flexgen_infinigen.weights.gguf_config import config_from_gguf
-
-    path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match=f"{arch}.*Hugging Face folder or Hub name"):
-        config_from_gguf(gguf.GGUFReader(str(path)), source=str(path))

@@ -48,7 +48,7 @@ def _linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {"attn_norm.weight": (h,), f"{LINEAR}qkv_proj.weight": (2 * kd + vd, h),
             f"{LINEAR}z_proj.weight": (vd, h), f"{LINEAR}b_proj.weight": (hv, h),
             f"{LINEAR}a_proj.weight": (hv, h), f"{LINEAR}conv.weight": (2 * kd + vd, k),
-            f"{LINEAR}dt_bias": (hv,), f"{LINEAR}A_log": (hv,),
+            f"{LINEAR}dt_bias": (hv,), f"{LINEAR}A": (hv,),
             f"{LINEAR}norm.weight": (cfg.linear_value_dim,),
             f"{LINEAR}out_proj.weight": (h, vd)}
 
@@ -115,12 +115,12 @@ def recurrent_mix(cfg: ModelConfig, w: dict, h: torch.Tensor, state: dict[str, t
     hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
     dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
     q, k, v = conv.transpose(1, 2).float().split([hk * dk, hk * dk, hv * dv], -1)
-    q, k = (_l2norm(t.reshape(b, s, hk, dk)).repeat_interleave(hv // hk, 2) for t in (q, k))
+    q, k = (_each_value_head(cfg, _l2norm(t.reshape(b, s, hk, dk))) for t in (q, k))
     q = q * dk ** -0.5
     v = v.reshape(b, s, hv, dv)
     beta = torch.sigmoid(linear(x, w[f"{LINEAR}b_proj.weight"]).float())
     a = linear(x, w[f"{LINEAR}a_proj.weight"]).float()
-    g = -w[f"{LINEAR}A_log"].float().exp() * F.softplus(a + w[f"{LINEAR}dt_bias"].float())
+    g = w[f"{LINEAR}A"].float() * F.softplus(a + w[f"{LINEAR}dt_bias"].float())
     rule = delta_rule_steps if s == 1 else delta_rule_chunked
     out, matrix = rule(q, k, v, g, beta, state["matrix"].float())
     z = linear(x, w[f"{LINEAR}z_proj.weight"]).float().reshape(b, s, hv, dv)
@@ -128,6 +128,13 @@ def recurrent_mix(cfg: ModelConfig, w: dict, h: torch.Tensor, state: dict[str, t
     out = linear(out.reshape(b, s, hv * dv).to(h.dtype), w[f"{LINEAR}out_proj.weight"])
     kept = conv_in[..., conv_in.shape[-1] - (cfg.linear_conv - 1):].float()
     return h + out, {"conv": kept, "matrix": matrix}
+
+
+def _each_value_head(cfg: ModelConfig, t: torch.Tensor) -> torch.Tensor:
+    """Key-head tensor ``t`` [b, s, key heads, dk] repeated for each value head (in the
+    order the value heads' weights are stored: grouped by key head, or tiled)."""
+    per = cfg.linear_value_heads // cfg.linear_key_heads
+    return t.repeat(1, 1, per, 1) if cfg.linear_value_tiled else t.repeat_interleave(per, 2)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A GGUF model's header: the file opened (a split model's shards read as one), its metadata
 fields, and the model config they describe (llama, qwen2, qwen3, gemma3, deepseek2's latent
-attention and the mixture-of-experts types of :mod:`.gguf_moe`). Reads no tensor data.
+attention, the Qwen3.5 / Qwen3-Next hybrids of :mod:`.gguf_hybrid` and the
+mixture-of-experts types of :mod:`.gguf_moe`). Reads no tensor data.
 """
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import re
 from pathlib import Path
 
 from ..config import KNOWN_MODELS, ConfigError, ModelConfig
-from . import gguf_moe
+from . import gguf_hybrid, gguf_moe
 from .gguf_shards import JoinedReader, shard_paths
 
 GGUF_MAGIC = b"GGUF"
-# computed from Hugging Face folders (models/qwen3_next.py), not yet from their GGUF files
-HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "olmoe", "gemma3",
-                 "glm4moe", "deepseek2", "gpt-oss")
+                 "glm4moe", "deepseek2", "gpt-oss", *gguf_hybrid.ARCHITECTURES)
+# partial rotary embeddings (RoPE on the first rope.dimension_count dims of each head)
+PARTIAL_ROTARY = ("glm4moe", "deepseek2", *gguf_hybrid.ARCHITECTURES)
 
 
 def _open_reader(path: Path):
@@ -133,10 +134,6 @@ def _deepseek2(reader, p: str, rope_dim: int, rope: dict, tensors) -> dict:
 def config_from_gguf(reader, name: str | None = None, source: str = "") -> ModelConfig:
     """Build (or, for a known ``name``, verify) the model config from GGUF metadata."""
     arch = field_value(reader, "general.architecture")
-    if arch in HYBRID_ARCHITECTURES:
-        raise ConfigError(f"GGUF {source} has architecture {arch!r} (a Qwen3.5 / Qwen3-Next "
-                          "hybrid), whose GGUF tensors this runtime does not read yet; give "
-                          "the model's Hugging Face folder or Hub name instead")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"GGUF {source} has architecture {arch!r}; only "
                           f"{', '.join(ARCHITECTURES)} GGUF files can be converted")
@@ -151,11 +148,11 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     heads = int(field_value(reader, p + "attention.head_count"))
     head_dim = int(field_value(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field_value(reader, p + "rope.dimension_count") or head_dim)
-    if rope_dim != head_dim and (arch not in ("glm4moe", "deepseek2") or rope_dim % 2
+    if rope_dim != head_dim and (arch not in PARTIAL_ROTARY or rope_dim % 2
                                  or rope_dim > head_dim):
         raise ConfigError(f"GGUF {source} uses partial rotary embeddings ({rope_dim} of "
-                          f"{head_dim} dims), which this runtime computes for glm4moe and "
-                          "deepseek2 only")
+                          f"{head_dim} dims), which this runtime computes for "
+                          f"{', '.join(PARTIAL_ROTARY)} only")
     scaling = field_value(reader, p + "rope.scaling.type")
     rope = {}
     if scaling == "linear":
@@ -174,7 +171,9 @@ def config_from_gguf(reader, name: str | None = None, source: str = "") -> Model
     moe = gguf_moe.experts_from_gguf(reader, arch, source, layers)
     extra = _gemma3(reader, p, layers, hidden, heads, head_dim) if arch == "gemma3" else \
         _deepseek2(reader, p, rope_dim, rope, tensors) if arch == "deepseek2" else \
-        _gpt_oss(reader, p, layers) if arch == "gpt-oss" else {}
+        _gpt_oss(reader, p, layers) if arch == "gpt-oss" else \
+        gguf_hybrid.hybrid_fields(lambda k, d=None: field_value(reader, k, d), p, arch,
+                                  layers) if arch in gguf_hybrid.ARCHITECTURES else {}
     fields = dict(
         name=name or _slug(field_value(reader, "general.name") or Path(source).stem),
         family=extra.pop("family", "llama"),

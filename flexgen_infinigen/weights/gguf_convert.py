@@ -1,6 +1,8 @@
 """A GGUF file's tensors as a weight store's: checked and named here (:func:`prepare`, also
 for the index that reads them in place, :mod:`.gguf_index`), or copied into a store of their
-own (:func:`convert_gguf`). The llama, qwen2, qwen3 and gemma3 architectures, and
+own (:func:`convert_gguf`). The llama, qwen2, qwen3 and gemma3 architectures, the
+Qwen3.5 / Qwen3-Next hybrids (:mod:`.gguf_hybrid`: a tensor whose rows hold two of ours
+split by row picks), and
 the mixture-of-experts qwen3moe, qwen2moe, olmoe, glm4moe, deepseek2, gpt-oss and llama with
 experts (Mixtral), whose fused expert tensors (gpt-oss's expert biases too) are cut into one
 store tensor per expert matrix (:mod:`.gguf_moe`); gpt-oss's ``attn_sinks`` become each
@@ -38,7 +40,7 @@ from ..config import ConfigError, ModelConfig
 from ..guards import raise_if_interrupted
 from ..models import family_of
 from ..text.chat import CHAT_FILE
-from . import gguf_codes, gguf_moe
+from . import gguf_codes, gguf_hybrid, gguf_moe
 # the header's reading, kept importable from here
 from .gguf_config import (ARCHITECTURES, GGUF_MAGIC, _open_reader,  # noqa: F401
                           config_from_gguf, field_value, open_model)
@@ -69,7 +71,8 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # rotary rows interleaved by llama.cpp (undone on conversion, recorded by an index) by arch
 PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False,
             "qwen2moe": False, "olmoe": False, "gemma3": False, "glm4moe": False,
-            "deepseek2": False, "gpt-oss": False}
+            "deepseek2": False, "gpt-oss": False,
+            **{arch: False for arch in gguf_hybrid.ARCHITECTURES}}
 
 
 def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
@@ -80,6 +83,9 @@ def store_names(gguf_name: str, cfg: ModelConfig | None = None) -> list[str]:
         return [f"layers.{m.group(1)}.router.choice_bias"]
     if m and cfg is not None and m.group(2) == "attn_sinks" and cfg.attn_sinks:
         return [f"layers.{m.group(1)}.sinks"]
+    hybrid = cfg is not None and gguf_hybrid.store_names(gguf_name, cfg)
+    if hybrid:
+        return hybrid
     moe = m and cfg is not None and gguf_moe.store_names(int(m.group(1)), m.group(2), cfg,
                                                          m.group(3))
     return moe or [store_name(gguf_name, cfg)]
@@ -198,7 +204,10 @@ def _plan(reader, cfg: ModelConfig, src: Path) -> list[tuple]:
             if key not in expected:
                 raise ConfigError(f"GGUF tensor {t.name!r} is not part of {cfg.name}; "
                                   "the file does not match the model config")
-        if gguf_moe.is_moe_key(keys[0]):
+        picks = gguf_hybrid.row_picks(keys, cfg)
+        if picks is not None:
+            shape = gguf_hybrid.check_picked(t.name, shape, keys, picks, expected, str(src))
+        elif gguf_moe.is_moe_key(keys[0]):
             shape = gguf_moe.check_shape(t.name, shape, keys, expected, cfg, str(src))
         elif len(shape) == 3 and (shape[0] * shape[1], shape[2]) == expected[keys[0]]:
             shape = expected[keys[0]]  # per-head matrices (k_b, v_b): their rows, stacked
@@ -298,8 +307,11 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
             heads = prep.rotary_heads.get(keys[0])
             if heads:  # whole rows move: a row's blocks (or values) stay together
                 w = unpermute_rotary(w, heads)
+            picks = gguf_hybrid.row_picks(keys, prep.cfg)
             for e, key in enumerate(keys):  # a fused tensor: matrix e is its e-th run of rows
                 part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
+                if picks is not None:  # rows that interleave: each key's picked
+                    part = w.reshape(-1, w.shape[-1])[gguf_hybrid.picked_rows(picks[e])]
                 _write(writer, key, part, shape, kind)
             del w
             _release(reader, t)

@@ -13,7 +13,10 @@ cut short is one error naming the tensor). A fused MoE expert tensor becomes one
 expert matrix, at its offset plus ``e`` times the bytes of one (a quantized row is whole
 blocks, so every expert's run of rows is too). A llama q/k projection, whose rows llama.cpp
 interleaved, records its head count: the store un-permutes it when asked for its values and
-says the order of its rows when asked for its blocks. A sharded model's entries point into
+says the order of its rows when asked for its blocks. A tensor whose rows hold two of ours
+that interleave (a hybrid's doubled ``attn_q``, :mod:`.gguf_hybrid`) gives each one entry
+with its ``rows`` (runs of the stored rows) and ``stored_rows``: reading it copies those rows
+(whole rows: blocks stay codes). A sharded model's entries point into
 each shard. The store is written atomically (:class:`.StoreWriter`).
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import gguf_codes
+from . import gguf_codes, gguf_hybrid
 from .gguf_convert import finish, held_bytes, prepare
 from .gguf_shards import JoinedReader, shard_paths
 from .store import StoreWriter
@@ -56,8 +59,12 @@ def index_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
         heads = prep.rotary_heads.get(keys[0])
         if heads:
             entry["heads"] = heads
+        picks = gguf_hybrid.row_picks(keys, prep.cfg)
         for e, key in enumerate(keys):  # a fused tensor: matrix e is its e-th run of rows
             entries[key] = {**entry, "offset": start + e * per}
+            if picks is not None:  # rows that interleave: each key's picked from the whole
+                entries[key].update(offset=start, rows=[list(r) for r in picks[e]],
+                                    stored_rows=sum(c for runs in picks for _, c in runs))
     with StoreWriter(dest, prep.cfg, source=f"gguf:{src.name}",
                      extra={**prep.info, "files": files}) as writer:
         for key, entry in entries.items():

@@ -36,7 +36,11 @@ from ..config import ConfigError, ModelConfig
 MOE_ARCHITECTURES = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False),
                      "olmoe": ("olmoe", False), "llama": ("mixtral", True),
                      "glm4moe": ("glm4_moe", True), "deepseek2": ("deepseek_v3", True),
-                     "gpt-oss": ("gpt_oss", True)}
+                     "gpt-oss": ("gpt_oss", True), "qwen35moe": ("qwen3_5_moe_text", True),
+                     "qwen3next": ("qwen3_next", True)}
+# architectures with one shared expert behind a sigmoid gate (its width in
+# expert_shared_feed_forward_length; Qwen2-MoE files may leave it to feed_forward_length)
+GATED_SHARED = ("qwen2moe", "qwen35moe", "qwen3next")
 # what llama.cpp divides the dense width by when a Qwen MoE file has no expert width
 _WIDTH_BY_TOP_K = ("qwen3moe", "qwen2moe")
 # metadata read here (after the ``{arch}.`` prefix); any other key naming experts or MoE
@@ -158,15 +162,16 @@ def experts_from_gguf(reader, arch: str, source: str, layers: int) -> dict:
                norm_topk_prob=bool(_field(reader, p + "expert_weights_norm", renormalise)),
                dense_layers=_dense_layers(reader, arch, layers, source))
     shared = _field(reader, p + "expert_shared_count")
-    if arch == "qwen2moe":
+    if arch in GATED_SHARED:
         if shared not in (None, 1):
             raise ConfigError(f"GGUF {source}: {p}expert_shared_count = {shared}; this "
-                              "runtime computes Qwen2-MoE with one shared expert")
+                              f"runtime computes {arch} with one shared expert")
         out["shared_expert_size"] = int(
             _field(reader, p + "expert_shared_feed_forward_length", 0)) or dense_width
     elif shared or _field(reader, p + "expert_shared_feed_forward_length"):
         raise ConfigError(f"GGUF {source}: {p}expert_shared_* (a shared expert) is not "
-                          f"computed by this runtime for {arch}; only qwen2moe has one")
+                          f"computed by this runtime for {arch}; only "
+                          f"{', '.join(GATED_SHARED)} have one")
     return out
 
 

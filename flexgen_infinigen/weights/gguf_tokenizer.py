@@ -22,6 +22,9 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: Qwen2's, combining marks kept with the letters they follow
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
@@ -50,7 +53,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, object]] = {
     "llama-v3": ("split", _LLAMA3), "smaug-bpe": ("split", _LLAMA3),
     "dbrx": ("split", _LLAMA3), "falcon3": ("split", _LLAMA3),
     "qwen2": ("split", _QWEN2), "deepseek-r1-qwen": ("split", _QWEN2),
-    "megrez": ("split", _QWEN2),
+    "megrez": ("split", _QWEN2), "qwen35": ("split", _QWEN35),
     "tekken": ("split", _TEKKEN),
     "gpt-4o": ("split", _GPT4O), "llama4": ("split", _GPT4O),
     "deepseek-llm": ("splits", _DEEPSEEK_LLM),

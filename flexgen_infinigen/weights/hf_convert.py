@@ -140,12 +140,15 @@ def stored_value(cfg: ModelConfig, ours: str, tensor: torch.Tensor) -> torch.Ten
     """What the store keeps of a checkpoint tensor: itself, except Gemma's norm scales,
     which the model multiplies as 1 + w; the store keeps 1 + w in float32 (as a GGUF of
     Gemma does, and before any rounding to 16 bits), so that the runtime's norms are
-    plain."""
+    plain. A hybrid's DeltaNet keeps its decay rate ``-exp(A_log)`` (float32), not
+    ``A_log``."""
     if cfg.family == "gemma3" and ours.endswith("norm.weight"):
         return tensor.float() + 1.0
     # the hybrids' norms multiply by 1 + w too, except the DeltaNet's output norm
     if cfg.family == "qwen3_next" and ours.endswith("norm.weight") and ".linear." not in ours:
         return tensor.float() + 1.0
+    if cfg.family == "qwen3_next" and ours.endswith(".linear.A"):  # the DeltaNet's decay rate
+        return -tensor.float().exp()
     return tensor
 
 

@@ -3,8 +3,10 @@
 ``qwen3_5_moe`` whose ``text_config`` is the text model; their vision towers are not read),
 and the tensors the Llama names do not cover: the Gated DeltaNet's (Qwen3-Next fuses q, k,
 v and z into one projection grouped by key head, and b and a into another; the store keeps
-Qwen3.5's separate ones) and the full-attention layers' doubled ``q_proj`` (each head's
-query, then its output gate), split into ``q_proj`` and ``q_gate``."""
+Qwen3.5's separate ones; ``A_log`` is kept as the decay rate ``A = -exp(A_log)`` itself, in
+float32, as llama.cpp's GGUF files hold it) and the full-attention layers' doubled
+``q_proj`` (each head's query, then its output gate), split into ``q_proj`` and
+``q_gate``."""
 from __future__ import annotations
 
 import re
@@ -108,7 +110,7 @@ def hybrid(hf: dict, name: str, kind: str) -> ModelConfig:
 _LAYER = re.compile(r"^(?:model\.language_model\.|model\.)?layers\.(\d+)\.(.+)$")
 _DELTANET = {"in_proj_qkv.weight": "qkv_proj.weight", "in_proj_z.weight": "z_proj.weight",
              "in_proj_b.weight": "b_proj.weight", "in_proj_a.weight": "a_proj.weight",
-             "conv1d.weight": "conv.weight", "dt_bias": "dt_bias", "A_log": "A_log",
+             "conv1d.weight": "conv.weight", "dt_bias": "dt_bias", "A_log": "A",
              "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
 
 

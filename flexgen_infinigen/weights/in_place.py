@@ -26,6 +26,21 @@ def rotary_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
+def picked(info: dict) -> np.ndarray | None:
+    """The stored rows an entry reads, when it picks some of a tensor's (else None)."""
+    runs = info.get("rows")
+    return None if runs is None else np.concatenate(
+        [np.arange(int(first), int(first) + int(count)) for first, count in runs])
+
+
+def entry_span(info: dict) -> int:
+    """The bytes of the file the entry's tensor lies in (all its stored rows)."""
+    rows = picked(info)
+    if rows is None:
+        return int(info["bytes"])
+    return int(info["stored_rows"]) * (int(info["bytes"]) // len(rows))
+
+
 def entry_bytes(info: dict) -> int:
     """The bytes a tensor of the entry's shape takes: its GGUF blocks, or its values."""
     shape, kind = info["shape"], info.get("gguf_type")
@@ -72,7 +87,7 @@ class InPlaceFiles:
             need = entry_bytes(info)
             if count != need or start < 0:
                 return f"tensor {name!r} is indexed as {count} bytes, its shape needs {need}"
-            if start + need > int(self.files[i]["size"]):
+            if start + entry_span(info) > int(self.files[i]["size"]):
                 return (f"the GGUF file it reads in place, {self.files[i]['path']}, ends "
                         f"before tensor {name!r} does (cut short)")
         except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -81,11 +96,15 @@ class InPlaceFiles:
 
     def array(self, info: dict) -> np.ndarray:
         """The entry's bytes as stored, a read-only map of the file: blocks as uint8
-        ``[rows, bytes a row]``, floats as their values (bf16 as int16 bits) in the shape."""
+        ``[rows, bytes a row]``, floats as their values (bf16 as int16 bits) in the shape
+        (an entry that picks rows: a copy of them)."""
         i, start = int(info["file"]), int(info["offset"])
         if i not in self._maps:  # one map a file: a tensor is a view, not a mapping of its own
             self._maps[i] = np.memmap(self.files[i]["path"], np.uint8, mode="r")
-        data, shape = self._maps[i][start:start + int(info["bytes"])], info["shape"]
+        data, shape = self._maps[i][start:start + entry_span(info)], info["shape"]
+        rows = picked(info)
+        if rows is not None:  # some of a tensor's rows: copied, whole rows at a time
+            data = data.reshape(int(info["stored_rows"]), -1)[rows].reshape(-1)
         if info.get("gguf_type"):
             return data.reshape(math.prod(shape[:-1]), -1)
         dtype = np.dtype(NUMPY.get(info["dtype"], info["dtype"]))
