@@ -9,6 +9,7 @@ everything. Files whose expert tensors disagree with their metadata, and MoE fie
 runtime does not compute, are one error each before anything is written."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -230,11 +231,63 @@ def _generate(store, policy, kv="full", kv_options=None):
         return out, lm.tiers.bytes_moved, lm.cfg
 
 
-def _assert_matches(out, model, quantized: bool):
-    for row, prompt in enumerate(PROMPTS):
-        tokens, logits = hf_greedy(model, prompt, STEPS)
+@contextlib.contextmanager
+def experts_inputs_rounded(model, kinds: dict):
+    """transformers' routed experts with their products' inputs rounded as the GGUF block
+    kernels round them, where the experts stay the file's blocks (types outside
+    ``gguf_codes.MOE_CODES``): 8-bit codes per block of the type's values (32, or 256 for
+    the K-quants). The fused experts are not ``nn.Linear`` layers, which
+    ``conftest.inputs_rounded`` rounds: their ``F.linear`` is swapped while they run.
+    ``kinds``: the type of the gate and up experts (``gate``) and of the down ones (``down``)."""
+    from flexgen_infinigen.memory.codes import BLOCK_FORMS
+    from flexgen_infinigen.weights.gguf_codes import MOE_CODES
+
+    plain = torch.nn.functional.linear
+    hidden = model.config.hidden_size
+
+    def rounded(x, weight, bias=None):
+        kind = kinds["gate"] if weight.shape[-1] == hidden else kinds["down"]
+        if kind in MOE_CODES:
+            return plain(x, weight, bias)
+        b = x.float().reshape(-1, BLOCK_FORMS[kind][1])
+        amax = b.abs().amax(1, keepdim=True)
+        q = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+        return plain((q * (amax / 127)).reshape(x.shape).to(x.dtype), weight, bias)
+
+    def swap(*_):
+        torch.nn.functional.linear = rounded
+
+    def restore(*_):
+        torch.nn.functional.linear = plain
+
+    experts = [layer.mlp.experts for layer in model.model.layers
+               if hasattr(layer.mlp, "experts")]
+    handles = [h for e in experts for h in (e.register_forward_pre_hook(swap),
+                                            e.register_forward_hook(restore))]
+    # the eager implementation: the one whose products are F.linear calls
+    was = [getattr(e.config, "_experts_implementation", None) for e in experts]
+    for e in experts:
+        e.config._experts_implementation = "eager"
+    try:
+        yield model
+    finally:
+        restore()
+        for e, impl in zip(experts, was):
+            e.config._experts_implementation = impl
+        for h in handles:
+            h.remove()
+
+
+def _assert_matches(out, model, kind=None):
+    """Greedy tokens and logits equal transformers' (run on the values the file encodes, for
+    ``kind``: the experts' GGUF type, or one per fused tensor kind; None: float experts)."""
+    kinds = {} if kind is None else {"gate": kind, "down": kind} if isinstance(kind, str) \
+        else {"gate": kind["ffn_gate_exps"], "down": kind["ffn_down_exps"]}
+    with experts_inputs_rounded(model, kinds) if kinds else contextlib.nullcontext():
+        want = [hf_greedy(model, prompt, STEPS) for prompt in PROMPTS]
+    for row, (tokens, logits) in enumerate(want):
         assert out.token_ids[row] == tokens
-        tol = 2e-3 * logits.abs().max().item() if quantized else 1e-4
+        tol = 2e-3 * logits.abs().max().item() if kinds else 1e-4
         assert (out.logits[row] - logits).abs().max().item() < tol
 
 
@@ -253,7 +306,7 @@ def test_matches_transformers(family, fmt, experts):
     in_place = fmt == "quantized" and experts == "cpu-memory"
     assert (moved["host->device"]["experts"] > 0) != in_place
     assert (moved["disk->host"]["experts"] > 0) == (experts == "disk")
-    _assert_matches(out, model, fmt == "quantized")
+    _assert_matches(out, model, EXPERT_TYPE[name] if fmt == "quantized" else None)
 
 
 @pytest.mark.parametrize("fmt", ["float", "quantized"])
@@ -261,7 +314,7 @@ def test_infinigen_keeping_everything_matches(family, fmt):
     name, built = family
     model, _, store = built[fmt]
     out, _, _ = _generate(store, CPU_MEMORY, "infinigen", {"options": KEEP_ALL})
-    _assert_matches(out, model, fmt == "quantized")
+    _assert_matches(out, model, EXPERT_TYPE[name] if fmt == "quantized" else None)
 
 
 @pytest.mark.parametrize("family", ["qwen2moe", "mixtral"], indirect=True)
@@ -337,7 +390,7 @@ def test_experts_placed_whole_across_tiers(family):
                         else DISK), (layer, expert)
     assert plan["experts"] == held
     assert moved["disk->host"]["experts"] > 0 and moved["host->device"]["weights"] == 0
-    _assert_matches(out, model, True)
+    _assert_matches(out, model, EXPERT_TYPE[name])
 
 
 def test_config_and_expert_tensors(family):
@@ -419,7 +472,7 @@ def test_gate_and_up_fused_in_one_tensor(kind, tmp_path):
             stored = ws.load(f"layers.2.experts.{e}.{m}.weight")
             assert np.array_equal(np.asarray(stored).reshape(halves[e, j].shape), halves[e, j])
     out, _, _ = _generate(store, ON_DISK)
-    _assert_matches(out, model, quantized=kind is not None)
+    _assert_matches(out, model, kind)
 
 
 def test_k_quant_experts(tmp_path):
@@ -450,7 +503,7 @@ def test_k_quant_experts(tmp_path):
     assert ws.format("layers.1.experts.3.down_proj.weight") == "Q6_K"
     for policy in (CPU_MEMORY, ON_DISK):
         out, _, _ = _generate(store, policy)
-        _assert_matches(out, model, quantized=True)
+        _assert_matches(out, model, kinds)
 
 
 def test_sparse_step(tmp_path):
@@ -470,7 +523,7 @@ def test_sparse_step(tmp_path):
     store = convert_gguf(path, tmp_path / "store", progress=False)
     out, _, cfg = _generate(store, CPU_MEMORY)
     assert cfg.dense_layers == (0, 2)
-    _assert_matches(out, model, quantized=False)
+    _assert_matches(out, model)
     with pytest.raises(ConfigError, match="interleave_moe_layer_step = 3"):
         write_moe_gguf(model, "qwen3moe", path, meta={"interleave_moe_layer_step": 3})
         convert_gguf(path, tmp_path / "store3", progress=False)

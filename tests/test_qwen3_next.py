@@ -156,6 +156,22 @@ def test_chunked_prefill_state_equals_token_by_token(length):
     assert torch.allclose(whole, torch.cat(outs, 1), atol=1e-5)
 
 
+def test_a_decode_steps_rearranged_rule_equals_the_recurrence():
+    """A decode step's delta rule (``delta_rule_step``: the output and correction from one
+    product with the entering matrix) equals the recurrence as written (``delta_rule_steps``),
+    and the convolution of one token (its taps summed) equals ``conv1d``'s, through the layer:
+    a token-by-token prompt above goes through both."""
+    torch.manual_seed(4)
+    b, heads, dk, dv = 3, 4, 8, 12
+    q, k = (qwen3_next._l2norm(torch.randn(b, 1, heads, dk)) for _ in range(2))
+    v, matrix = torch.randn(b, 1, heads, dv), torch.randn(b, heads, dk, dv)
+    g, beta = -torch.rand(b, 1, heads), torch.rand(b, 1, heads)
+    want_out, want = qwen3_next.delta_rule_steps(q, k, v, g, beta, matrix.clone())
+    got_out, got = qwen3_next.delta_rule_step(q, k, v, g, beta, matrix.clone())
+    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got, want, atol=1e-5)
+    assert (want - matrix).abs().max() > 0.1  # the step moved the matrix
+
+
 def _state_bytes(cfg) -> int:
     return 4 * sum(math.prod(s) for s in qwen3_next.recurrent_state_shapes(cfg).values())
 

@@ -11,6 +11,8 @@ built for the machine it runs on), else by a portable loop over the same integer
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ..memory.codes import BLOCK_FORMS, Blocks, PackedWeight
@@ -47,6 +49,43 @@ def linear_blocks(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
                   order=b.order.data_ptr() if b.order is not None else None,
                   x=xs.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
                   out=out.data_ptr(), M=rows, N=n, K=k, nthreads=torch.get_num_threads())
+    return out if done else None
+
+
+MOE_BLOCK_ROWS = 16  # tokens an expert may take in moe_blocks (kernels/c/moe_blocks.c)
+
+
+def moe_blocks(x: torch.Tensor, mats: list, first: list[int], tokens, weights
+               ) -> torch.Tensor | None:
+    """A decode step's routed experts over a file's blocks in one compiled call
+    (``kernels/c/moe_blocks.c``): ``out[t] = sum_u weights * down_u(silu(gate_u x[t]) *
+    up_u x[t])``, each product as :func:`linear_blocks` gives it, added in the order of
+    ``mats`` (gate, up and down of each expert, in turn) as the per-expert path adds them;
+    expert ``u`` takes the tokens ``tokens[first[u]:first[u + 1]]`` with router weights
+    ``weights`` at the same places. None when the call cannot take them (a matrix that is
+    not blocks the kernels take as they lie, gate and up of different types, more than
+    :data:`MOE_BLOCK_ROWS` tokens for an expert): the caller multiplies expert by expert."""
+    n, h = len(mats), x.shape[-1]
+    if (x.is_cuda or x.dtype != torch.float32 or x.dim() != 2 or not n or n % 3
+            or len(first) != n // 3 + 1 or library() is None
+            or any(not 0 < b - a <= MOE_BLOCK_ROWS for a, b in zip(first, first[1:]))):
+        return None
+    blocks = [m.packed for m in mats if takes(m) and m.packed.order is None]
+    if len(blocks) != n:
+        return None
+    f = blocks[0].shape[0]
+    if any(b.shape != ((f, h) if i % 3 < 2 else (h, f)) for i, b in enumerate(blocks)):
+        return None
+    table = (ctypes.c_void_p * n)(*(b.raw.data_ptr() for b in blocks))
+    types = torch.tensor([TYPE_IDS[b.kind] for b in blocks], dtype=torch.int64)
+    starts = torch.tensor(first, dtype=torch.int64)
+    tok = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
+    w = torch.as_tensor(weights, dtype=torch.float32).contiguous()
+    xs = x.contiguous()
+    out = torch.empty(x.shape[0], h, dtype=torch.float32)
+    done = invoke("moe_gguf", x=xs.data_ptr(), T=x.shape[0], U=n // 3, first=starts.data_ptr(),
+                  tok=tok.data_ptr(), wt=w.data_ptr(), w=table, types=types.data_ptr(),
+                  out=out.data_ptr(), H=h, F=f, nthreads=torch.get_num_threads())
     return out if done else None
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..kernels.gguf import moe_blocks
 from ..kernels.layers import MOE_MAX_ROWS, linear, moe_experts
 
 ROUTER = "router.weight"
@@ -229,6 +230,8 @@ def apply_experts(x: torch.Tensor, weights, experts, used: list[int],
     if grouped is not None:
         mats = [mat for e in used for mat in matrices(e)]
         out = moe_experts(x, mats, *grouped)
+        if out is None:  # a file's blocks as they lie
+            out = moe_blocks(x, mats, *grouped)
         if out is not None:
             return out
     out = torch.zeros_like(x)

@@ -41,6 +41,10 @@ BLOCKS = {kind: (*BLOCK_FORMS[kind], *form) for kind, form in _CODES.items()}
 # the types the CPU kernels multiply as stored (kernels/c/gguf_dot.c): a weight of one of
 # these stays the file's blocks when a CPU computes (memory.codes.Blocks)
 NATIVE = tuple(BLOCK_FORMS)
+# routed experts of these types become 4-bit codes with float16 factors when a CPU computes,
+# which the compiled MoE calls read (kernels/c/moe_experts.c, moe_layer.c); experts of the
+# other types stay the file's blocks, which kernels/c/moe_blocks.c reads as they lie
+MOE_CODES = ("Q4_0", "Q4_1")
 FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 KEPT = tuple(FLOATS) + tuple(BLOCKS)
 

@@ -35,14 +35,16 @@ class StoreSource:
                native_experts: bool = False) -> CodeLayout | None:
         """The form ``name`` is placed in: None for floats; its blocks as stored when
         ``native`` (a CPU computes), the CPU kernels read its type and it is not a routed
-        expert (or ``native_experts``: the model's experts never take the compiled MoE
-        call); else codes."""
+        expert that the compiled MoE call reads as codes (a type of
+        :data:`~.gguf_codes.MOE_CODES`, unless ``native_experts``: the model's experts never
+        take that call); else codes."""
         if name not in self.store.tensors:
             return None
         kind = self.store.tensors[name].get("gguf_type")
         # a routed expert stays codes where the MoE stage's one compiled call may read them
+        coded = is_expert_weight(name) and kind in gguf_codes.MOE_CODES and not native_experts
         if (native and kind in gguf_codes.NATIVE and len(self.store.tensors[name]["shape"]) == 2
-                and (native_experts or not is_expert_weight(name))):
+                and not coded):
             return CodeLayout(*gguf_codes.layout(kind), False, kind)
         return self.store.layout(name)
 
