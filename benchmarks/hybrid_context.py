@@ -177,7 +177,7 @@ def write_docs(doc: dict, table: str, out: Path, results_md: Path) -> None:
     def each(field):
         return ", ".join(dict.fromkeys(str(r["meta"].get(field)) for r in runs))
     bandwidths = [r["meta"]["read_bandwidth_gb_s"] for r in runs]
-    links = ", ".join(f"[{ext}]({rel.with_suffix('.' + ext)})" for ext in ("json", "md", "png"))
+    links = ",\n".join(f"[{ext}]({rel.with_suffix('.' + ext)})" for ext in ("json", "md", "png"))
     command = runs[-1]["meta"]["shown"]
     if len(command) > 100:  # the page's width: the rest on a continued line
         cut = command.rindex(" --", 0, 100)
@@ -185,9 +185,9 @@ def write_docs(doc: dict, table: str, out: Path, results_md: Path) -> None:
     section = (f"{HEADING}\n{each('cpu')}, {each('cores')} cores; read bandwidth "
                f"{min(bandwidths):.1f}–{max(bandwidths):.1f} GB/s; {each('date')}, "
                f"`{each('commit')}`; {len(runs)} runs;\n{links}.\n"
-               f"```bash\n{command}\n```\n{table}\n\n"
+               f"```bash\n{command}\n```\n{table.rstrip()}\n\n"
                f"A cut of {runs[-1]['meta']['layers']} of 40 layers, random Q4_K codes, one file "
-               "for both programs; 2 threads; llama.cpp's better flash-attention setting;\n"
+               "for both programs; 2 threads;\nllama.cpp's better flash-attention setting; "
                "shares: each layer kind's token mixing over the step.\n")
     page = results_md.read_text()
     old = next((h for h in (HEADING, "## A hybrid's decode step against the context")

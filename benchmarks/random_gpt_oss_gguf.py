@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from random_kquant_gguf import add_placeholder_vocab
+from random_kquant_gguf import add_placeholder_vocab, write_plan
 
 DESCRIPTION = ("random codes, MXFP4 experts and Q8_0 matrices (benchmarks/random_gpt_oss_gguf.py):"
                " nothing in it is a trained value")
@@ -162,43 +161,12 @@ def write_gguf(key: str, path, layers: int | None = None) -> dict:
 
 def write_gpt_oss_gguf(key: str, path: str | Path, layers: int | None = None, seed: int = 0,
                        progress: bool = True) -> dict:
-    import gguf
-    from tqdm.auto import tqdm
-
-    s, path = SHAPES[key], Path(path)
+    s = SHAPES[key]
     n = s.layers if layers is None else layers
     if not 1 <= n <= s.layers:
         raise ValueError(f"--layers {layers}: {s.name} has 1..{s.layers} layers")
-    plan = tensor_plan(s, n)
-    part = path.with_name(path.name + ".part")
-    w = gguf.GGUFWriter(str(part), "gpt-oss")
-    try:
-        _metadata(w, s, n)
-        for name, dims, kind in plan:
-            size = tensor_bytes(dims, kind)
-            if kind == "F32":
-                w.add_tensor_info(name, dims, np.dtype(np.float32), size)
-            else:
-                rows = int(np.prod(dims[:-1]))
-                w.add_tensor_info(name, (*dims[:-1], size // rows), np.dtype(np.uint8), size,
-                                  raw_dtype=gguf.GGMLQuantizationType[kind])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        total = sum(tensor_bytes(d, k) for _, d, k in plan)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=path.name,
-                  disable=not progress) as bar:
-            for name, dims, kind in plan:
-                data = tensor_data(name, dims, kind, seed)
-                w.write_tensor_data(data)
-                bar.update(data.nbytes)
-                del data
-        w.close()
-        os.replace(part, path)
-    except BaseException:
-        w.close()
-        part.unlink(missing_ok=True)
-        raise
+    write_plan(path, "gpt-oss", tensor_plan(s, n), lambda w: _metadata(w, s, n), tensor_bytes,
+               lambda name, dims, kind: tensor_data(name, dims, kind, seed), progress)
     return describe(key, n)
 
 

@@ -143,37 +143,37 @@ def check_room(folder: Path, need: int) -> None:
                          "room, or fewer --models / a --layers cut")
 
 
-def write_dense_gguf(key: str, path: str | Path, layers: int | None = None, seed: int = 0,
-                     progress: bool = True) -> dict:
-    """Write the file (``key`` from :data:`SHAPES`); returns what it holds (its tensors'
-    bytes by type, the bytes a decode step reads: all but ``token_embd``)."""
+def write_plan(path: str | Path, arch: str, plan: list, metadata, size_of, data_of,
+               progress: bool = True) -> None:
+    """Write the tensors of ``plan`` ((GGUF name, numpy dims, type) in file order) as a GGUF
+    of architecture ``arch``: ``metadata(writer)`` adds its fields, ``size_of(dims, type)``
+    gives a tensor's bytes, ``data_of(name, dims, type)`` its data (float32 values, or
+    blocks ``uint8 [rows, bytes]``), one at a time. Written as ``FILE.part``, renamed when
+    complete; removed on any error (a cut-short file never looks complete)."""
     import gguf
     from tqdm.auto import tqdm
 
-    shape, path = SHAPES[key], Path(path)
-    if layers is not None and not 1 <= layers <= shape.layers:
-        raise ValueError(f"--layers {layers}: {shape.name} has 1..{shape.layers} layers")
-    n = shape.layers if layers is None else layers
-    plan = tensor_plan(shape, n)
-    part = path.with_name(path.name + ".part")  # renamed when complete
-    w = gguf.GGUFWriter(str(part), shape.arch)
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    w = gguf.GGUFWriter(str(part), arch)
     try:
-        _metadata(w, shape, n)
+        metadata(w)
         for name, dims, kind in plan:
+            size = size_of(dims, kind)
             if kind == "F32":
-                w.add_tensor_info(name, dims, np.dtype(np.float32), tensor_bytes(dims, kind))
+                w.add_tensor_info(name, dims, np.dtype(np.float32), size)
             else:
-                size = tensor_bytes(dims, kind)
-                w.add_tensor_info(name, (dims[0], size // dims[0]), np.dtype(np.uint8), size,
+                rows = int(np.prod(dims[:-1]))
+                w.add_tensor_info(name, (*dims[:-1], size // rows), np.dtype(np.uint8), size,
                                   raw_dtype=gguf.GGMLQuantizationType[kind])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        total = sum(tensor_bytes(d, k) for _, d, k in plan)
+        total = sum(size_of(d, k) for _, d, k in plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc=path.name,
                   disable=not progress) as bar:
             for name, dims, kind in plan:
-                data = tensor_data(name, dims, kind, seed)
+                data = data_of(name, dims, kind)
                 w.write_tensor_data(data)
                 bar.update(data.nbytes)
                 del data
@@ -183,6 +183,19 @@ def write_dense_gguf(key: str, path: str | Path, layers: int | None = None, seed
         w.close()
         part.unlink(missing_ok=True)
         raise
+
+
+def write_dense_gguf(key: str, path: str | Path, layers: int | None = None, seed: int = 0,
+                     progress: bool = True) -> dict:
+    """Write the file (``key`` from :data:`SHAPES`); returns what it holds (its tensors'
+    bytes by type, the bytes a decode step reads: all but ``token_embd``)."""
+    shape = SHAPES[key]
+    if layers is not None and not 1 <= layers <= shape.layers:
+        raise ValueError(f"--layers {layers}: {shape.name} has 1..{shape.layers} layers")
+    n = shape.layers if layers is None else layers
+    write_plan(path, shape.arch, tensor_plan(shape, n), lambda w: _metadata(w, shape, n),
+               tensor_bytes, lambda name, dims, kind: tensor_data(name, dims, kind, seed),
+               progress)
     return describe(key, n, seed)
 
 
