@@ -45,6 +45,7 @@ from . import gguf_codes, gguf_hybrid, gguf_moe
 from .gguf_config import (ARCHITECTURES, GGUF_MAGIC, _open_reader,  # noqa: F401
                           config_from_gguf, field_value, open_model)
 from .gguf_tokenizer import special_ids, tokenizer_from_gguf
+from .in_place import picked_rows
 from .store import StoreWriter
 
 _GLOBAL_NAMES = {
@@ -309,9 +310,10 @@ def convert_gguf(gguf_path: str | os.PathLike, dest: str | os.PathLike,
                 w = unpermute_rotary(w, heads)
             picks = gguf_hybrid.row_picks(keys, prep.cfg)
             for e, key in enumerate(keys):  # a fused tensor: matrix e is its e-th run of rows
-                part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
                 if picks is not None:  # rows that interleave: each key's picked
-                    part = w.reshape(-1, w.shape[-1])[gguf_hybrid.picked_rows(picks[e])]
+                    part = w.reshape(-1, w.shape[-1])[picked_rows(picks[e])]
+                else:
+                    part = w.reshape(len(keys), -1, w.shape[-1])[e] if len(keys) > 1 else w
                 _write(writer, key, part, shape, kind)
             del w
             _release(reader, t)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from ..config import ConfigError, ModelConfig
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -91,11 +89,6 @@ def row_picks(keys: list[str], cfg: ModelConfig) -> list[list[tuple[int, int]]] 
         return [[(2 * g * per + half * per, per) for g in range(cfg.linear_key_heads)]
                 for half in (0, 1)]
     return None
-
-
-def picked_rows(runs: list) -> np.ndarray:
-    """The row indices of ``(first, count)`` runs, in order."""
-    return np.concatenate([np.arange(first, first + count) for first, count in runs])
 
 
 def check_picked(name: str, shape: tuple[int, ...], keys: list[str], picks: list,

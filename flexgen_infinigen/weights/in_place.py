@@ -26,11 +26,16 @@ def rotary_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
+def picked_rows(runs) -> np.ndarray:
+    """The row indices of ``(first, count)`` runs, in order."""
+    return np.concatenate([np.arange(int(first), int(first) + int(count))
+                           for first, count in runs])
+
+
 def picked(info: dict) -> np.ndarray | None:
     """The stored rows an entry reads, when it picks some of a tensor's (else None)."""
     runs = info.get("rows")
-    return None if runs is None else np.concatenate(
-        [np.arange(int(first), int(first) + int(count)) for first, count in runs])
+    return None if runs is None else picked_rows(runs)
 
 
 def entry_span(info: dict) -> int:
