@@ -50,6 +50,7 @@ def columns(s: dict) -> list[tuple]:
             ("x llama.cpp, prefill", "x_llama_prefill", "{:.2f}"),
             (f"x llama.cpp, batch {s['batch']}", "x_llama_batch", "{:.2f}"),
             ("first token s", "ttft_s", "{:.3g}"),
+            ("loaded s", "load_s", "{:.3g}"),
             ("peak RSS GB", "peak_rss_gb", "{:.3g}"),
             ("weights GB", "weights_placed_gb", "{:.3g}")]
 
@@ -74,7 +75,8 @@ def note(s: dict) -> str:
             f"{s['batch_prompt']} prompt tokens (llama.cpp: `llama-batched-bench -npl "
             f"{s['batch']}`); llama.cpp's flash attention off or on, whichever was faster; "
             "x llama.cpp: our rate over llama.cpp's in the same run. "
-            "First token: from our process's start (interpreter, load, the prefill prompt). "
+            "First token: from our process's start (interpreter, load, the prefill prompt); "
+            "loaded: from the process's start to the model ready (no prompt yet). "
             f"bound: every tensor but `token_embd` (a MoE model: with only the experts a "
             f"step's rows route to, expected) plus the f16 KV at the depth (gpt-oss: its "
             f"windowed layers' window), over the read bandwidth measured before the run; "

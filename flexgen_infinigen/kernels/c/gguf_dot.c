@@ -127,6 +127,7 @@ enum { ASK_STREAM = 1, ASK_REUSE = 2 };
 
 #include "gguf_tiles_avx2.h"
 #include "gguf_tiles_avx512.h"
+#include "gguf_tiles_avx512_one.h"
 #include "gguf_tiles_portable.h"
 
 /* ---- the table of formats, and the layer ----------------------------------------------- */
@@ -223,6 +224,18 @@ int gguf_linear_q(int64_t type, const uint8_t *w, const int32_t *order, const ui
        factors a block: with one or two rows of x (a decode step) that work, not memory,
        sets the pace, and the one-row AVX2 tile reads the weight faster */
     const int few = M <= 2 && type == GT_Q8_0 && tile_of(type) != NULL;
+#ifdef GD512_ONE
+    /* one row of x against a K-quant: the one-row tile, whose floats equal the two-row
+       tile's for that row (see gguf_tiles_avx512_one.h) */
+    const tile1_fn one = M == 1 ? tile1_of(type) : NULL;
+    if (one != NULL) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t o = 0; o < N; o++)
+            out[o] = one(w + (int64_t)(order ? order[o] : o) * wrow, xq, nb) +
+                     (bias ? bias[o] : 0.0f);
+        return 1;
+    }
+#endif
     if (tile2 != NULL && !few) {
         /* half of L2: the rest holds the weight rows in use and what the other thread's
            output and the hardware's read-ahead bring in */
