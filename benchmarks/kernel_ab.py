@@ -6,14 +6,19 @@ tree's, each call alternating between them on the same inputs, so that the machi
     python benchmarks/kernel_ab.py --base 6fbcb01 --rows 1 8 --rounds 24 --passes 3
     python benchmarks/kernel_ab.py --base 6fbcb01 --kernel moe --gguf q3-4layers.gguf
     python benchmarks/kernel_ab.py --base 5415ce6 --kernel attention --shapes 4,8,128,16384
+    python benchmarks/kernel_ab.py --base HEAD~1 --kernel gguf --gguf model.gguf --rows 1 8
 
 Both builds are compiled as the runtime compiles its kernels and loaded by its own loader;
 the runtime's calls (``cpu_layers``) go to one build or the other as the benchmark swaps the
 loaded library, so what is timed is what a decode step calls. Kernels:
 
-- ``linear`` (default): one pass over every 4-bit matrix of the default model's layers
-  (SmolLM2-135M's GGUF: codes with float16 factors), or with ``--bits 8`` over its 8-bit
-  matrices (the output head), with ``rows`` rows of x;
+- ``linear`` (default): one pass over every 4-bit matrix of the default model's layers in
+  the runtime's own packed form (codes with float16 factors), or with ``--bits 8`` over its
+  8-bit matrices, with ``rows`` rows of x; a model read from a GGUF file's blocks has none
+  (say ``gguf``);
+- ``gguf``: one pass over every block matrix of ``--gguf`` as the file stores it (read in
+  place, through an index in a temporary folder; ``--match`` keeps the tensors whose names
+  contain it), with ``rows`` rows of x: the GGUF linear layer (``gguf_dot.c``);
 - ``moe``: a decode step's routed experts (``cpu_layers.moe_experts``) of every MoE layer
   of ``--gguf`` (e.g. a few layers of Qwen3-30B-A3B written by
   ``benchmarks/random_gguf.py``), ``rows`` tokens routed to the first experts in turn;
@@ -35,6 +40,7 @@ what one showed about a kernel goes to ``docs/design/cpu_kernels.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -48,7 +54,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-KERNELS = "flexgen_infinigen/runtime/kernels"
+KERNELS = "flexgen_infinigen/kernels/c"
 OUT = Path(tempfile.gettempdir()) / "flexgen_infinigen_investigations" / "kernel_ab"
 
 
@@ -94,9 +100,11 @@ def linear_work(lm, bits: int, rows: int):
     weights = lm.engine.weights
     mats = [weights[n].read_for_compute() for n in weights if n.endswith(".weight")]
     mats = [m for m in mats if getattr(m, "packed", None) is not None
-            and m.packed.bits == bits and m.packed.scale.dtype == torch.float16]
+            and getattr(m.packed, "bits", None) == bits
+            and m.packed.scale.dtype == torch.float16]
     if not mats:
-        raise SystemExit(f"the model has no {bits}-bit matrices with float16 factors here")
+        raise SystemExit(f"the model has no {bits}-bit matrices with float16 factors here "
+                         "(a GGUF file's blocks: --kernel gguf --gguf FILE)")
     gen = torch.Generator().manual_seed(rows)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {m.packed.shape[1] for m in mats}}
 
@@ -104,6 +112,24 @@ def linear_work(lm, bits: int, rows: int):
         return [cpu_layers.linear_q4(xs[m.packed.shape[1]], m) for m in mats]
     return one_pass, sum(m.packed.codes.nbytes + m.packed.scale.nbytes
                          + m.packed.minimum.nbytes for m in mats)
+
+
+def gguf_work(store, rows: int, match: str | None):
+    """(one pass, its bytes): every block matrix of the GGUF store (names containing
+    ``match``) against ``rows`` rows of x."""
+    from flexgen_infinigen.kernels.layers import linear
+    from flexgen_infinigen.memory.codes import PackedWeight
+    names = [n for n in store.tensors if store.tensors[n].get("gguf_type")
+             and (match is None or match in n)]
+    if not names:
+        raise SystemExit("--kernel gguf: no block matrices (of that name) in the file")
+    mats = [PackedWeight(store.blocks(n), torch.float32) for n in names]
+    gen = torch.Generator().manual_seed(rows)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {m.packed.shape[1] for m in mats}}
+
+    def one_pass():
+        return [linear(xs[m.packed.shape[1]], m) for m in mats]
+    return one_pass, sum(m.packed.raw.numel() for m in mats)
 
 
 def moe_work(lm, rows: int):
@@ -183,10 +209,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are build A")
     p.add_argument("--kernel", default="linear",
-                   choices=["linear", "moe", "attention", "speculation"])
+                   choices=["linear", "gguf", "moe", "attention", "speculation"])
     p.add_argument("--bits", type=int, default=4, choices=[4, 8],
                    help="linear: the 4-bit layer matrices, or the 8-bit ones (the output head)")
-    p.add_argument("--gguf", default=None, help="moe: a MoE GGUF (random_gguf.py writes one)")
+    p.add_argument("--gguf", default=None, help="moe: a MoE GGUF (random_gguf.py writes one); "
+                   "gguf: any GGUF")
+    p.add_argument("--match", default=None, help="gguf: only tensors whose names contain this")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
                    help="rows of x (batch), or tokens for moe")
     p.add_argument("--shapes", nargs="+", default=["4,8,128,16384", "24,3,64,8192"],
@@ -196,8 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--passes", type=int, default=5, help="passes a timing")
     p.add_argument("--out", default=str(OUT), help="output path, without the suffix")
     a = p.parse_args(argv)
-    if a.kernel == "moe" and not (a.gguf and Path(a.gguf).is_file()):
-        p.error("--kernel moe needs --gguf PATH, a MoE model's GGUF file")
+    if a.kernel in ("moe", "gguf") and not (a.gguf and Path(a.gguf).is_file()):
+        p.error(f"--kernel {a.kernel} needs --gguf PATH, a GGUF file")
     from machine import machine_info
 
     from flexgen_infinigen import OffloadedLM, Placement
@@ -208,8 +236,14 @@ def main(argv=None) -> int:
         libs = {"base": load(kernels_at(a.base, tmp / "a"), tmp / "a.so"),
                 "tree": load(ROOT / KERNELS, tmp / "b.so")}
         policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=1)
-        with OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
-                              policy=policy, progress=False, max_len_hint=(64, 8)) as lm:
+        store = None
+        if a.kernel == "gguf":
+            from flexgen_infinigen.weights.gguf_index import index_gguf
+            from flexgen_infinigen.weights.store import WeightStore
+            store = WeightStore(index_gguf(a.gguf, tmp / "index"))
+        with (contextlib.nullcontext() if store is not None else
+              OffloadedLM.load(model=a.gguf if a.kernel == "moe" else "smollm2-135m",
+                               policy=policy, progress=False, max_len_hint=(64, 8))) as lm:
             cells = [(shape, chosen) for shape in a.shapes for chosen in (False, True)] \
                 if a.kernel == "attention" else a.shapes if a.kernel == "speculation" \
                 else a.rows
@@ -221,6 +255,7 @@ def main(argv=None) -> int:
                     one_pass, nbytes = speculation_work(rows)
                 else:
                     one_pass, nbytes = (moe_work(lm, rows) if a.kernel == "moe"
+                                        else gguf_work(store, rows, a.match) if store is not None
                                         else linear_work(lm, a.bits, rows))
                 outs = {}
                 for name, lib in libs.items():  # warm, and each build's outputs
@@ -249,7 +284,7 @@ def main(argv=None) -> int:
                       f"{moved:.1e} of the largest output)", flush=True)
         use(None)
     what = {"moe": "moe_q4_h16", "attention": "attend_rows, attend_indexed",
-            "speculation": "speculate_mass"}.get(
+            "speculation": "speculate_mass", "gguf": "gguf_linear"}.get(
         a.kernel, f"linear_q{a.bits}_h16")
     result = {"machine": machine_info(), "base": a.base,
               "command": "python benchmarks/kernel_ab.py " + " ".join(argv or sys.argv[1:]),

@@ -99,7 +99,7 @@ def test_an_input_the_kernels_do_not_take_falls_back_to_floats():
     assert torch.allclose(linear(x, w), x @ dense.T, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q8_0", "MXFP4"])
 def test_a_row_gives_the_same_floats_alone_and_in_any_batch(kind):
     """Each row's sums sit in the same lanes whatever the tile's row count (1-8, a chunk's
     last rows): a request's output does not depend on its neighbours in a batch."""
