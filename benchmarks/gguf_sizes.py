@@ -81,7 +81,8 @@ def bound_row(key: str, layers: int, s: dict, bandwidth: float) -> dict:
         return batch * bandwidth / (f.decode_read_bytes(key, layers, batch)
                                     + batch * f.kv_read_bytes(key, layers, context))
     return {"decode_0_tokens_s": rate(1, mid), "decode_depth_tokens_s": rate(1, s["depth"] + mid),
-            "batch_tokens_s": rate(s["batch"], s["batch_prompt"] + mid),
+            **({"batch_tokens_s": rate(s["batch"], s["batch_prompt"] + mid)} if s["batch"]
+               else {}),
             "must_read_weight_bytes": f.decode_read_bytes(key, layers, 1),
             "bandwidth_gb_s": bandwidth / 1e9}
 
@@ -100,18 +101,20 @@ def one_run(a, key: str, gguf: Path, settings: dict, run: int, prefill_dir: str)
     base = {"model": label, "model_key": key, "layers": layers, "run": run, **settings}
     bandwidth = read_bandwidth()
     spec = {"gguf": str(gguf), "prefill_dir": prefill_dir, **settings}
-    ours = {**base, "program": "flexgen_infinigen"}
-    for b in (1, settings["batch"]):
-        got = in_subprocess({**spec, "batch": b}, a.timeout)
-        print(f"{label}, ours, batch {b}: {_summary(got)}", flush=True)
-        if "error" in got:
-            ours[f"error_batch_{b}"] = got["error"]
-        elif b == 1:
-            ours.update(got)
-        else:  # the batch's own process: its start and memory under their own names
-            ours.update({k if k.startswith("batch_") else f"batch_{k}": v
-                         for k, v in got.items()})
-    rows = [ours]
+    rows = []
+    for kv in a.kv_policies:
+        ours = {**base, "program": program_of(kv)}
+        for b in (1, settings["batch"]) if settings["batch"] else (1,):
+            got = in_subprocess({**spec, "batch": b, "kv_policy": kv}, a.timeout)
+            print(f"{label}, {ours['program']}, batch {b}: {_summary(got)}", flush=True)
+            if "error" in got:
+                ours[f"error_batch_{b}"] = got["error"]
+            elif b == 1:
+                ours.update(got)
+            else:  # the batch's own process: its start and memory under their own names
+                ours.update({k if k.startswith("batch_") else f"batch_{k}": v
+                             for k, v in got.items()})
+        rows.append(ours)
     if a.llama_bench or a.llama_batched_bench:
         theirs = {**base, "program": "llama.cpp"}
         extra = tuple(a.llama_args.split())
@@ -122,14 +125,15 @@ def one_run(a, key: str, gguf: Path, settings: dict, run: int, prefill_dir: str)
             _take(theirs, "decode_0", got["decode"][0])
             _take(theirs, "decode_depth", got["decode"][settings["depth"]])
             _take(theirs, "prefill", got["prefill"])
-        if a.llama_batched_bench:
+        if a.llama_batched_bench and settings["batch"]:
             _take(theirs, "batch", llama.batched(
                 a.llama_batched_bench, str(gguf), settings["threads"], 1,
                 settings["batch_prompt"], settings["gen"], settings["batch"], a.timeout))
         print(f"{label}, llama.cpp: {_summary(theirs)}", flush=True)
-        for f in ("decode_0", "decode_depth", "prefill", "batch"):
-            if f"{f}_tokens_s" in ours and f"{f}_tokens_s" in theirs:
-                ours[f"x_llama_{f}"] = ours[f"{f}_tokens_s"] / theirs[f"{f}_tokens_s"]
+        for ours in rows:
+            for f in ("decode_0", "decode_depth", "prefill", "batch"):
+                if f"{f}_tokens_s" in ours and f"{f}_tokens_s" in theirs:
+                    ours[f"x_llama_{f}"] = ours[f"{f}_tokens_s"] / theirs[f"{f}_tokens_s"]
         rows.append(theirs)
     rows.append({**base, "program": "bound", **bound_row(key, layers, settings, bandwidth)})
     for r in rows:
@@ -175,7 +179,11 @@ def parse(argv=None):
     p.add_argument("--depth", type=int, default=None, help="the deep decode's depth (4096)")
     p.add_argument("--gen", type=int, default=None, help="tokens decoded a row (32)")
     p.add_argument("--prefill", type=int, default=None, help="the prefill's prompt (512)")
-    p.add_argument("--batch", type=int, default=8, help="the batch row's sequences")
+    p.add_argument("--batch", type=int, default=8,
+                   help="the batch row's sequences (0: no batch row)")
+    p.add_argument("--kv-policies", nargs="+", default=["full"], metavar="POLICY",
+                   help="our KV cache policies, a row each (e.g. full infinigen: InfiniGen "
+                        "beside the full cache at --depth; one kept prefill serves both)")
     p.add_argument("--batch-prompt", type=int, default=None,
                    help="the batch row's prompt tokens a sequence (128)")
     p.add_argument("--threads", type=int, default=None,
@@ -206,6 +214,11 @@ def settings_of(a) -> dict:
             "threads": a.threads or torch.get_num_threads()}
 
 
+def program_of(kv_policy: str) -> str:
+    """Our row's name: the full cache's plainly, another policy's beside it."""
+    return "flexgen_infinigen" if kv_policy == "full" else f"flexgen_infinigen, {kv_policy}"
+
+
 def main(argv=None) -> int:
     p, a = parse(argv)
     import gguf_sizes_llama as llama
@@ -223,8 +236,12 @@ def main(argv=None) -> int:
     # every bad input stops here, before a file is written or a model loaded
     if a.out_dir is None:
         p.error("--out-dir is needed: the folder the GGUF files are (or will be) in")
-    if a.runs < 1 or a.batch < 2:
-        p.error("--runs must be at least 1 and --batch at least 2")
+    if a.runs < 1 or a.batch == 1 or a.batch < 0:
+        p.error("--runs must be at least 1, and --batch at least 2 (or 0: no batch row)")
+    from flexgen_infinigen.kv import POLICIES
+    unknown = [k for k in a.kv_policies if k not in POLICIES]
+    if unknown:
+        p.error(f"--kv-policies: no policy {', '.join(unknown)}; one of {', '.join(POLICIES)}")
     for key in a.models:
         if a.layers is not None and not 1 <= a.layers <= SHAPES[key].layers:
             p.error(f"--layers {a.layers}: {SHAPES[key].name} has 1.."
@@ -245,7 +262,8 @@ def main(argv=None) -> int:
     for key in todo:
         files_of(key).write_gguf(key, paths[key], a.layers)
     for path in paths.values():
-        got = in_subprocess({"gguf": str(path), "warm": True, **settings}, a.timeout)
+        got = in_subprocess({"gguf": str(path), "warm": True, **settings,
+                             "batch": settings["batch"] or 1}, a.timeout)
         if "error" in got:
             raise SystemExit(f"error: our runtime cannot load {path}: {got['error']}")
     prefill_dir = a.prefill_dir or tempfile.mkdtemp(prefix="gguf-sizes-prefills-")
@@ -279,10 +297,11 @@ def save(stem: Path, earlier: dict, meta: dict, rows: list[dict], a, settings: d
                          "file": p.name, "file_bytes": p.stat().st_size}
                      for k, p in paths.items() if p.is_file()},
            "rows": rows}
-    from gguf_sizes_report import MOE_TITLE
+    from gguf_sizes_report import LONG_TITLE, MOE_TITLE
     gpt_oss = all(k in moe_files.SHAPES for k in paths)
+    title = MOE_TITLE if gpt_oss else LONG_TITLE if a.kv_policies != ["full"] else None
     doc = {**earlier, "runs": [*earlier["runs"], run],
-           **({"title": MOE_TITLE} if gpt_oss else {}),
+           **({"title": title} if title else {}),
            "benchmark": "gguf_sizes.py: dense Q4_K_M models (random codes, real shapes), our "
                         "runtime and llama.cpp on the same file in the same run, beside the "
                         "decode step's must-read bound",

@@ -48,6 +48,7 @@ def run_ours(spec: dict) -> dict:
     policy = Placement.from_percent([100, 0, 0, 100, 100, 0], gpu_batch_size=b)
     got: dict = {}
     with OffloadedLM.load(model=spec["gguf"], policy=policy, progress=False,
+                          kv_policy=spec.get("kv_policy", "full"),
                           max_len_hint=(longest, gen)) as lm:
         got["load_s"] = time.time() - spec["spawned_at"]
         vocab = lm.cfg.vocab_size

@@ -22,6 +22,8 @@ import artifacts  # noqa: E402
 TITLE = "Dense Q4_K_M models against llama.cpp"
 # an artifact set of gpt-oss files (``--out``) has its own section
 MOE_TITLE = "gpt-oss with MXFP4 experts against llama.cpp"
+# and a run with KV policies beside the full cache (--kv-policies), at a long depth
+LONG_TITLE = "A Q4_K_M model's decode at a long depth against llama.cpp"
 
 
 def title_of(doc: dict) -> str:
