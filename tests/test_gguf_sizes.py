@@ -129,3 +129,21 @@ def test_an_absent_docs_section_is_added_at_the_end(tmp_path):
     report.write_docs(_doc(512), tmp_path / "gguf_sizes", page)
     text = page.read_text()
     assert text.startswith("# Results\n\n## Before\nkept\n\n## " + report.TITLE)
+
+
+def test_an_unknown_kv_policy_or_batch_of_one_stops_before_any_work(tmp_path, capsys):
+    for bad, says in ((["--kv-policies", "full", "nope"], "no policy nope"),
+                      (["--batch", "1"], "--batch at least 2")):
+        with pytest.raises(SystemExit):
+            gguf_sizes.main(["--out-dir", str(tmp_path / "g"), "--out", str(tmp_path / "o"),
+                             *bad])
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "g").exists() and not (tmp_path / "o.json").exists()
+
+
+def test_without_a_batch_row_the_bound_has_none_and_rows_name_their_policy():
+    s = {"gen": 32, "depth": 32768, "batch": 0, "batch_prompt": 128}
+    row = gguf_sizes.bound_row("llama-3.1-8b", 2, s, bandwidth=20e9)
+    assert "batch_tokens_s" not in row and row["decode_depth_tokens_s"] > 0
+    assert gguf_sizes.program_of("full") == "flexgen_infinigen"
+    assert gguf_sizes.program_of("infinigen") == "flexgen_infinigen, infinigen"
