@@ -43,6 +43,11 @@ def latest_settings(runs: list[dict]) -> dict | None:
 
 
 def columns(s: dict) -> list[tuple]:
+    """The table's columns; a run without a batch row (``--batch 0``) shows none of its."""
+    return [c for c in _all_columns(s) if s["batch"] or "batch" not in c[1]]
+
+
+def _all_columns(s: dict) -> list[tuple]:
     return [("decode tok/s, depth 0", "decode_0_tokens_s", "{:.3g}"),
             (f"decode tok/s, depth {s['depth']}", "decode_depth_tokens_s", "{:.3g}"),
             (f"prefill tok/s ({s['prefill']})", "prefill_tokens_s", "{:.3g}"),
@@ -69,20 +74,26 @@ def table(doc: dict) -> tuple[str, dict | None, list[dict]]:
     return artifacts.table(runs, ["model", "program"], columns(s), where=same), s, runs
 
 
-def note(s: dict) -> str:
+def note(s: dict, long: bool = False) -> str:
     return (f"Batch 1 decode after a 1-token prompt (depth 0) and a {s['depth']}-token one "
             f"(median step of {s['gen']} tokens after the first two; llama.cpp: `llama-bench` "
-            f"tg{s['gen']} at `-d`); prefill: a {s['prefill']}-token prompt, warm; batch "
-            f"{s['batch']}: total decode tokens/s of {s['batch']} sequences of "
-            f"{s['batch_prompt']} prompt tokens (llama.cpp: `llama-batched-bench -npl "
-            f"{s['batch']}`); llama.cpp's flash attention off or on, whichever was faster; "
+            f"tg{s['gen']} at `-d`); prefill: a {s['prefill']}-token prompt, warm; "
+            + (f"batch {s['batch']}: total decode tokens/s of {s['batch']} sequences of "
+               f"{s['batch_prompt']} prompt tokens (llama.cpp: `llama-batched-bench -npl "
+               f"{s['batch']}`); " if s["batch"] else "")
+            + "llama.cpp's flash attention off or on, whichever was faster; "
             "x llama.cpp: our rate over llama.cpp's in the same run. "
             "First token: from our process's start (interpreter, load, the prefill prompt); "
             "loaded: from the process's start to the model ready (no prompt yet). "
             f"bound: every tensor but `token_embd` (a MoE model: with only the experts a "
             f"step's rows route to, expected) plus the f16 KV at the depth (gpt-oss: its "
             f"windowed layers' window), over the read bandwidth measured before the run; "
-            f"{s['threads']} threads for both.")
+            f"{s['threads']} threads for both."
+            + (" flexgen_infinigen: the full cache; flexgen_infinigen, infinigen: the default "
+               "InfiniGen (the layer's own query, 4% of the rows but at least 256; the first "
+               "two layers read every row, as the paper's); one kept prefill serves both, and "
+               "a first InfiniGen load calibrates its skew (kept for later loads)."
+               if long else ""))
 
 
 def markdown(doc: dict) -> str:
@@ -90,7 +101,7 @@ def markdown(doc: dict) -> str:
     if s is None:
         return f"# {title_of(doc)}\n\n{text}"
     return (f"# {title_of(doc)}\n\n{artifacts.meta_line(runs)}; read bandwidth "
-            f"{_bandwidths(runs)}\n\n{text}\n{note(s)}\n")
+            f"{_bandwidths(runs)}\n\n{text}\n{note(s, title_of(doc) == LONG_TITLE)}\n")
 
 
 def _bandwidths(runs: list[dict]) -> str:
@@ -111,8 +122,8 @@ def plot(doc: dict, path: Path) -> None:
     programs = [p for p in dict.fromkeys(k[1] for k in groups) if p != "bound"]
     panels = [("decode_0_tokens_s", "batch 1, depth 0"),
               ("decode_depth_tokens_s", f"batch 1, depth {s['depth']}"),
-              ("batch_tokens_s", f"batch {s['batch']} (total)")]
-    fig, axes = plt.subplots(1, 3, figsize=(4 + 2.2 * len(models) * 1.5, 4.2))
+              ("batch_tokens_s", f"batch {s['batch']} (total)")][:3 if s["batch"] else 2]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 2.2 * len(models) * 1.5, 4.2))
     width = 0.8 / max(1, len(programs))
     for ax, (field, title) in zip(axes, panels):
         for j, prog in enumerate(programs):
@@ -172,6 +183,12 @@ def docs_section(doc: dict, stem: Path, results_md: Path) -> str:
             "bandwidth ([columns](../benchmarks/README.md"
             "#gguf_sizespy-dense-7b-14b-q4_k_m-models-against-llamacpp-on-the-same-file)).",
             100, break_long_words=False, break_on_hyphens=False))
+        if title_of(doc) == LONG_TITLE:
+            lines.append(textwrap.fill(
+                "flexgen_infinigen: the full cache; flexgen_infinigen, infinigen: the default "
+                "InfiniGen (own query, 4% of the rows, at least 256; the first two layers read "
+                "every row); one kept prefill for both; a first InfiniGen load calibrates its "
+                "skew, later loads reuse it.", 100))
     return "\n".join(lines) + "\n"
 
 
