@@ -185,10 +185,8 @@ def docs_section(doc: dict, stem: Path, results_md: Path) -> str:
             100, break_long_words=False, break_on_hyphens=False))
         if title_of(doc) == LONG_TITLE:
             lines.append(textwrap.fill(
-                "flexgen_infinigen: the full cache; flexgen_infinigen, infinigen: the default "
-                "InfiniGen (own query, 4% of the rows, at least 256; the first two layers read "
-                "every row); one kept prefill for both; a first InfiniGen load calibrates its "
-                "skew, later loads reuse it.", 100))
+                "infinigen: the default (own query, 4% of rows, >= 256; layers 0-1 read all).",
+                100))
     return "\n".join(lines) + "\n"
 
 
