@@ -24,6 +24,8 @@ TITLE = "Dense Q4_K_M models against llama.cpp"
 MOE_TITLE = "gpt-oss with MXFP4 experts against llama.cpp"
 # and a run with KV policies beside the full cache (--kv-policies), at a long depth
 LONG_TITLE = "A Q4_K_M model's decode at a long depth against llama.cpp"
+# what that section's policy rows are, in its md and on the results page alike
+LONG_NOTE = "infinigen: the default (own query, 4% of rows, >= 256; layers 0-1 read all)."
 
 
 def title_of(doc: dict) -> str:
@@ -89,11 +91,7 @@ def note(s: dict, long: bool = False) -> str:
             f"step's rows route to, expected) plus the f16 KV at the depth (gpt-oss: its "
             f"windowed layers' window), over the read bandwidth measured before the run; "
             f"{s['threads']} threads for both."
-            + (" flexgen_infinigen: the full cache; flexgen_infinigen, infinigen: the default "
-               "InfiniGen (the layer's own query, 4% of the rows but at least 256; the first "
-               "two layers read every row, as the paper's); one kept prefill serves both, and "
-               "a first InfiniGen load calibrates its skew (kept for later loads)."
-               if long else ""))
+            + (" " + LONG_NOTE if long else ""))
 
 
 def markdown(doc: dict) -> str:
@@ -184,9 +182,7 @@ def docs_section(doc: dict, stem: Path, results_md: Path) -> str:
             "#gguf_sizespy-dense-7b-14b-q4_k_m-models-against-llamacpp-on-the-same-file)).",
             100, break_long_words=False, break_on_hyphens=False))
         if title_of(doc) == LONG_TITLE:
-            lines.append(textwrap.fill(
-                "infinigen: the default (own query, 4% of rows, >= 256; layers 0-1 read all).",
-                100))
+            lines.append(textwrap.fill(LONG_NOTE, 100))
     return "\n".join(lines) + "\n"
 
 

@@ -144,6 +144,10 @@ def test_an_unknown_kv_policy_or_batch_of_one_stops_before_any_work(tmp_path, ca
 def test_without_a_batch_row_the_bound_has_none_and_rows_name_their_policy():
     s = {"gen": 32, "depth": 32768, "batch": 0, "batch_prompt": 128}
     row = gguf_sizes.bound_row("llama-3.1-8b", 2, s, bandwidth=20e9)
-    assert "batch_tokens_s" not in row and row["decode_depth_tokens_s"] > 0
+    files = gguf_sizes.files_of("llama-3.1-8b")
+    step = (files.decode_read_bytes("llama-3.1-8b", 2, 1)
+            + files.kv_read_bytes("llama-3.1-8b", 2, 32768 + 16))
+    assert "batch_tokens_s" not in row
+    assert row["decode_depth_tokens_s"] == pytest.approx(20e9 / step)
     assert gguf_sizes.program_of("full") == "flexgen_infinigen"
     assert gguf_sizes.program_of("infinigen") == "flexgen_infinigen, infinigen"
