@@ -149,8 +149,10 @@ class OffloadedLM:
     def stop_token_ids(self) -> set[int]:
         """What ends a sequence: the model's EOS and, with a tokenizer, the end of a chat turn
         (``<|im_end|>``, ``<|eot_id|>``, the GGUF's end-of-turn id)."""
-        extra = self.tokenizer.stop_token_ids if self.tokenizer is not None else set()
-        return {self.cfg.eos_token_id, *extra}
+        if self.tokenizer is None:
+            return {self.cfg.eos_token_id}
+        return {self.cfg.eos_token_id, *self.tokenizer.stop_token_ids} - \
+            self.tokenizer.never_stop
 
     @property
     def dtype(self) -> torch.dtype:

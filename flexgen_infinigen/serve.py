@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "then its body; a half-sent request is answered 408 and closed "
                         "(default 30)")
     g.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
-                   help="auto: a thinking model's <think> reasoning is returned as "
-                        "reasoning_content (streamed as its own deltas); none: it stays in "
-                        "content")
+                   help="auto: a thinking model's reasoning (<think>, gpt-oss's analysis) is "
+                        "returned as reasoning_content (streamed as its own deltas); none: it "
+                        "stays in content")
     g.add_argument("--sse-keepalive-s", type=float, default=10.0,
                    help="send an SSE comment this often while a streamed request waits or "
                         "prefills, so that proxies keep the connection (default 10)")

@@ -1,7 +1,8 @@
 """Tool calls (flexgen_infinigen.text.tool_calls and the request checks): each family's
 written form parses to OpenAI's ``tool_calls`` with the arguments as written, text around a
-call stays content, anything malformed or cut short stays text; a stream holds a call back
-until it is whole and sends the text before it; a request's tools, tool_choice and tool
+call stays content, anything malformed or cut short stays text; a stream sends the text
+before a call and the call's arguments piece by piece, which a client assembles into the
+calls the whole answer holds; a request's tools, tool_choice and tool
 messages are checked field by field. With the real Qwen2.5 GGUF (FLEXGEN_INFINIGEN_QWEN_GGUF),
 a server answers a weather question with a call, streamed and not, and takes the result."""
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from flexgen_infinigen.cli import openai_batch
-from flexgen_infinigen.text.tool_calls import CallStream, format_of, parse
+from flexgen_infinigen.text.call_stream import CallStream
+from flexgen_infinigen.text.tool_calls import format_of, parse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -68,22 +70,64 @@ def test_bare_json_counts_only_when_it_names_an_offered_tool():
     assert parse(text, "hermes") == (text, [])
 
 
-@pytest.mark.parametrize("fmt,text", [
+def _assembled(deltas: list[dict]) -> list[tuple[str, object]]:
+    """Calls put together from their streamed deltas, as a client does."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        assert set(d) <= {"index", "id", "type", "function"}
+        if d["index"] not in calls:  # a call's first delta: id, type and name
+            assert d["id"].startswith("call_") and d["type"] == "function"
+            assert d["index"] == len(calls)
+            calls[d["index"]] = [d["function"]["name"], ""]
+        else:
+            assert set(d["function"]) == {"arguments"}
+        calls[d["index"]][1] += d["function"].get("arguments", "")
+    return [(name, json.loads(args)) for name, args in calls.values()]
+
+
+TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": [1, '
+       '{"n": 2}]}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+       '{"city": "Oslo"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("fmt,text,streams", [
     ("hermes", 'Checking now. <tool_call>{"name": "get_weather", "arguments": '
-               '{"city": "Paris"}}</tool_call>'),
-    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
-    ("hermes", "No call here, only <tool text that looks like one."),
+               '{"city": "Paris"}}</tool_call>', True),
+    ("hermes", TWO, True),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     True),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', True),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', True),
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}', True),  # bare
+    # keys in the other order: held, and sent whole at the end
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>',
+     False),
+    ("hermes", "No call here, only <tool text that looks like one.", False),
 ])
-def test_a_stream_sends_the_text_and_holds_the_call(fmt, text):
-    for size in (1, 3, 7):  # the marker split across pieces in every way
+def test_a_stream_sends_the_text_and_the_calls_as_written(fmt, text, streams):
+    content, expected = parse(text, fmt, {"get_weather"})
+    for size in (1, 3, 7, len(text)):  # the marker and the head split in every way
         stream = CallStream(fmt, {"get_weather"})
-        sent = "".join(stream.add(text[i:i + size]) for i in range(0, len(text), size))
+        sent, deltas, early = "", [], 0
+        for i in range(0, len(text), size):
+            more, calls = stream.add(text[i:i + size])
+            sent, deltas, early = sent + more, deltas + calls, early + len(calls)
         rest, calls = stream.finish()
-        content, expected = parse(text, fmt, {"get_weather"})
-        assert _calls(calls) == _calls(expected)
+        assert _assembled(deltas + calls) == _calls(expected), size
         assert (sent + rest).strip() == (content or "").strip()
         assert "tool_call" not in sent and "TOOL_CALLS" not in sent or not expected
+        if size == 1:  # each call's arguments went out piece by piece, before the end
+            assert (early > 2 * len(expected)) == streams and not (streams and calls)
+
+
+def test_a_streamed_call_cut_short_sends_what_was_written():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    stream = CallStream("hermes", {"get_weather"})
+    _, deltas = stream.add(text)
+    assert deltas[0]["function"]["name"] == "get_weather" and stream.called
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Par'
+    assert stream.finish() == ("", [])  # not a call, but its head is out
+    assert parse(text, "hermes", {"get_weather"}) == (text, [])  # unstreamed: text
 
 
 def _request(body: dict) -> dict:
@@ -158,9 +202,10 @@ def test_a_server_answers_with_a_call_and_takes_its_result(qwen_server):
 
     chunks = list(client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
                                                  max_tokens=40, temperature=0, stream=True))
-    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]
-    assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    deltas = [d.model_dump(exclude_none=True) for c in chunks if c.choices
+              for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) > 2  # the arguments came piece by piece
+    assert _assembled(deltas) == [("get_weather", {"city": "Paris"})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 

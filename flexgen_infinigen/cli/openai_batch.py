@@ -138,10 +138,12 @@ def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = Fal
     """A chat request's prompt ids through ``template``, with its ``tools``, ``documents``
     and ``chat_template_kwargs``; a request with tools learns the format its answer's calls
     take (``tool_format``), and one whose template shows no tools is refused."""
+    from ..text import harmony
     from ..text.chat import chat_prompt_ids
     from ..text.template import TemplateInputError
     from ..text.tool_calls import format_of
 
+    request["harmony"] = harmony.speaks(template)
     if request.get("tools"):
         request["tool_format"] = format_of(template)
         if request["tool_format"] is None:
@@ -198,12 +200,23 @@ def response_line(request: dict, text: str, completion_tokens: int, prompt_token
             "error": None}
 
 
-def assistant_message(request: dict, text: str) -> dict:
+def assistant_message(request: dict, text: str, reasoning: bool = True) -> dict:
     """The answer as OpenAI's assistant message: its calls in ``tool_calls`` when the request
-    offered tools and the answer calls them (content: the text around them, or None)."""
+    offered tools and the answer calls them (content: the text around them, or None). A
+    harmony answer (gpt-oss) is read by its channels, its analysis in ``reasoning_content``
+    (``reasoning`` False: left in the content)."""
+    from ..text import harmony
     from ..text.tool_calls import parse
 
     names = {t["function"]["name"] for t in request.get("tools") or ()}
+    if request.get("harmony"):
+        thought, content, calls = harmony.split(text, reasoning, tools=bool(names))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if thought is not None:
+            message["reasoning_content"] = thought
+        return message
     content, calls = parse(text, request.get("tool_format"), names)
     if not calls:
         return {"role": "assistant", "content": text}

@@ -21,6 +21,13 @@ import torch
 from .requests import ApiError
 
 
+# A harmony call's arguments written as gpt-oss's template writes them (``tojson``): one
+# space after each separator and no other whitespace, which also keeps a model from
+# spending its tokens on whitespace that JSON allows
+COMPACT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                          "key_separator": ": "}}
+
+
 def _library():
     try:
         import llguidance
@@ -75,17 +82,27 @@ class Grammars:
     def tool_call(self, tools: list[dict], name: str | None, fmt: str | None) -> str:
         """A grammar for one call, in the template's format, of the named tool (None: any
         offered tool), its arguments held to the tool's ``parameters`` schema."""
-        if fmt != "hermes":
+        if fmt not in ("hermes", "harmony"):
             raise ApiError(400, "tool_choice \"required\" or a named function is served for "
-                                "models whose template writes <tool_call> blocks",
-                           param="tool_choice")
+                                "models whose template writes <tool_call> blocks or harmony "
+                                "(gpt-oss)", param="tool_choice")
         chosen = [t for t in tools if name is None or t["function"]["name"] == name]
         if not chosen:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools",
                            param="tool_choice")
+        if fmt == "harmony":  # a commentary message to the function, its body the arguments
+            lit = self._literal
+            calls = [f'call{i}: {lit("<|channel|>")} '
+                     f'{json.dumps("commentary to=functions." + t["function"]["name"] + " ")} '
+                     f'{lit("<|constrain|>")} "json" {lit("<|message|>")} args{i}\n'
+                     f'args{i}: %json {json.dumps({**_parameters(t), **COMPACT})}\n'
+                     for i, t in enumerate(chosen)]
+            lark = f"start: {' | '.join(f'call{i}' for i in range(len(chosen)))}\n" + \
+                "".join(calls)
+            return self._checked(_library().LLMatcher.grammar_from_lark(lark), "tool_choice")
         schema = {"anyOf": [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
-            "arguments": t["function"].get("parameters") or {"type": "object"}},
+            "arguments": _parameters(t)},
             "required": ["name", "arguments"], "additionalProperties": False}
             for t in chosen]}
         lark = (f'start: {self._literal("<tool_call>")} "\\n" call "\\n" '
@@ -117,6 +134,11 @@ class Grammars:
 
     def constraint(self, grammar: str) -> "Constraint":
         return Constraint(_library().LLMatcher(self.tokenizer(), grammar, log_level=0))
+
+
+def _parameters(tool: dict) -> dict:
+    """A tool's arguments schema (any object when it gives none)."""
+    return tool["function"].get("parameters") or {"type": "object"}
 
 
 class Constraint:

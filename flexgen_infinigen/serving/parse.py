@@ -13,6 +13,7 @@ from ..cli import openai_batch
 from ..cli import request_checks as checks
 from ..config import ConfigError
 from ..sampling import SamplingConfig, generation_defaults
+from ..text import harmony
 from ..text.reasoning import OPEN, thinks
 from .requests import ApiError, ServeRequest
 
@@ -125,6 +126,7 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
                           stop_token_ids=settings.get("stop_token_ids", ()),
                           tool_format=request.get("tool_format"), tools=request.get("tools"),
                           reasoning=_thought(kind, reasoning, template, lm.tokenizer, ids),
+                          harmony=kind == "chat" and bool(request.get("harmony")),
                           constraint=grammars.constraint(grammar) if grammar else None)
     if echo:  # the prompt's text before the answer's, and its tokens' log-probabilities
         served.echo = [lm.tokenizer.decode([t]) if lm.tokenizer else "" for t in ids]
@@ -165,8 +167,12 @@ def grammar_of(fmt, forced, request: dict, grammars) -> str | None:
 def _thought(kind: str, reasoning: bool, template: str | None, tokenizer,
              ids: list[int]) -> str | None:
     """How a chat's answer holds its reasoning: None (not split), "inside" (the prompt's
-    last tokens open the thought) or "outside"."""
-    if kind != "chat" or not reasoning or not thinks(template):
+    last tokens open the thought), "outside" or "harmony" (the analysis channel)."""
+    if kind != "chat" or not reasoning:
+        return None
+    if harmony.speaks(template):
+        return "harmony"
+    if not thinks(template):
         return None
     return "inside" if tokenizer.decode(ids[-4:]).rstrip().endswith(OPEN) else "outside"
 

@@ -57,8 +57,9 @@ class ServeRequest:
     tool_format: str | None = None  # how the answer writes tool calls (tools offered)
     tools: list | None = None  # the tools offered
     # a thinking model's reasoning split out: None (not split), "inside" (the prompt opened
-    # the thought) or "outside"
+    # the thought), "outside", or "harmony" (gpt-oss's analysis channel)
     reasoning: str | None = None
+    harmony: bool = False  # the answer is written in harmony (text.harmony reads it)
     constraint: object = None  # the grammar the answer is held to (.grammar.Constraint)
     # echo (a completion's): each prompt token's text; its log-probability entries are kept
     # as its row feeds the prompt a token a step (the first token's has none)
@@ -148,10 +149,11 @@ class ServeRequest:
                   "logprobs": self.logprobs_object(logprobs)}
         if self.kind == "chat":
             thought = None
-            if self.reasoning is not None:
+            if self.reasoning in ("inside", "outside"):
                 thought, text = split_reasoning(text, self.reasoning == "inside")
             choice["message"] = openai_batch.assistant_message(
-                {"tool_format": self.tool_format, "tools": self.tools}, text)
+                {"tool_format": self.tool_format, "tools": self.tools,
+                 "harmony": self.harmony}, text, reasoning=self.reasoning == "harmony")
             if thought is not None:
                 choice["message"]["reasoning_content"] = thought
             if "tool_calls" in choice["message"]:
@@ -170,16 +172,15 @@ class ServeRequest:
     def chunk(self, text: str | None, reason: str | None, logprobs: list[dict],
               first: bool = False, calls: list[dict] | None = None,
               reasoning: str | None = None) -> dict:
-        """One SSE chunk: new text (``None``: no choice, the usage chunk); ``calls``: the
-        answer's tool calls, whole, as deltas in OpenAI's shape; ``reasoning``: a piece of
-        a thinking model's reasoning."""
+        """One SSE chunk: new text (``None``: no choice, the usage chunk); ``calls``: tool
+        call deltas in OpenAI's shape (each with its ``index``); ``reasoning``: a piece of a
+        thinking model's reasoning."""
         choices = []
         if text is not None:
             choice = {"index": self.index, "finish_reason": reason,
                       "logprobs": self.logprobs_object(logprobs)}
             if calls:
-                choice["delta"] = {"tool_calls": [{"index": i, **c}
-                                                  for i, c in enumerate(calls)]}
+                choice["delta"] = {"tool_calls": calls}
             elif reasoning:
                 choice["delta"] = {"reasoning_content": reasoning}
             elif self.kind == "chat":

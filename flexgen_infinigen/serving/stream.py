@@ -9,8 +9,9 @@ import json
 
 from starlette.requests import Request
 
+from ..text.call_stream import CallStream
+from ..text.harmony import HarmonyStream
 from ..text.reasoning import ThinkStream
-from ..text.tool_calls import CallStream
 from .guard import log, server_error
 from .requests import ServeRequest
 
@@ -41,45 +42,77 @@ def usage(served: list[ServeRequest]) -> dict:
 
 class ChoiceStream:
     """One choice's events turned into its chunks: the role first (a chat), a thinking
-    model's reasoning as its own deltas, a tool call held back until it is whole."""
+    model's reasoning as its own deltas, tool calls as they are written (a call whose
+    form the stream cannot follow goes out whole at the end)."""
 
     def __init__(self, served: ServeRequest):
         self.served, self.done = served, False
         self.role_sent = served.kind != "chat"
-        self.calls = CallStream(served.tool_format,
-                                {t["function"]["name"] for t in served.tools or ()}) \
-            if served.tool_format else None
-        self.think = ThinkStream(served.reasoning == "inside") if served.reasoning else None
+        names = {t["function"]["name"] for t in served.tools or ()}
+        self.harmony = HarmonyStream(served.reasoning == "harmony", bool(names)) \
+            if served.harmony else None
+        self.calls = CallStream(served.tool_format, names) \
+            if served.tool_format and not served.harmony else None
+        self.think = ThinkStream(served.reasoning == "inside") \
+            if served.reasoning in ("inside", "outside") else None
+        self.called = False  # a tool call went out
 
     def chunks(self, kind: str, piece, extra) -> list[dict]:
         served, out = self.served, []
         if not self.role_sent:  # with the first token: the time a client sees is honest
             out.append(served.chunk("", None, [], first=True))
             self.role_sent = True
+        logprobs = [] if extra is None or kind == "done" else [extra]
+        for what, value in self._parts(kind, piece or ""):
+            if what == "reasoning":
+                out.append(served.chunk("", None, logprobs, reasoning=value))
+            elif what == "calls":
+                self.called = True
+                out.append(served.chunk("", None, logprobs, calls=value))
+            else:
+                out.append(served.chunk(value, None, logprobs))
+            logprobs = []
+        if kind == "done":
+            reason = "tool_calls" if self.called and extra == "stop" else extra
+            out.append(served.chunk("", reason, []))
+            self.done = True
+        elif logprobs:  # a token that made no text yet still has its log-probability
+            out.append(served.chunk("", None, logprobs))
+        return out
+
+    def _parts(self, kind: str, piece: str) -> list[tuple[str, object]]:
+        """("reasoning" | "content", text) and ("calls", deltas) of a piece, in order."""
+        if self.harmony is not None:
+            events = self.harmony.add(piece) + (self.harmony.finish() if kind == "done" else [])
+            parts, index = [], self.harmony.calls - sum(e[0] == "call" for e in events) - 1
+            for what, value in events:
+                if what == "call":
+                    index += 1
+                    parts.append(("calls", [{"index": index, **value}]))
+                elif what == "arguments":
+                    parts.append(("calls", [{"index": index, "function": {"arguments": value}}]))
+                elif what in ("reasoning", "content") and value:
+                    parts.append((what, value))
+            return parts
+        parts = []
         if self.think is not None:
-            thought, piece = self.think.add(piece or "")
+            thought, piece = self.think.add(piece)
             if kind == "done":
                 more, rest = self.think.finish()
                 thought, piece = thought + more, piece + rest
             if thought:
-                out.append(served.chunk("", None, [], reasoning=thought))
-        if self.calls is not None:
-            piece = self.calls.add(piece or "")
+                parts.append(("reasoning", thought))
+        if self.calls is None:
+            return parts + ([("content", piece)] if piece else [])
+        content, deltas = self.calls.add(piece)
         if kind == "done":
-            found = None
-            if self.calls is not None:
-                rest, found = self.calls.finish()
-                piece += rest
-            if found:
-                if piece:
-                    out.append(served.chunk(piece, None, []))
-                out.append(served.chunk("", None, [], calls=found))
-                extra, piece = "tool_calls", ""
-            out.append(served.chunk(piece, extra, []))
-            self.done = True
-        elif piece or extra is not None:
-            out.append(served.chunk(piece, None, [] if extra is None else [extra]))
-        return out
+            rest, more = self.calls.finish()
+            content, deltas = content + rest, deltas + more
+        if content:
+            parts.append(("content", content))
+        if deltas:
+            parts.append(("calls", deltas))
+        return parts
 
 
 async def sse(every: list[ServeRequest], request: Request, keepalive_s: float):

@@ -11,11 +11,15 @@ import os
 from pathlib import Path
 
 from ..config import ModelConfig
+from . import harmony
 
 MANIFEST = "manifest.json"  # mirrors weights.store.MANIFEST without importing numpy
 # special tokens that end a chat turn in the templates of common model families
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                    "<|endoftext|>")
+# a harmony model (gpt-oss) ends its answer with these; its <|end|> closes one message of an
+# answer that goes on (the reasoning, before the final message)
+HARMONY_ENDS = (harmony.RETURN, harmony.CALL, "<|endoftext|>")
 
 
 class Tokenizer:
@@ -32,9 +36,17 @@ class Tokenizer:
         self._text_only = None
         # ids that end generation: EOS, and the turn-end tokens the vocabulary has as specials
         specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-        self.stop_token_ids = {i for i in [eos_token_id, *(tok.token_to_id(t) for t in
-                                                          TURN_END_TOKENS if t in specials)]
+        self.harmony = harmony.CHANNEL in specials and harmony.MESSAGE in specials
+        ends = HARMONY_ENDS if self.harmony else TURN_END_TOKENS
+        self.stop_token_ids = {i for i in [eos_token_id, *(tok.token_to_id(t) for t in ends
+                                                          if t in specials)]
                                if i is not None}
+        # harmony's markers stay in the decoded text, where the answer's parts are read
+        # (text.harmony); ids that never end an answer, whatever a file calls them
+        self.kept_ids = {tok.token_to_id(t) for t in harmony.MARKERS if t in specials} \
+            if self.harmony else set()
+        self.never_stop = {tok.token_to_id(harmony.END)} if self.harmony else set()
+        self.stop_token_ids -= self.never_stop
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, cfg: ModelConfig | None = None,
@@ -114,7 +126,19 @@ class Tokenizer:
         return out
 
     def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        """The text of ``ids``, control tokens left out (a harmony model's markers kept)."""
+        ids = [int(i) for i in ids]
+        if not self.kept_ids.intersection(ids):
+            return self.tok.decode(ids, skip_special_tokens=True)
+        out, run = [], []
+        for i in ids:
+            if i in self.kept_ids:  # the text on either side decodes as it would alone
+                out += [self.tok.decode(run, skip_special_tokens=True), self.tok.id_to_token(i)]
+                run = []
+            else:
+                run.append(i)
+        out.append(self.tok.decode(run, skip_special_tokens=True))
+        return "".join(out)
 
     @property
     def vocab_size(self) -> int:
@@ -190,6 +214,7 @@ def load_tokenizer(store_or_folder, cfg: ModelConfig | None = None) -> Tokenizer
         if tok is not None:  # a GGUF's end-of-turn ids stop generation too
             ids = info.get("special_ids") or {}
             tok.stop_token_ids |= {ids[k] for k in ("eos", "eot", "eom") if k in ids}
+            tok.stop_token_ids -= tok.never_stop
         return tok
     if (folder / "tokenizer.json").is_file():
         return Tokenizer.from_file(folder / "tokenizer.json", cfg)

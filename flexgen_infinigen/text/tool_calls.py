@@ -1,5 +1,5 @@
 """Tool calls in a model's answer, written the way its family writes them, turned into
-OpenAI's ``tool_calls``; and a stream filter that holds a call back until it is whole.
+OpenAI's ``tool_calls`` (:mod:`.call_stream` streams them as they are written).
 
 The format comes from the model's chat template (what it was trained to write):
 
@@ -8,7 +8,8 @@ The format comes from the model's chat template (what it was trained to write):
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or the newer
   ``[TOOL_CALLS]name[ARGS]{...}`` per call;
 - ``llama3``: the whole answer one JSON object ``{"name": ..., "parameters": {...}}``
-  (after ``<|python_tag|>`` when the model writes it), calls separated by ``;``.
+  (after ``<|python_tag|>`` when the model writes it), calls separated by ``;``;
+- ``harmony`` (gpt-oss): a message to ``functions.NAME`` (:mod:`.harmony` reads it).
 
 Some models write the call's JSON without its tags (Qwen2.5-Coder writes
 ``{"name": ..., "arguments": ...}`` bare): an answer whose every line is such an object,
@@ -23,6 +24,8 @@ import json
 import re
 import uuid
 
+from . import harmony
+
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 # where a call begins, by format (a stream holds text back from here)
 MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "<|python_tag|>"}
@@ -32,6 +35,8 @@ def format_of(template: str | None) -> str | None:
     """The tool-call format a chat template teaches (None: it shows no tools)."""
     if not template:
         return None
+    if harmony.speaks(template):
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -80,6 +85,9 @@ def parse(text: str, fmt: str | None, names=()) -> tuple[str | None, list[dict]]
     """(content, tool calls) of an answer in format ``fmt``; content None when the answer
     is calls only. With no format, or no call that parses, the text is all content.
     ``names``: the tools offered (bare JSON calls count only when they name one)."""
+    if fmt == "harmony":  # the analysis stays in the content here (assistant_message splits)
+        _, content, calls = harmony.split(text, reasoning=False)
+        return (content or None) if calls else text, calls
     if fmt is not None:
         bare = _bare(text, names)
         if bare:
@@ -128,43 +136,3 @@ def parse(text: str, fmt: str | None, names=()) -> tuple[str | None, list[dict]]
             return text, []
         return None, calls
     return text, []
-
-
-class CallStream:
-    """Streamed content with the calls held back: :meth:`add` returns the text that is
-    surely content (everything before a place where a call could begin), :meth:`finish`
-    the rest as (content, calls) once the answer is whole."""
-
-    def __init__(self, fmt: str, names=()):
-        self.fmt, self.marker, self.names = fmt, MARKERS[fmt], names
-        self.sent, self.held = 0, ""
-        self.text = ""
-
-    def add(self, piece: str) -> str:
-        self.text += piece
-        if self.sent == 0:
-            lead = self.text.lstrip()
-            # the answer may be a call (a JSON object, maybe after the marker): nothing of it
-            # is content until it is whole
-            if not lead or lead.startswith(("{", self.marker)) or self.marker.startswith(lead):
-                return ""
-        start = self.text.find(self.marker, self.sent)
-        if start < 0:  # keep back a tail that could be the marker's beginning
-            start = len(self.text)
-            for n in range(min(len(self.marker) - 1, len(self.text) - self.sent), 0, -1):
-                if self.marker.startswith(self.text[-n:]):
-                    start = len(self.text) - n
-                    break
-        out = self.text[self.sent:start]
-        self.sent = start
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(the content not yet sent, the calls)."""
-        content, calls = parse(self.text, self.fmt, self.names)
-        if not calls:
-            return self.text[self.sent:], []
-        # the content sent already is the answer's text before its first call
-        rest = (content or "")[self.sent:] if content and content.startswith(
-            self.text[:self.sent]) else ""
-        return rest, calls
