@@ -298,7 +298,7 @@ def _run(a, todo: list[dict], out) -> int:
         grammars = LineGrammars(lm, a.refill and lm.tokenizer is not None)
         for r in todo:  # an OpenAI completion is plain text, never a chat
             why = _prepare(lm, r, a.chat and r["format"] == "ours", template) or \
-                grammars.compile(r)
+                grammars.compile(r) or _rows_needed(r, grammars.refilled)
             (ready.append(r) if why is None else refused.append(error_line(r, why)))
         _write(out, refused)
         failed += len(refused)
@@ -353,31 +353,83 @@ def _refilled(lm, a, ready: list[dict], written, grammars) -> None:
     answer ends takes the next prompt (:mod:`.serving.offline`). A request that failed (its
     block with it) runs again alone, as ``_blocks`` would run it; one held to a grammar gets
     its error line instead (a block of its own has no grammar)."""
-    from .serving.offline import JobRequest, answer_all
+    from .serving.offline import answer_all
+    from .serving.requests import combined
 
-    # a line without its own seed draws from the job's seed plus its place in the file: each
-    # row has a generator of its own, so equal prompts still draw differently
-    jobs = [JobRequest("completion", r["ids"], r["settings"]["gen_len"],
-                       _sampling(a, r["settings"], a.seed + i), list(r.get("stop") or []),
-                       None, False, False, lm.cfg.name,
-                       ignore_eos=bool(r["settings"].get("ignore_eos")),
-                       stop_token_ids=tuple(r["settings"].get("stop_token_ids", ())),
-                       tool_format=r.get("tool_format"), tools=r.get("tools"),
-                       constraint=grammars.constraint(r), line=r)
-            for i, r in enumerate(ready)]
+    jobs = [job for i, r in enumerate(ready) for job in _jobs(lm, a, r, i, grammars)]
     decode = lm.tokenizer.decode if lm.tokenizer else (lambda _: "")
-    failed = []
+    failed, choices, gone = [], {}, set()
     for job, event in answer_all(lm, jobs):
-        if event[0] == "done":
-            written([_result(lm, job.line, job.token_ids, decode(job.token_ids))], 1)
+        line = job.line
+        if _choices(line):  # a body of choices: written once they have all ended
+            if id(line) in gone:
+                continue
+            if event[0] != "done":
+                gone.add(id(line))
+                written([error_line(line, _first_line(event[1]))], 1)
+                continue
+            ended = choices.setdefault(id(line), [])
+            ended.append(job)
+            if len(ended) == line["n"]:
+                ended.sort(key=lambda j: j.index)
+                written([openai_batch.body_line(line, combined(
+                    ended, [j.answer() for j in ended]))], 1)
+        elif event[0] == "done":
+            written([_result(lm, line, job.token_ids, decode(job.token_ids))], 1)
         elif job.constraint is not None:
-            written([error_line(job.line, _first_line(event[1]))], 1)
+            written([error_line(line, _first_line(event[1]))], 1)
         else:
             failed.append(job)
     for job in failed:  # once the scheduler has stopped: the engine runs one block at a time
         settings = job.line["settings"]
         written(_answer(lm, [job.line], settings["gen_len"], job.sampling,
                         -1 if _stop_ids(lm, settings) is None else None), 1)
+
+
+def _choices(request: dict) -> bool:
+    """Whether a line's answer is the server's body of choices: ``n`` > 1, log-probabilities
+    or an echo (a plain line's is the engine's tokens, cut at its stops)."""
+    return request["format"] == "openai" and (
+        request["n"] > 1 or request["top_logprobs"] is not None or request["echo"])
+
+
+def _rows_needed(request: dict, refilled: bool) -> str | None:
+    """The reason a line cannot run when its fields need the refilled rows and the job has
+    none."""
+    if refilled or not _choices(request):
+        return None
+    request["param"] = "n" if request["n"] > 1 else \
+        "logprobs" if request["top_logprobs"] is not None else "echo"
+    return (f"{request['param']} is answered in refilled rows: drop --no-refill (and give a "
+            "model with a tokenizer)")
+
+
+def _jobs(lm, a, request: dict, place: int, grammars) -> list:
+    """A line's rows: one per choice. A line without its own seed draws from the job's seed
+    plus its place in the file (each row has a generator of its own, so equal prompts still
+    draw differently); choice ``j`` draws from that seed plus ``j``, as the server's do."""
+    from .serving.offline import JobRequest
+
+    settings, rich = request["settings"], _choices(request)
+    seed = settings.get("seed", a.seed + place)
+    harmony = rich and bool(request.get("harmony"))
+    out = []
+    for j in range(request["n"] if rich else 1):
+        job = JobRequest(request["kind"] if rich else "completion", request["ids"],
+                         settings["gen_len"], _sampling(a, {**settings, "seed": seed + j}),
+                         list(request.get("stop") or []),
+                         request["top_logprobs"] if rich else None, False, False,
+                         lm.cfg.name, ignore_eos=bool(settings.get("ignore_eos")),
+                         stop_token_ids=tuple(settings.get("stop_token_ids", ())),
+                         tool_format=request.get("tool_format"), tools=request.get("tools"),
+                         harmony=harmony, reasoning="harmony" if harmony else None,
+                         constraint=grammars.constraint(request), line=request)
+        job.index, job.first_of_prompt = j, j == 0
+        if rich and request["echo"]:  # the prompt's text, and each token's, before the answer
+            job.echo = [lm.tokenizer.decode([t]) for t in request["ids"]]
+            job.echo_text = lm.tokenizer.decode(request["ids"])
+        out.append(job)
+    return out
 
 
 def _template(lm, a) -> str | None:

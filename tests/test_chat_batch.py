@@ -132,8 +132,8 @@ def test_openai_batch_gives_our_texts(smollm2_store, tmp_path):
     theirs = [_openai("c", CHAT, messages=QUESTION, max_tokens=8, temperature=0),
               _openai("p", COMPLETION, prompt="The capital of France is", max_tokens=8,
                       temperature=0, model="anything"),
-              _openai("two", CHAT, messages=QUESTION, n=2),
-              _openai("lp", COMPLETION, prompt="Hi", logprobs=3),
+              _openai("two", CHAT, messages=QUESTION, n=2, stream=True),
+              _openai("lp", CHAT, messages=QUESTION, echo=True),
               _openai("tools", CHAT, messages=QUESTION, tools=[{"type": "function"}]),
               _openai("cut", COMPLETION, prompt="The capital of France is", max_tokens=8,
                       temperature=0, stop=["France", " Paris"])]
@@ -155,7 +155,7 @@ def test_openai_batch_gives_our_texts(smollm2_store, tmp_path):
         assert usage["prompt_tokens"] == mine[key]["prompt_tokens"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert body["choices"][0]["finish_reason"] == mine[key]["finish_reason"]
-    for key, word in (("two", "n > 1"), ("lp", "logprobs"), ("tools", "tools")):
+    for key, word in (("two", "stream"), ("lp", "echo"), ("tools", "tools")):
         assert got[key]["response"] is None and word in got[key]["error"]["message"]
     cut = got["cut"]["response"]["body"]["choices"][0]
     assert " Paris" in mine["p"]["text"]
@@ -237,3 +237,61 @@ def test_openai_batch_bad_lines_are_one_error_before_loading(tmp_path, lines, wo
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     for w in words:
         assert w in err[0], (w, err[0])
+
+
+def test_openai_batch_serves_choices_logprobs_and_echo(smollm2_store, smollm2_hf, tmp_path):
+    """``n`` choices, each as the line seeded ``seed + j`` answers alone; a completion's echo
+    with logprobs scores its prompt as transformers does; a chat's greedy logprobs name the
+    tokens of its answer, each the most likely. Without refilled rows such a line is refused,
+    naming the flag."""
+    import torch
+
+    prompt = "The capital of France is"
+    lines = [_openai("three", CHAT, messages=QUESTION, n=3, max_tokens=6, temperature=1.0,
+                     seed=7),
+             *[_openai(f"seed{j}", CHAT, messages=QUESTION, max_tokens=6, temperature=1.0,
+                       seed=7 + j) for j in range(3)],
+             _openai("echo", COMPLETION, prompt=prompt, max_tokens=2, temperature=0,
+                     echo=True, logprobs=1),
+             _openai("lp", CHAT, messages=QUESTION, max_tokens=5, temperature=0,
+                     logprobs=True, top_logprobs=2)]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "out.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = {r["custom_id"]: r["response"]["body"] for r in _lines(tmp_path / "out.jsonl")}
+    three = got["three"]["choices"]
+    assert [c["index"] for c in three] == [0, 1, 2]
+    assert [c["message"]["content"] for c in three] == [
+        got[f"seed{j}"]["choices"][0]["message"]["content"] for j in range(3)]
+    assert len({c["message"]["content"] for c in three}) > 1  # sampled apart
+    alone = sum(got[f"seed{j}"]["usage"]["completion_tokens"] for j in range(3))
+    assert got["three"]["usage"]["completion_tokens"] == alone
+    assert got["three"]["usage"]["prompt_tokens"] == got["seed0"]["usage"]["prompt_tokens"]
+
+    with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
+        ids = lm.tokenizer.encode(prompt)
+        answer = lm.generate([prompt], 2).texts[0]
+    echo = got["echo"]["choices"][0]
+    assert echo["text"] == lm.tokenizer.decode(ids) + answer
+    scored = echo["logprobs"]["token_logprobs"]
+    assert len(scored) == len(ids) + 2 and scored[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm2_hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(scored[1:len(ids)]), want, atol=2e-3)
+
+    lp = got["lp"]["choices"][0]
+    entries = lp["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == lp["message"]["content"]
+    for e in entries:  # greedy: the chosen token is the most likely of its two alternatives
+        assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
+        assert e["logprob"] == pytest.approx(max(t["logprob"] for t in e["top_logprobs"]))
+
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "blocks.jsonl", "--no-refill"], tmp_path)
+    refused = {r["custom_id"]: r for r in _lines(tmp_path / "blocks.jsonl")}
+    for key, param in (("three", "n"), ("echo", "logprobs"), ("lp", "logprobs")):
+        assert refused[key]["response"] is None and refused[key]["error"]["param"] == param
+        assert "--no-refill" in refused[key]["error"]["message"]
+    assert refused["seed0"]["error"] is None

@@ -166,7 +166,9 @@ def _parse(kind: str = COMPLETION, **fields) -> dict:
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"stop_token_ids": 3}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"n": 2}, "n"), ({"echo": True}, "echo"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"n": 0}, "n"), ({"n": 129}, "n"),
+    ({"n": 2.0}, "n"), ({"echo": "yes"}, "echo"), ({"logprobs": 6}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"best_of": 2}, "best_of"),
 ])
 def test_bad_values_are_refused_by_name(fields, param):

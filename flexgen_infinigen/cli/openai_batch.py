@@ -10,12 +10,14 @@ one), ``stop_token_ids`` and ``ignore_eos``, ``chat_template_kwargs``, ``documen
 ``tools`` with ``tool_choice`` (a chat's, passed to its template; calls in the answer come
 back as ``tool_calls``; ``required`` or a named function holds the answer to one call of it),
 ``response_format`` ``json_object`` or ``json_schema`` (grammar-constrained, as the server
-does; both need the refilled rows, ``batch``'s default), ``model`` (informational: the command's
-``--model`` runs), ``n`` 1, ``stream`` false. A field left out takes the model's
+does), ``n`` (up to :data:`MAX_N` choices, choice ``j`` seeded ``seed + j``), ``logprobs``
+(and a chat's ``top_logprobs``), a completion's ``echo`` (these three, and ``response_format``
+and a forced call, need the refilled rows, ``batch``'s default), ``model`` (informational:
+the command's ``--model`` runs), ``stream`` false. A field left out takes the model's
 ``generation_config.json`` value where it has one (:func:`apply_model_defaults`). Fields that
 change nothing in the answer (:data:`IGNORED`: ``user``, ``metadata``, ...) are accepted and
-named in the request's ``ignored``. Anything else (``n`` > 1, ``logprobs``, ``echo``,
-``best_of``, ...) is refused for that line, and so is any value that :mod:`.request_checks`
+named in the request's ``ignored``. Anything else (``best_of``, ``suffix``, ...) is refused
+for that line, and so is any value that :mod:`.request_checks`
 refuses (the layer the server shares): its output line carries an ``error`` naming the field
 and the job goes on. A line that is not a request of this format (or a file that mixes
 formats) is one error naming the line, before any work.
@@ -62,6 +64,9 @@ IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier",
            "prompt_cache_key", "parallel_tool_calls", "prediction", "stream_options"}
 
 
+MAX_N = 128  # a batch line's choices (each takes a row of the job in turn)
+
+
 def is_openai(item) -> bool:
     """Whether a parsed input line is written in the OpenAI Batch format."""
     return isinstance(item, dict) and ("custom_id" in item or "body" in item)
@@ -88,7 +93,7 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
                "prompt": None, "messages": None, "stop": [], "refused": None, "param": None,
                "model": None, "template_kwargs": None, "documents": None, "given": set(),
                "tools": None, "tool_format": None, "response_format": None,
-               "forced_call": None,
+               "forced_call": None, "n": 1, "top_logprobs": None, "echo": False,
                "ignored": sorted(str(k) for k in body if k in IGNORED)}
     settings = {**defaults, "temperature": 1.0, "top_p": 1.0}
     try:
@@ -104,6 +109,13 @@ def parse(item: dict, where: str, defaults: dict, vocab_size: int | None = None)
         else:
             request["prompt"] = checks.prompt(body.get("prompt"), vocab_size)
         _check_options(body, kind)
+        # choices, log-probabilities and echo: answered by the rows of a refilled job
+        request["n"] = 1 if body.get("n") is None else checks.integer(body["n"], "n", 1, MAX_N)
+        request["top_logprobs"] = checks.top_logprobs(kind, body.get("logprobs"),
+                                                      body.get("top_logprobs"))
+        request["echo"] = body.get("echo") is not None and checks.flag(body["echo"], "echo")
+        if request["echo"] and kind == "chat":
+            raise checks.Refused("echo goes with /v1/completions", "echo")
         # a grammar the answer is held to (compiled once the model is loaded: batch._prepare)
         request["response_format"] = body.get("response_format")
         choice = body.get("tool_choice")
@@ -160,13 +172,8 @@ def _check_options(body: dict, kind: str) -> None:
     unknown = sorted(str(k) for k in set(body) - SERVED - IGNORED)
     if unknown:
         raise checks.Refused(f"not served: {', '.join(unknown)}", unknown[0])
-    if body.get("n") is not None and checks.integer(body["n"], "n") != 1:
-        raise checks.Refused("n > 1 is not served (one choice per request)", "n")
     if body.get("stream"):
         raise checks.Refused("stream is not served in a batch", "stream")
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if body.get(name):
-            raise checks.Refused(f"{name} is not served here (no logprobs or echo)", name)
     if kind != "chat":
         for name in ("chat_template_kwargs", "documents", "tools", "tool_choice"):
             if body.get(name) is not None:
@@ -195,6 +202,11 @@ def response_line(request: dict, text: str, completion_tokens: int, prompt_token
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+    return body_line(request, body)
+
+
+def body_line(request: dict, body: dict) -> dict:
+    """The output line of an answered request whose response body is ``body``."""
     return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": request["id"],
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
             "error": None}

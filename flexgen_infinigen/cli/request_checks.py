@@ -241,3 +241,29 @@ def stop_token_ids(value, vocab_size: int | None = None) -> tuple[int, ...]:
     return tuple(token_ids(value, vocab_size, "stop_token_ids"))
 
 
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
+
+
+def top_logprobs(kind: str, logprobs, top) -> int | None:
+    """How many alternatives each token's log-probability entry lists (None: no entries),
+    from a chat's ``logprobs: true`` and ``top_logprobs: N`` or a completion's
+    ``logprobs: N``."""
+    most = MAX_TOP_LOGPROBS[kind]
+    if kind == "chat":
+        if logprobs is not None and flag(logprobs, "logprobs"):
+            n = 0 if top is None else top
+        elif top is not None:
+            raise Refused("top_logprobs needs logprobs: true", "top_logprobs")
+        else:
+            return None
+    else:
+        if top is not None:
+            raise Refused("a completion takes logprobs: N (top_logprobs is the chat's)",
+                          "top_logprobs")
+        if logprobs is None:
+            return None
+        n = logprobs
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
+        raise Refused(f"the number of top log-probabilities must be 0 to {most}",
+                      "top_logprobs" if kind == "chat" else "logprobs")
+    return n

@@ -22,9 +22,9 @@ from .guard import Guard, Limits, decode_json, endpoint, read_body, server_error
 from . import tokens
 from .grammar import Grammars
 from .parse import parse_all
-from .requests import ApiError, ServeRequest
+from .requests import ApiError, ServeRequest, combined
 from .scheduler import QueueFull, Scheduler
-from .stream import sse, usage, watch
+from .stream import sse, watch
 
 
 def create_app(scheduler: Scheduler, model: str, names: set[str], template: str | None,
@@ -136,7 +136,7 @@ def create_app(scheduler: Scheduler, model: str, names: set[str], template: str 
             metrics.answered(endpoint, 499)
             return JSONResponse({}, status_code=499)
         metrics.answered(endpoint, 200)
-        return _combined(every, answers)
+        return combined(every, answers)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -199,12 +199,3 @@ async def _answer(served: ServeRequest):
             return "".join(pieces), extra, entries
         if extra is not None:
             entries.append(extra)
-
-
-def _combined(served: list[ServeRequest], answers: list) -> dict:
-    """One body's answer with every choice (n > 1, several prompts)."""
-    bodies = [one.response(*answer) for one, answer in zip(served, answers)]
-    out = bodies[0]
-    out["choices"] = [body["choices"][0] for body in bodies]
-    out["usage"] = usage(served)
-    return out

@@ -25,6 +25,13 @@ class JobRequest(ServeRequest):
 
     token_ids: list[int] = field(default_factory=list)
     line: dict | None = None
+    pieces: list[str] = field(default_factory=list)  # the answer's text, as it was released
+    entries: list[dict] = field(default_factory=list)  # its tokens' log-probability entries
+    reason: str | None = None  # why it ended
+
+    def answer(self) -> tuple[str, str | None, list[dict]]:
+        """(text, finish reason, log-probability entries), as a server's answer is kept."""
+        return "".join(self.pieces), self.reason, self.entries
 
     def take(self, token: int, stop_ids: set[int], logprob: dict | None) -> int:
         if not self.finished:
@@ -40,13 +47,21 @@ class _Direct:
 
 
 class _Ends:
-    """A request's event channel that passes on only its end (done or error)."""
+    """A request's event channel: its text and log-probabilities kept in the request, its
+    end (done or error) passed on."""
 
     def __init__(self, request: JobRequest, ended: queue.Queue):
         self.request, self.ended = request, ended
 
     def put_nowait(self, event) -> None:
-        if event[0] in ("done", "error"):
+        kind, piece, extra = event
+        if kind in ("token", "done"):
+            self.request.pieces.append(piece)
+        if kind == "token" and extra is not None:
+            self.request.entries.append(extra)
+        if kind == "done":
+            self.request.reason = extra
+        if kind in ("done", "error"):
             self.ended.put((self.request, event))
 
 

@@ -17,7 +17,6 @@ from ..text import harmony
 from ..text.reasoning import OPEN, thinks
 from .requests import ApiError, ServeRequest
 
-MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}  # OpenAI's limits
 log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
 
 
@@ -211,26 +210,10 @@ def _flag(body: dict, name: str, param: str | None = None) -> bool:
 
 
 def _top_logprobs(kind: str, body: dict) -> int | None:
-    most = MAX_TOP_LOGPROBS[kind]
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if kind == "chat":
-        if _flag(body, "logprobs"):
-            n = 0 if top is None else top
-        elif top is not None:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        else:
-            return None
-    else:
-        if top is not None:
-            raise ApiError(400, "a completion takes logprobs: N (top_logprobs is the chat's)",
-                           param="top_logprobs")
-        if logprobs is None:
-            return None
-        n = logprobs
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
-        raise ApiError(400, f"the number of top log-probabilities must be 0 to {most}",
-                       param="top_logprobs" if kind == "chat" else "logprobs")
-    return n
+    try:
+        return checks.top_logprobs(kind, body.get("logprobs"), body.get("top_logprobs"))
+    except checks.Refused as e:
+        raise _refused(e) from None
 
 
 def _prompt_ids(request: dict, lm, template: str | None, control_tokens: bool) -> list[int]:

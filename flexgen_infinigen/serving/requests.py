@@ -216,3 +216,23 @@ class ServeRequest:
                 "top_logprobs": [None if e["top"] is None else dict(e["top"])
                                  for e in entries] if self.top_logprobs else None,
                 "text_offset": offsets}
+
+
+def usage(served: list[ServeRequest]) -> dict:
+    """A body's usage: every prompt once, every choice's tokens."""
+    prompt = sum(len(one.ids) for one in served if one.first_of_prompt)
+    made = sum(one.generated for one in served)
+    out = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+    cached = sum(one.cached_tokens for one in served if one.first_of_prompt)
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def combined(served: list[ServeRequest], answers: list) -> dict:
+    """One body's answer with every choice (n > 1, several prompts)."""
+    bodies = [one.response(*answer) for one, answer in zip(served, answers)]
+    out = bodies[0]
+    out["choices"] = [body["choices"][0] for body in bodies]
+    out["usage"] = usage(served)
+    return out

@@ -13,7 +13,7 @@ from ..text.call_stream import CallStream
 from ..text.harmony import HarmonyStream
 from ..text.reasoning import ThinkStream
 from .guard import log, server_error
-from .requests import ServeRequest
+from .requests import ServeRequest, usage
 
 GONE = ("gone", None, None)  # the event that says the client has disconnected
 
@@ -27,17 +27,6 @@ async def watch(served: list[ServeRequest], request: Request) -> None:
     for one in served:
         one.cancelled.set()  # the engine drops the row at its next step
         one.events.put_nowait(GONE)
-
-
-def usage(served: list[ServeRequest]) -> dict:
-    """A body's usage: every prompt once, every choice's tokens."""
-    prompt = sum(len(one.ids) for one in served if one.first_of_prompt)
-    made = sum(one.generated for one in served)
-    out = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
-    cached = sum(one.cached_tokens for one in served if one.first_of_prompt)
-    if cached:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
 
 
 class ChoiceStream:
