@@ -122,7 +122,15 @@ DATED = """\
 {% endfor %}{% endif %}
 {% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}[{{ m.role }}] {{ m.content }}
 {% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"""
-HAND_WRITTEN = {"qwen-like": QWEN_LIKE, "tojson": TOJSON, "dated": DATED}
+# transformers' {% generation %} block (LFM2.5's and Laguna's templates mark the assistant's
+# text with it)
+MARKED = """\
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}<|a|>{% generation %}{{ m.content }}<|end|>{% endgeneration %}
+{%- else -%}<|{{ m.role }}|>{{ m.content }}<|end|>{%- endif -%}
+{%- endfor -%}{%- if add_generation_prompt %}<|a|>{% endif %}"""
+HAND_WRITTEN = {"qwen-like": QWEN_LIKE, "tojson": TOJSON, "dated": DATED, "generation": MARKED}
+TEMPLATES_ENV = "FLEXGEN_INFINIGEN_TEMPLATES"
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +226,24 @@ def test_renders_as_transformers(store, reference, specials, name, chat):
         _same_as_transformers(reference, specials, template, CHATS[chat], **extra)
 
 
+def _published() -> list[Path]:
+    folder = os.environ.get(TEMPLATES_ENV)
+    return sorted(Path(folder).glob("*.jinja")) if folder and Path(folder).is_dir() else []
+
+
+@pytest.mark.parametrize("path", _published() or [None], ids=lambda p: p.stem if p else "none")
+def test_published_templates_render_as_transformers(store, reference, specials, path):
+    """Every template in the folder ``FLEXGEN_INFINIGEN_TEMPLATES`` names (models' published
+    templates, as llama.cpp's ``models/templates`` keeps them), with tools and without."""
+    if path is None:
+        pytest.skip(f"set {TEMPLATES_ENV} to a folder of published chat templates (*.jinja), "
+                    "such as llama.cpp's models/templates")
+    template = path.read_text(encoding="utf-8")
+    for chat in CHATS:
+        for extra in ({}, {"tools": TOOLS}):
+            _same_as_transformers(reference, specials, template, CHATS[chat], **extra)
+
+
 def test_what_the_hand_written_templates_exercise(specials):
     """The features the comparisons above rely on are really in play (a comparison of two
     renderers that both dropped them would pass)."""
@@ -233,6 +259,8 @@ def test_what_the_hand_written_templates_exercise(specials):
     assert "Today is 07 Mar 2025 09:05:42." in dated
     assert '<doc1 title="Café <menu>">Crêpes & tea</doc>' in dated
     assert "[user] Hi" in dated and "Zürich" not in dated  # {% break %} after three
+    marked = render(MARKED, CHATS["system and turns"], add_generation_prompt=True)
+    assert "<|a|>  Hello!  <|end|><|user|>" in marked and marked.endswith("<|a|>")
     packed = render(TOJSON, CHATS["one turn"], **specials)
     assert '{"content":"What is 2+2? Ünïcode <tag> & more.","role":"user"}' in packed
     assert "\\u00dc" in packed  # ensure_ascii=true is passed through

@@ -89,8 +89,18 @@ def _environment():
                 raise jinja2.exceptions.SecurityError(
                     f"a chat template may not set {name!r} on a namespace")
 
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: transformers' mark of the assistant's
+        text (for training masks); a prompt renders its body as it is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_DictMaker(), namespace=SafeNamespace)
