@@ -8,8 +8,10 @@ sinks is refused before any weight is read."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
@@ -147,8 +149,12 @@ def test_the_hubs_config_reads_as_published():
     assert cfg.layer_windows[:4] == (128, 0, 128, 0) and cfg.rope["factor"] == 32.0
     with pytest.raises(ConfigError, match="swiglu_limit"):
         config_from_hf({**hub, "swiglu_limit": -1.0}, "x")
-    with pytest.raises(ConfigError, match="MXFP4 blocks.*bf16 copy"):  # the Hub's own folder
-        config_from_hf({**hub, "quantization_config": {"quant_method": "mxfp4"}}, "x")
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}  # the Hub's own folder: its experts as MXFP4 blocks
+    assert config_from_hf({**hub, "quantization_config": mxfp4}, "gpt-oss-20b") == cfg
+    with pytest.raises(ConfigError, match="quantization_config"):  # any other: refused
+        config_from_hf({**hub, "quantization_config": {"quant_method": "bitsandbytes"}}, "x")
 
 
 @pytest.mark.parametrize("b,kv,group,length,d", [(1, 2, 4, 2500, 64), (2, 8, 8, 2049, 64)])
@@ -252,7 +258,6 @@ def _write_gguf(model, path, experts: str = "MXFP4") -> None:
     into gate, up and down (each ``[experts, out, in]``, biases ``[experts, out]``) and
     quantized to ``experts``; the model's expert weights replaced by what the file encodes,
     so that the reference runs on exactly those values."""
-    import numpy as np
     from gguf_header import add_model_metadata
 
     gguf = pytest.importorskip("gguf")
@@ -370,3 +375,72 @@ def experts_inputs_rounded(model):
         for e, h in zip(experts, handles):
             h.remove()
             del e._apply_gate
+
+
+def _hf_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix [E, rows, columns] as the Hub's gpt-oss folders keep it: (blocks [E, rows,
+    columns / 32, 16], scales [E, rows, columns / 32]), codes from gguf's MXFP4 quantizer,
+    two a byte (the low nibble the even value)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(np.ascontiguousarray(w.float().numpy()), GGMLQuantizationType.MXFP4)
+    raw = raw.reshape(*w.shape[:2], w.shape[2] // 32, 17)
+    qs = raw[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # gguf: low nibbles first
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(raw[..., 0].copy())
+
+
+@pytest.mark.parametrize("placement", ["all-on-device", "experts-multiplied-in-cpu-memory"])
+def test_a_hub_mxfp4_folder_runs_from_its_codes(tmp_path, placement):
+    """A folder as the Hub publishes gpt-oss (experts as MXFP4 ``*_blocks`` and ``*_scales``,
+    ``quantization_config`` mxfp4) converts with its experts kept as 4-bit blocks, and gives
+    the tokens and logits of transformers run on the values transformers' own MXFP4 reader
+    makes of the same tensors."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from flexgen_infinigen.weights.hf_convert import convert_hf
+
+    torch.manual_seed(2)  # experts' widths whole blocks of 32
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **{**CONFIG, "intermediate_size": 64}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name or "bias" in name:
+                p.copy_(torch.randn_like(p))
+            elif "experts" in name:
+                p.mul_(20)
+    folder = tmp_path / "gpt-oss-mxfp4"
+    model.save_pretrained(folder)
+    state = {}
+    for f in folder.glob("*.safetensors"):
+        state.update(load_file(f))
+        f.unlink()
+    for i, layer in enumerate(model.model.layers):
+        e = layer.mlp.experts
+        for which in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{which}"
+            blocks, scales = _hf_mxfp4(state.pop(name).transpose(1, 2))  # rows: outputs
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+            with torch.no_grad():  # the reference runs on what transformers reads of them
+                getattr(e, which).copy_(convert_moe_packed_tensors(blocks, scales,
+                                                                   dtype=torch.float32))
+    save_file(state, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    store = convert_hf(folder, tmp_path / "store", "gpt-oss-mxfp4", progress=False)
+    model.eval()
+    with OffloadedLM.load(path=store, policy=PLACEMENTS[placement], progress=False) as lm:
+        assert lm.weight_formats.get("layers.1.experts.3.up_proj.weight") == "MXFP4"
+        out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+    with experts_inputs_rounded(model):
+        for row, prompt in enumerate(PROMPTS):
+            tokens, logits = hf_greedy(model, prompt, STEPS)
+            assert out.token_ids[row] == tokens
+            assert (out.logits[row] - logits).abs().max().item() < 1e-4

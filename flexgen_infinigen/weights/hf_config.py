@@ -240,10 +240,9 @@ def config_from_hf(hf: dict, name: str, allow: tuple[str, ...] = ()) -> ModelCon
         raise ConfigError(f"model_type {kind!r} is not supported; this runtime converts "
                           f"{', '.join(sorted(UNDERSTOOD))}")
     quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if kind == "gpt_oss" and quant == "mxfp4":
-        raise ConfigError("this gpt-oss folder keeps its experts as MXFP4 blocks, which this "
-                          "runtime does not read from Hugging Face folders yet; use a bf16 "
-                          "copy of the checkpoint (the Hub's *-BF16 repositories)")
+    if kind == "gpt_oss" and quant == "mxfp4":  # the Hub's: its experts as MXFP4 blocks,
+        # which the converter keeps as they are (hf_gpt_oss); everything else is float
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     check_fields(hf, kind, allow)
     try:
         if kind == "opt":

@@ -28,7 +28,7 @@ from ..models import family_of
 from ..guards import raise_if_interrupted
 from ..text.chat import CHAT_FILE, template_from_hf_folder
 from .hf_config import config_from_hf
-from .hf_gpt_oss import gpt_oss_tensors
+from .hf_gpt_oss import Packed, gpt_oss_tensors
 from .hf_qwen3_next import hybrid_tensors
 from .hub_files import safe_file_name
 from .store import StoreWriter
@@ -121,12 +121,14 @@ def store_name(cfg: ModelConfig, hf_name: str) -> str | None:
     return _LLAMA_TOP.get(name)
 
 
-def stored_tensors(cfg: ModelConfig, hf_name: str, tensor: torch.Tensor):
+def stored_tensors(cfg: ModelConfig, hf_name: str, tensor: torch.Tensor,
+                   pending: dict | None = None):
     """The store's (name or None, tensor) pairs of one checkpoint tensor: itself under
     :func:`store_name`, except a gpt-oss folder's sinks, router and fused experts (one
-    tensor for every expert, split here)."""
+    tensor for every expert, split here; MXFP4 experts as :class:`.hf_gpt_oss.Packed`
+    blocks once ``pending`` holds both halves of their pair)."""
     if cfg.family == "gpt_oss":
-        got = gpt_oss_tensors(hf_name, tensor)
+        got = gpt_oss_tensors(hf_name, tensor, pending)
         if got is not None:
             return got
     if cfg.family == "qwen3_next":
@@ -323,21 +325,24 @@ def convert_hf(folder: str | Path, dest: str | Path, name: str | None = None,
     cfg = config_from_hf(json.loads(cfg_file.read_text()), name or folder.name, allow_fields)
     expected = family_of(cfg).weight_shapes(cfg)
     total, tensors = read_checkpoint(folder)
-    seen = set()
+    seen, pending = set(), {}
     # tensors keep their dtype: the store takes at most the checkpoint files' bytes
     size = sum(f.stat().st_size for f in checkpoint_files(folder))
     with StoreWriter(dest, cfg, source=str(folder), extra=extra, expected_bytes=size) as w:
         for hf_name, tensor in tqdm(tensors, total=total, desc="converting", unit="tensor",
                                     disable=not progress):
             raise_if_interrupted()
-            for ours, value in stored_tensors(cfg, hf_name, tensor):
+            for ours, value in stored_tensors(cfg, hf_name, tensor, pending):
                 if ours is None or ours not in expected:
                     continue
                 if tuple(value.shape) != expected[ours]:
                     raise ConfigError(f"{hf_name} has shape {tuple(tensor.shape)}, config.json "
                                       f"implies {expected[ours]} for {ours}; the checkpoint is "
                                       "inconsistent")
-                w.add(ours, *to_numpy(stored_value(cfg, ours, value)))
+                if isinstance(value, Packed):  # MXFP4 blocks, kept as they are
+                    w.add_blocks(ours, value.raw, value.shape, "MXFP4")
+                else:
+                    w.add(ours, *to_numpy(stored_value(cfg, ours, value)))
                 seen.add(ours)
             del tensor
         missing = sorted(set(expected) - seen)

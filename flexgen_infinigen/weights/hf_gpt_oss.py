@@ -1,12 +1,24 @@
 """gpt-oss from a Hugging Face folder (``gpt_oss``): its config, and its routed experts,
 which the checkpoint keeps fused (``mlp.experts.gate_up_proj`` [E, hidden, 2 * width] with
 gate and up interleaved column by column, ``down_proj`` [E, width, hidden], both as ``x @ W``,
-and their biases) and the store keeps one matrix per expert, as ``F.linear`` takes it."""
+and their biases) and the store keeps one matrix per expert, as ``F.linear`` takes it.
+
+The Hub's folders keep the experts as MXFP4 (``quantization_config.quant_method: mxfp4``):
+``gate_up_proj_blocks`` [E, 2 * width, hidden / 32, 16] (rows are outputs, gate and up
+interleaved row by row) with ``gate_up_proj_scales`` [E, 2 * width, hidden / 32], and
+``down_proj_blocks``/``_scales`` likewise. A block's 16 bytes hold its 32 codes in pairs (the
+low nibble the even value, the high the odd one), its scale byte the power of two (biased by
+127). The store keeps them as GGUF's MXFP4 blocks (:func:`mxfp4_blocks`): the same codes and
+exponent, the nibbles in GGUF's order (the low nibbles the first 16 values), so the kernels
+multiply them as stored; nothing is widened.
+"""
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -25,6 +37,8 @@ GPT_OSS_FIELDS = frozenset({
 
 _FUSED = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
                     r"(_bias)?$")
+_PACKED = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+                     r"_(blocks|scales)$")
 _SINKS = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.sinks$")
 _ROUTER = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.router\.(weight|bias)$")
 
@@ -65,10 +79,43 @@ def gpt_oss(hf: dict, name: str) -> ModelConfig:
         swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702), model_type="gpt_oss")
 
 
-def gpt_oss_tensors(hf_name: str, tensor: torch.Tensor
-                    ) -> Iterator[tuple[str, torch.Tensor]] | None:
+class Packed(NamedTuple):
+    """An expert's matrix as GGUF MXFP4 blocks: ``raw`` uint8 [rows, bytes] of the float
+    ``shape`` [rows, columns]."""
+
+    raw: np.ndarray
+    shape: tuple[int, int]
+
+
+def mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Hugging Face MXFP4 (``blocks`` [..., G, 16], ``scales`` [..., G]) as GGUF's MXFP4
+    blocks, [..., G * 17]: each block its exponent byte, then byte j holding code j (low
+    nibble) and code j + 16 (high)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales[..., None].astype(np.uint8), packed.astype(np.uint8)], -1)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+
+
+def gpt_oss_tensors(hf_name: str, tensor: torch.Tensor, pending: dict | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | Packed]] | None:
     """The store's (name, tensor) pairs of a gpt-oss checkpoint tensor that the Llama names
-    do not cover (sinks, the router, the fused experts split per expert); None for others."""
+    do not cover (sinks, the router, the fused experts split per expert); None for others.
+    An MXFP4 expert tensor waits in ``pending`` for the other half of its pair (blocks and
+    scales), then both give one :class:`Packed` matrix per expert."""
+    m = _PACKED.match(hf_name)
+    if m:
+        layer, which, part = m.groups()
+        if pending is None:
+            raise ValueError("MXFP4 experts are read with a pending table")
+        key = (layer, which)
+        half = pending.setdefault(key, {})
+        half[part] = tensor.numpy()
+        if len(half) < 2:
+            return iter([])
+        del pending[key]
+        return _split_packed(layer, which, mxfp4_blocks(half["blocks"], half["scales"]),
+                             half["blocks"].shape[-2] * 32)
     m = _SINKS.match(hf_name)
     if m:
         return iter([(f"layers.{m.group(1)}.sinks", tensor)])
@@ -95,3 +142,17 @@ def _split_experts(layer: str, which: str, bias: bool, t: torch.Tensor):
             gate, up = gate.t(), up.t()
         yield f"{prefix}.gate_proj.{kind}", gate.contiguous()
         yield f"{prefix}.up_proj.{kind}", up.contiguous()
+
+
+def _split_packed(layer: str, which: str, raw: np.ndarray, columns: int):
+    """Per expert: ``down_proj`` as it is, ``gate_up_proj``'s rows split (gate the even
+    rows, up the odd ones)."""
+    for e in range(raw.shape[0]):
+        prefix = f"layers.{layer}.experts.{e}"
+        if which == "down_proj":
+            yield f"{prefix}.down_proj.weight", Packed(raw[e], (raw.shape[1], columns))
+            continue
+        gate, up = raw[e, 0::2], raw[e, 1::2]
+        yield f"{prefix}.gate_proj.weight", Packed(np.ascontiguousarray(gate),
+                                                   (gate.shape[0], columns))
+        yield f"{prefix}.up_proj.weight", Packed(np.ascontiguousarray(up), (up.shape[0], columns))
