@@ -8,8 +8,9 @@
   median).
 - **Tool calls** (with ``--qwen GGUF``, the real Qwen2.5-Coder-0.5B-Instruct): 20 forced
   calls (``tool_choice`` a named function) whose arguments are checked against the tool's
-  schema, and 20 two-step conversations with ``tool_choice: "auto"`` (a call, its result,
-  a final answer).
+  schema, unstreamed and streamed (the streamed call's argument deltas joined as a client
+  joins them), and 20 two-step conversations with ``tool_choice: "auto"`` (a call, its
+  result, a final answer); and the 20 ``json_schema`` requests on this model too.
 
     python benchmarks/agent_api.py --qwen path/to/qwen2.5-coder-0.5b-instruct.gguf
 
@@ -109,7 +110,7 @@ def tool_part(client, model: str, n: int) -> dict:
     """Forced calls checked against the tool's schema; two-step conversations completed."""
     import jsonschema
 
-    forced = convos = 0
+    forced = streamed = convos = 0
     named = {"type": "function", "function": {"name": "get_weather"}}
     for city in CITIES[:n]:
         ask = [{"role": "user", "content": f"What is the weather like in {city}?"}]
@@ -120,6 +121,16 @@ def tool_part(client, model: str, n: int) -> dict:
             jsonschema.validate(json.loads(calls[0].function.arguments),
                                 WEATHER["function"]["parameters"])
             forced += calls[0].function.name == "get_weather"
+        except (IndexError, ValueError, jsonschema.ValidationError):
+            pass
+        chunks = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
+                                                tool_choice=named, max_tokens=60,
+                                                temperature=0, stream=True)
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        try:
+            jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)),
+                                WEATHER["function"]["parameters"])
+            streamed += deltas[0].function.name == "get_weather"
         except (IndexError, ValueError, jsonschema.ValidationError):
             pass
         first = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER],
@@ -134,7 +145,8 @@ def tool_part(client, model: str, n: int) -> dict:
                                               tool_choice="none", max_tokens=40,
                                               temperature=0)
         convos += bool(last.choices[0].message.content)
-    return {"forced_valid": forced, "conversations": convos, "total": n}
+    return {"forced_valid": forced, "streamed_valid": streamed, "conversations": convos,
+            "total": n}
 
 
 def rows_of(run: dict) -> list[dict]:
@@ -156,8 +168,15 @@ def rows_of(run: dict) -> list[dict]:
         t = run["tools"]
         rows.append({"model": "Qwen2.5-Coder-0.5B", "check": "forced calls valid",
                      "count": t["forced_valid"], "of": t["total"]})
+        if "streamed_valid" in t:
+            rows.append({"model": "Qwen2.5-Coder-0.5B", "check": "forced calls valid, streamed",
+                         "count": t["streamed_valid"], "of": t["total"]})
         rows.append({"model": "Qwen2.5-Coder-0.5B", "check": "two-step conversations done",
                      "count": t["conversations"], "of": t["total"]})
+    if run.get("qwen_json_schema"):
+        js = run["qwen_json_schema"]
+        rows.append({"model": "Qwen2.5-Coder-0.5B", "check": "json_schema answers valid",
+                     "count": js["valid"], "of": js["total"]})
     return rows
 
 
@@ -220,7 +239,9 @@ def main() -> int:
             proc, url = start_server((1, 1), 50, "--model", str(a.qwen))
             try:
                 client = client_of(url)
-                run["tools"] = tool_part(client, client.models.list().data[0].id, a.requests)
+                model = client.models.list().data[0].id
+                run["tools"] = tool_part(client, model, a.requests)
+                run["qwen_json_schema"] = json_schema_part(client, model, a.requests)
             finally:
                 stop_server(proc)
         run["rows"] = rows_of(run)
