@@ -62,7 +62,11 @@ def prompt_ids(lm, request: dict, chat: bool | None, template: str | None) -> li
         if template is None or lm.tokenizer is None:
             raise ConfigError(f"request {request['id']!r} has messages but the model has no "
                               "chat template")
-        return openai_batch.chat_ids(lm.tokenizer, template, {**request, "messages": messages})
+        rendered = {**request, "messages": messages}
+        ids = openai_batch.chat_ids(lm.tokenizer, template, rendered)
+        for name in ("tool_format", "harmony", "thought"):  # what the template teaches the
+            request[name] = rendered.get(name)  # answer's reading
+        return ids
     return lm.encode([request["prompt"]])[0]
 
 
@@ -422,7 +426,8 @@ def _jobs(lm, a, request: dict, place: int, grammars) -> list:
                          lm.cfg.name, ignore_eos=bool(settings.get("ignore_eos")),
                          stop_token_ids=tuple(settings.get("stop_token_ids", ())),
                          tool_format=request.get("tool_format"), tools=request.get("tools"),
-                         harmony=harmony, reasoning="harmony" if harmony else None,
+                         harmony=harmony,
+                         reasoning="harmony" if harmony else request.get("thought"),
                          constraint=grammars.constraint(request), line=request)
         job.index, job.first_of_prompt = j, j == 0
         if rich and request["echo"]:  # the prompt's text, and each token's, before the answer

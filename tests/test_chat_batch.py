@@ -295,3 +295,57 @@ def test_openai_batch_serves_choices_logprobs_and_echo(smollm2_store, smollm2_hf
         assert refused[key]["response"] is None and refused[key]["error"]["param"] == param
         assert "--no-refill" in refused[key]["error"]["message"]
     assert refused["seed0"]["error"] is None
+
+
+def test_openai_batch_splits_a_thinking_models_reasoning(smollm2_store, tmp_path):
+    """A template that opens the thought in the generation prompt: a batch chat's answer,
+    which never closes it, is all ``reasoning_content`` (the library's text for the same
+    prompt) and its content empty, in a plain line and in one with logprobs alike, as the
+    server answers."""
+    from flexgen_infinigen.text.chat import chat_prompt_ids, store_template
+
+    template = store_template(smollm2_store).replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'") + "{# </think> #}"
+    path = tmp_path / "thinking.jinja"
+    path.write_text(template)
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    lines = [_openai("plain", CHAT, messages=ask, max_tokens=6, temperature=0),
+             _openai("scored", CHAT, messages=ask, max_tokens=6, temperature=0, logprobs=True)]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "out.jsonl", "--chat-template", path], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with OffloadedLM.load(path=smollm2_store, progress=False) as lm:
+        ids = chat_prompt_ids(lm.tokenizer, template, ask)
+        expected = lm.generate([ids], 6).texts[0].strip("\n")
+    got = {r["custom_id"]: r["response"]["body"] for r in _lines(tmp_path / "out.jsonl")}
+    for key in ("plain", "scored"):
+        message = got[key]["choices"][0]["message"]
+        assert message["reasoning_content"] == expected and not message["content"], key
+
+
+def test_openai_batch_answers_a_forced_call_as_tool_calls(smollm2_store, tmp_path):
+    """A template that teaches <tool_call> blocks: a batch line whose tool_choice names a
+    function answers with that call in ``tool_calls``, its arguments holding the tool's
+    schema (what the template teaches reaches the answer's reading)."""
+    from flexgen_infinigen.text.chat import store_template
+
+    path = tmp_path / "tools.jinja"
+    path.write_text(store_template(smollm2_store) + "{# <tool_call></tool_call> #}")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 12}}}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    lines = [_openai("call", CHAT, messages=ask, max_tokens=40, temperature=0, tools=[weather],
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc = _batch(["--path", smollm2_store, "--input", tmp_path / "in.jsonl", "--output",
+                   tmp_path / "out.jsonl", "--chat-template", path], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = _lines(tmp_path / "out.jsonl")
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and set(args) == {"city"}
+    assert len(args["city"]) <= 12 and choice["message"]["content"] is None

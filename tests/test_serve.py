@@ -304,14 +304,19 @@ def test_echo_scores_the_prompt_as_transformers_does(client, smollm2_hf, lm):
     tops = [max(t.values()) for t in first.logprobs.top_logprobs[1:len(ids)]]
     assert torch.allclose(torch.tensor(tops), best, atol=2e-3)
     assert out.choices[1].text.startswith(PROMPTS[1])
-    for body, param in (({"messages": [{"role": "user", "content": "hi"}]}, "echo"),
-                        ({"prompt": "hi", "stream": True}, "echo")):
-        with pytest.raises(openai.BadRequestError) as e:
-            if "messages" in body:
-                client.chat.completions.create(model=MODEL, extra_body={"echo": True}, **body)
-            else:
-                client.completions.create(model=MODEL, echo=True, **body)
-        assert e.value.body["param"] == param
+    # streamed: the prompt and its entries first, then the answer's, as unstreamed
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1,
+                                            temperature=0, echo=True, logprobs=1,
+                                            stream=True))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert pieces[0].text == lm.tokenizer.decode(ids)
+    assert "".join(p.text for p in pieces) == first.text
+    streamed = [v for p in pieces if p.logprobs for v in p.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(scored[1:], abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, extra_body={"echo": True},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["param"] == "echo"
 
 
 def test_lm_eval_local_completions_scores_as_the_in_process_model(server, smollm2_store,

@@ -150,7 +150,7 @@ def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = Fal
     """A chat request's prompt ids through ``template``, with its ``tools``, ``documents``
     and ``chat_template_kwargs``; a request with tools learns the format its answer's calls
     take (``tool_format``), and one whose template shows no tools is refused."""
-    from ..text import harmony
+    from ..text import harmony, reasoning
     from ..text.chat import chat_prompt_ids
     from ..text.template import TemplateInputError
     from ..text.tool_calls import format_of
@@ -162,10 +162,13 @@ def chat_ids(tokenizer, template: str, request: dict, control_tokens: bool = Fal
             raise TemplateInputError("this model's chat template shows no tools, so it cannot "
                                      "be offered any; drop \"tools\" (or give a template "
                                      "that has them: --chat-template)", "tools")
-    return chat_prompt_ids(tokenizer, template, request["messages"],
-                           control_tokens=control_tokens, tools=request.get("tools"),
-                           documents=request.get("documents"),
-                           template_kwargs=request.get("template_kwargs"))
+    ids = chat_prompt_ids(tokenizer, template, request["messages"],
+                          control_tokens=control_tokens, tools=request.get("tools"),
+                          documents=request.get("documents"),
+                          template_kwargs=request.get("template_kwargs"))
+    # a thinking model's answer: its reasoning goes in reasoning_content (assistant_message)
+    request["thought"] = None if request["harmony"] else reasoning.mode(template, tokenizer, ids)
+    return ids
 
 
 def _check_options(body: dict, kind: str) -> None:
@@ -218,9 +221,13 @@ def assistant_message(request: dict, text: str, reasoning: bool = True) -> dict:
     harmony answer (gpt-oss) is read by its channels, its analysis in ``reasoning_content``
     (``reasoning`` False: left in the content)."""
     from ..text import harmony
+    from ..text.reasoning import split as split_thought
     from ..text.tool_calls import parse
 
     names = {t["function"]["name"] for t in request.get("tools") or ()}
+    thought = None
+    if request.get("thought") and reasoning:  # <think>...</think> before the answer
+        thought, text = split_thought(text, request["thought"] == "inside")
     if request.get("harmony"):
         thought, content, calls = harmony.split(text, reasoning, tools=bool(names))
         message = {"role": "assistant", "content": content}
@@ -230,9 +237,12 @@ def assistant_message(request: dict, text: str, reasoning: bool = True) -> dict:
             message["reasoning_content"] = thought
         return message
     content, calls = parse(text, request.get("tool_format"), names)
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+    message = {"role": "assistant", "content": content if calls else text}
+    if calls:
+        message["tool_calls"] = calls
+    if thought is not None:
+        message["reasoning_content"] = thought
+    return message
 
 
 def error_line(request: dict, message: str, param: str | None = None) -> dict:

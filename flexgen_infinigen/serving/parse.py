@@ -14,7 +14,7 @@ from ..cli import request_checks as checks
 from ..config import ConfigError
 from ..sampling import SamplingConfig, generation_defaults
 from ..text import harmony
-from ..text.reasoning import OPEN, thinks
+from ..text.reasoning import mode as reasoning_mode
 from .requests import ApiError, ServeRequest
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's --log-level applies
@@ -103,8 +103,6 @@ def parse(kind: str, body, lm, template: str | None, default_max_tokens: int,
     echo = _flag(body, "echo")
     if echo and kind == "chat":
         raise ApiError(400, "echo goes with /v1/completions", param="echo")
-    if echo and stream:
-        raise ApiError(400, "echo is served without stream", param="echo")
     param = "messages" if kind == "chat" else "prompt"
     settings = request["settings"]
     given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
@@ -171,9 +169,7 @@ def _thought(kind: str, reasoning: bool, template: str | None, tokenizer,
         return None
     if harmony.speaks(template):
         return "harmony"
-    if not thinks(template):
-        return None
-    return "inside" if tokenizer.decode(ids[-4:]).rstrip().endswith(OPEN) else "outside"
+    return reasoning_mode(template, tokenizer, ids)
 
 
 def sampling_config(settings: dict) -> SamplingConfig:

@@ -45,12 +45,17 @@ class ChoiceStream:
         self.think = ThinkStream(served.reasoning == "inside") \
             if served.reasoning in ("inside", "outside") else None
         self.called = False  # a tool call went out
+        self.echoed = False  # an echoed prompt went out
 
     def chunks(self, kind: str, piece, extra) -> list[dict]:
         served, out = self.served, []
         if not self.role_sent:  # with the first token: the time a client sees is honest
             out.append(served.chunk("", None, [], first=True))
             self.role_sent = True
+        if served.echo is not None and not self.echoed:  # the prompt, scored, comes first
+            self.echoed = True  # (its entries are whole: the row fed it before answering)
+            first = {"token": served.echo[0], "logprob": None, "top": None}
+            out.append(served.chunk(served.echo_text, None, [first, *served.prompt_logprobs]))
         logprobs = [] if extra is None or kind == "done" else [extra]
         for what, value in self._parts(kind, piece or ""):
             if what == "reasoning":

@@ -17,6 +17,14 @@ def thinks(template: str | None) -> bool:
     return bool(template) and CLOSE in template
 
 
+def mode(template: str | None, tokenizer, ids: list[int]) -> str | None:
+    """How an answer to the prompt ``ids`` holds its reasoning: None (the template shows no
+    thought), "inside" (the prompt's last tokens open the thought) or "outside"."""
+    if not thinks(template):
+        return None
+    return "inside" if tokenizer.decode(ids[-4:]).rstrip().endswith(OPEN) else "outside"
+
+
 def split(text: str, inside: bool) -> tuple[str | None, str]:
     """(reasoning or None, content) of an answer; ``inside``: the prompt opened the
     thought."""
