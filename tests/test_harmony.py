@@ -8,6 +8,7 @@ the tool's schema, streamed and not."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -221,7 +222,6 @@ def test_a_gpt_oss_server_makes_a_forced_call_streamed_and_not(harmony_server):
     function, its body the tool's schema): the answer is that call, ended by <|call|>, and
     the stream's deltas assemble into the unstreamed arguments."""
     openai = pytest.importorskip("openai")
-    jsonschema = pytest.importorskip("jsonschema")
     client = openai.OpenAI(base_url=f"{harmony_server}/v1", api_key="x", max_retries=0,
                            timeout=120)
     model = client.models.list().data[0].id
@@ -235,7 +235,9 @@ def test_a_gpt_oss_server_makes_a_forced_call_streamed_and_not(harmony_server):
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather"
-    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    # the schema, checked by hand: one key, a string of 1-10 letters or spaces
+    assert set(args) == {"location"}, args
+    assert re.fullmatch(r"[A-Za-z ]{1,10}", args["location"]), args
 
     chunks = list(client.chat.completions.create(**ask, stream=True))
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
