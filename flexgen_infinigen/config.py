@@ -181,6 +181,17 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def values_are_keys(self) -> bool:
+        """A token's value is its cached key row itself (MLA's latent): the cache keeps one
+        copy, not a key and a value."""
+        return self.mla_kv_rank > 0
+
+    @property
+    def kv_copies(self) -> int:
+        """Rows a token keeps per layer and KV head: a key and a value, or MLA's one latent."""
+        return 1 if self.values_are_keys else 2
+
+    @property
     def embed_dim(self) -> int:
         return self.word_embed_proj_dim or self.hidden_size
 

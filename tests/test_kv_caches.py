@@ -30,28 +30,31 @@ def tiers(tmp_path):
     t.close()
 
 
-def _spec(tiers, fractions=(1.0, 0.0, 0.0), compress=False, window=0, layer=3) -> CacheSpec:
+def _spec(tiers, fractions=(1.0, 0.0, 0.0), compress=False, window=0, layer=3,
+          values_are_keys=False) -> CacheSpec:
     return CacheSpec(tiers, layer, 0, B, PROMPT + STEPS, KV, D, DTYPE, fractions, compress,
-                     False, window)
+                     False, window, values_are_keys)
 
 
-def _tensors(seed: int = 0):
-    """Prompt q/k/v, the decode steps' q/k/v and the validity of every position."""
+def _tensors(seed: int = 0, values_are_keys=False):
+    """Prompt q/k/v, the decode steps' q/k/v and the validity of every position (``v`` is
+    ``k`` itself with ``values_are_keys``, as MLA hands its latent rows)."""
     g = torch.Generator().manual_seed(seed)
     n = PROMPT + STEPS
     q = torch.randn(B, n, H, D, generator=g)
     k = torch.randn(B, n, KV, D, generator=g) * 2  # peaked attention: selection matters
-    v = torch.randn(B, n, KV, D, generator=g)
+    v = k if values_are_keys else torch.randn(B, n, KV, D, generator=g)
     valid = torch.ones(B, n, dtype=torch.bool)
     valid[1, :PAD] = False
     return q, k, v, valid
 
 
-def _drive(cache, window=0, seed=0, speculate=False, stored=lambda x: x):
+def _drive(cache, window=0, seed=0, speculate=False, stored=lambda x: x, same=False):
     """Prompt then ``STEPS`` decode steps; returns the cache's attention outputs and the
     reference: plain attention of each new token over every key it may see (the cached ones
-    as ``stored`` keeps them, the new token's as computed)."""
-    q, k, v, valid = _tensors(seed)
+    as ``stored`` keeps them, the new token's as computed); ``same``: the values are the keys
+    (two copies of them unless the cache keeps one)."""
+    q, k, v, valid = _tensors(seed, same or cache.spec.values_are_keys)
     cache.store_prompt(q[:, :PROMPT], k[:, :PROMPT], v[:, :PROMPT], valid[:, :PROMPT])
     got, want = [], []
     for t in range(PROMPT, PROMPT + STEPS):
@@ -165,6 +168,39 @@ def test_infinigen_with_exact_scores_selects_what_the_oracle_selects(tiers, wher
     report = ig.report()
     assert report["kv_fetch_fraction"] < 0.5
     assert report["kv_fetch_fraction"] == pytest.approx(report["kv_selected_fraction"])
+
+
+def _policies():
+    """Every policy that keeps a float cache, at a budget that drops rows where it selects."""
+    budget = dict(alpha=math.inf, max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
+    ig = InfiniGenPolicy(InfiniGenOptions(speculation_keys="partial", partial_weight_ratio=1.0,
+                                          **budget))
+    ig.options = ig.options.with_defaults("opt", ig.default_rule)
+    ig.rehearsal = ExactRehearsal()
+    oracle = OraclePolicy(SelectionOptions(**budget))
+    oracle.options = oracle.options.with_defaults("opt", oracle.default_rule)
+    return {"full": FullPolicy(), "h2o": H2OPolicy(0.25, 0.25), "oracle": oracle,
+            "infinigen": ig}
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "oracle", "infinigen"])
+@pytest.mark.parametrize("where", ["device", "host", "split", "disk", "4-bit"])
+def test_where_the_values_are_the_keys_one_copy_is_kept_and_attends_alike(tiers, name, where):
+    """MLA's cache (``values_are_keys``): the same outputs as a cache that keeps the same rows
+    as separate keys and values, in half the bytes, and half the bytes moved."""
+    fractions = (0.0, 1.0, 0.0) if where == "4-bit" else PLACEMENTS[where]
+    outs = {}
+    for shared in (False, True):
+        before = sum(n for link in tiers.bytes_moved.values() for n in link.values())
+        cache = _policies()[name].make_cache(_spec(tiers, fractions, where == "4-bit",
+                                                   values_are_keys=shared))
+        got, _ = _drive(cache, speculate=name == "infinigen", same=True)
+        moved = sum(n for link in tiers.bytes_moved.values() for n in link.values()) - before
+        outs[shared] = got, sum(cache.bytes_by_tier().values()), moved
+    _close(outs[True][0], outs[False][0], tol=1e-6)
+    assert outs[True][1] * 2 == outs[False][1]
+    assert outs[True][2] * 2 == outs[False][2]
+    assert (outs[True][2] > 0) == (where != "device")
 
 
 def test_infinigen_load_without_speculation_fails_once_aborted(tiers):

@@ -12,6 +12,7 @@ from conftest import hf_greedy
 
 from flexgen_infinigen import OffloadedLM, Placement
 from flexgen_infinigen.config import ConfigError
+from flexgen_infinigen.planner.workload import Sizes, Workload
 from flexgen_infinigen.weights.hf_config import config_from_hf
 
 CONFIG = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, intermediate_size=96,
@@ -29,7 +30,7 @@ def _store(tmp_path, **extra):
     from flexgen_infinigen.weights.hf_convert import convert_hf
 
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG, **extra))
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**CONFIG, **extra}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -42,18 +43,26 @@ def _store(tmp_path, **extra):
 
 def test_the_cache_holds_the_latent_row(tmp_path):
     """Weights on the device, the cache in CPU memory: the bytes the ledger counts into the
-    cache are a (kv_rank + rope)-wide row per token, layer, key and value, not the per-head
-    keys and values (heads x (nope + rope + v))."""
+    cache are one (kv_rank + rope)-wide row per token and layer (the value is that row, kept
+    once), not the per-head keys and values (heads x (nope + rope + v)); the caches hold, and
+    the plan counts, one such row per token."""
     model, store = _store(tmp_path, q_lora_rank=24)
     prompts = [[1] + list(range(3, 3 + PROMPT_LEN - 1))] * 2
     with OffloadedLM.load(path=store, policy=Placement.from_percent([100, 0, 0, 100, 100, 0]),
                           progress=False) as lm:
         assert (lm.cfg.num_kv_heads, lm.cfg.head_dim) == (1, 32 + 8)
+        caches, make = [], lm.engine.kv_policy.make_cache
+        lm.engine.kv_policy.make_cache = lambda spec: caches.append(make(spec)) or caches[-1]
         lm.generate(prompts, STEPS, stop_token_id=None)
         stored = lm.tiers.bytes_moved["device->host"]["kv_cache"]
+        held = sum(sum(c.bytes_by_tier().values()) for c in caches)
+        cached = sum(c.spec.batch_size * c.spec.max_len for c in caches)
+        planned = Sizes.compute(Workload(lm.cfg, PROMPT_LEN, STEPS, 4), lm.policy).kv_token
     rows = len(prompts) * (PROMPT_LEN + STEPS - 1)  # the last token is never stored
     row = (32 + 8) * 4  # float32
-    assert stored == rows * 3 * 2 * row
+    assert stored == rows * 3 * row
+    assert held == cached * row
+    assert planned == row
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,

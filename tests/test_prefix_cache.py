@@ -53,7 +53,15 @@ def _pages(lm, **kw) -> PrefixPages:
     return PrefixPages(model_key(lm), PAGE, **kw)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MLA: its pages keep the latent rows once, as its cache does)."""
+    from test_mla import _store
+
+    return _store(tmp_path_factory.mktemp("mla"), q_lora_rank=24, vocab_size=512)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt", "tiny_mla"])
 @pytest.mark.parametrize("kv", [("full", {}), ("infinigen", {"max_kv_fraction": 0.3,
                                                              "min_num_kv": 4})])
 def test_a_chats_next_turn_prefills_only_its_new_tokens(family, kv, request):
@@ -65,6 +73,8 @@ def test_a_chats_next_turn_prefills_only_its_new_tokens(family, kv, request):
         pages = _pages(lm)
         first, _, none = _block(lm, [HISTORY], pages)
         assert none is None and pages.memory  # the turn and its answer are kept
+        one_copy = lm.cfg.values_are_keys  # MLA: the values are the keys, kept once
+        assert all((page.v is None) == one_copy for page in pages.memory.values())
         # the next turn: the history, the answer as fed back, new tokens; a stranger beside
         turn = HISTORY + first[0][:STEPS - 1] + [7, 8, 9]
         short, other = [1, 300, 301, 302], [1, *range(400, 429)]
@@ -118,6 +128,18 @@ def test_memory_spills_to_disk_and_comes_back_bit_for_bit(tmp_path):
     assert held == 24 and torch.equal(got[0], k) and torch.equal(got[1], v)
     pages.close()
     assert not tmp_path.exists() or not list(tmp_path.glob(f"*{SUFFIX}"))
+
+
+def test_pages_whose_values_are_the_keys_keep_one_tensor(tmp_path):
+    """MLA's pages: the keys alone, in memory and in their files; read back as both."""
+    k, _ = _page()
+    ids = list(range(24))
+    first = PrefixPages("model", PAGE, memory_bytes=1 << 20, folder=tmp_path, disk_bytes=1 << 20,
+                        persistent=True)
+    assert first.add(ids, k, None) == 3 and first.in_memory == k.nbytes
+    later = PrefixPages("model", PAGE, folder=tmp_path, disk_bytes=1 << 20, persistent=True)
+    got = later.gather(ids, later.longest(ids))
+    assert torch.equal(got[0], k) and got[1] is got[0]
 
 
 def test_a_restart_finds_the_pages_and_a_bad_file_is_a_miss(tmp_path):

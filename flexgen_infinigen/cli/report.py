@@ -27,7 +27,7 @@ def build_report(lm: OffloadedLM, gen: Generation, device: str, extra: dict | No
     total_latency = gen.prefill_latency_s + gen.decode_latency_s
     item = torch.tensor([], dtype=lm.engine.dtype).element_size()
     weight_elems = sum(math.prod(s) for s in family_of(cfg).weight_shapes(cfg).values())
-    cache_bytes = 2 * cfg.num_layers * n * (p + g) * cfg.kv_dim * item
+    cache_bytes = cfg.kv_copies * cfg.num_layers * n * (p + g) * cfg.kv_dim * item
     hidden_bytes = n * p * cfg.hidden_size * item
     placed = lm.weight_bytes_by_tier()
     if tiers.is_cuda:

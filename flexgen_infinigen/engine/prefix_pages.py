@@ -36,11 +36,14 @@ class Page:
     """One page in memory: every layer's keys and values of its tokens."""
 
     k: torch.Tensor  # [layers, page_tokens, KV, d]
-    v: torch.Tensor
+    v: torch.Tensor | None  # None: the values are the keys (MLA's latent), kept once
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
+
+    def values(self) -> torch.Tensor:
+        return self.k if self.v is None else self.v
 
 
 class PrefixPages:
@@ -103,7 +106,8 @@ class PrefixPages:
             if page is None:
                 return None
             pages.append(page)
-        return torch.cat([p.k for p in pages], 1), torch.cat([p.v for p in pages], 1)
+        k = torch.cat([p.k for p in pages], 1)
+        return k, (k if pages[0].v is None else torch.cat([p.values() for p in pages], 1))
 
     def _get(self, name: str, ids: list[int]) -> Page | None:
         page = self.memory.get(name)
@@ -128,10 +132,10 @@ class PrefixPages:
         return page
 
     # ---- adding -----------------------------------------------------------------------------
-    def add(self, ids: list[int], k: torch.Tensor, v: torch.Tensor) -> int:
+    def add(self, ids: list[int], k: torch.Tensor, v: torch.Tensor | None) -> int:
         """Keep the whole pages of a sequence: ``ids`` its tokens, ``k``, ``v``
-        ``[layers, len(ids), KV, d]`` their keys and values. Pages held already are only
-        marked used. Returns the pages added."""
+        ``[layers, len(ids), KV, d]`` their keys and values (``v`` None: the values are the
+        keys). Pages held already are only marked used. Returns the pages added."""
         added = 0
         n = self.page_tokens
         for i, name in enumerate(self.names(ids)):
@@ -142,8 +146,9 @@ class PrefixPages:
                 self.disk.move_to_end(name)
                 continue
             # copies of their own: a page does not keep the whole sequence alive
-            page = Page(k[:, i * n:(i + 1) * n].clone(memory_format=torch.contiguous_format),
-                        v[:, i * n:(i + 1) * n].clone(memory_format=torch.contiguous_format))
+            page = Page(*(None if t is None else
+                          t[:, i * n:(i + 1) * n].clone(memory_format=torch.contiguous_format)
+                          for t in (k, v)))
             if page.nbytes > self.memory_bytes and self.folder is None:
                 break
             self._keep(name, page, ids[i * n:(i + 1) * n])
@@ -204,8 +209,9 @@ def _write(path: Path, page: Page, model_key: str, name: str, ids: list[int]) ->
     """One page as a safetensors file, to a temporary name renamed when whole."""
     from safetensors.torch import save_file
 
-    tensors = {"k": page.k.contiguous(), "v": page.v.contiguous(),
-               "ids": torch.tensor(ids, dtype=torch.int64)}
+    tensors = {"k": page.k.contiguous(), "ids": torch.tensor(ids, dtype=torch.int64)}
+    if page.v is not None:
+        tensors["v"] = page.v.contiguous()
     meta = {"format": FORMAT, "model": model_key, "page": name, "crc32": _crc(tensors)}
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
@@ -218,6 +224,8 @@ def _write(path: Path, page: Page, model_key: str, name: str, ids: list[int]) ->
 def _crc(tensors: dict[str, torch.Tensor]) -> str:
     crc = 0
     for n in ("k", "v", "ids"):
+        if n not in tensors:  # no values: they are the keys
+            continue
         crc = zlib.crc32(tensors[n].contiguous().view(torch.uint8).numpy().tobytes(), crc)
     return str(crc)
 
@@ -233,9 +241,10 @@ def _read(path: Path, model_key: str, name: str, ids: list[int]) -> Page | None:
             if (meta.get("format"), meta.get("model"), meta.get("page")) != \
                     (FORMAT, model_key, name):
                 return None
-            k, v, stored = f.get_tensor("k"), f.get_tensor("v"), f.get_tensor("ids")
+            got = {n: f.get_tensor(n) for n in f.keys() if n in ("k", "v", "ids")}
     except Exception:  # noqa: BLE001 - cut short, not safetensors, unreadable: a miss
         return None
-    if stored.tolist() != list(ids) or _crc({"k": k, "v": v, "ids": stored}) != meta.get("crc32"):
+    if "k" not in got or "ids" not in got or got["ids"].tolist() != list(ids) \
+            or _crc(got) != meta.get("crc32"):
         return None
-    return Page(k, v)
+    return Page(got["k"], got.get("v"))

@@ -102,7 +102,8 @@ def keep_rows(pages: PrefixPages, engine, rows: list[tuple[int, list[int]]]) -> 
             if n <= 0:
                 continue
             k = torch.stack([kv[0][at, column:column + n] for kv in per_layer])
-            v = torch.stack([kv[1][at, column:column + n] for kv in per_layer])
+            v = None if engine.cfg.values_are_keys else \
+                torch.stack([kv[1][at, column:column + n] for kv in per_layer])
             added += pages.add(seq[:n], k, v)
         first += size
         batch += 1

@@ -284,7 +284,7 @@ class Engine:
                 spec = CacheSpec(self.tiers, s.layer, batch, batch_size, max_len,
                                  cfg.num_kv_heads, cfg.head_dim, self.dtype, p.cache_split,
                                  p.compress_cache, p.cpu_cache_compute,
-                                 cfg.window_of(s.layer))
+                                 cfg.window_of(s.layer), cfg.values_are_keys)
                 if cfg.is_linear(s.layer):  # a row's state where its KV cache would be
                     cache = RecurrentState(spec, self.family.recurrent_state_shapes(cfg))
                 else:

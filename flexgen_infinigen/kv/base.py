@@ -65,6 +65,9 @@ class CacheSpec:
     compress: bool
     cpu_compute: bool
     window: int = 0  # sliding window (Mistral): a token sees only the newest this many keys
+    # the value rows are the key rows (MLA's latent): one copy is kept, read and moved, and
+    # ``v`` is ``k`` (the model hands the same tensor as both)
+    values_are_keys: bool = False
 
     def first_visible(self, length: int) -> int:
         """The oldest cached row the token after ``length`` cached ones may attend to."""

@@ -85,7 +85,7 @@ def fetch_selected(cache: FullCache, order: torch.Tensor, counts: torch.Tensor):
     # where each fetched row goes in the buffer viewed as [(top + 1) * cols, d]
     place = tiers.index_to_device(rank[None, :].expand(cols, n)[use] * cols + col)
     buffers = row_buffers(cache.spec, top + 1, "selected")
-    for tensor, buf in zip((cache.k, cache.v), buffers):
+    for tensor, buf in zip(cache.parts, buffers):  # one buffer where values are the keys
         if tiers.is_cuda:  # padding is masked, but must be finite (0 x NaN is NaN); on a CPU
             buf.zero_()    # the reused scratch holds only earlier K/V values (zeros at first)
         buf.view(-1, buf.shape[-1]).index_copy_(0, place, tensor.take(rows, col))
@@ -129,7 +129,7 @@ def gather_on_device(cache: FullCache, order: torch.Tensor):
     b, kv, n = order.shape
     cols, d = b * kv, cache.spec.head_dim
     buffers = row_buffers(cache.spec, n + 1, "selected")
-    for tensor, buf in zip((cache.k, cache.v), buffers):
+    for tensor, buf in zip(cache.parts, buffers):
         rows, token, column = tensor.flat_rows()
         flat = order.reshape(cols, n).t() * token + \
             torch.arange(cols, device=order.device) * column
@@ -155,7 +155,8 @@ def gather_mapped(cache: SelectiveCache, order: torch.Tensor, counts: torch.Tens
     # output row rank * cols + c holds column c's rank-th choice (K and V share one layout)
     flat = torch.add(offsets, order.view(cols, n).t(), alpha=token).reshape(-1)
     buffers = row_buffers(cache.spec, n + 1, "selected")
-    for src, buf in zip((rows_k, rows_v), buffers):  # counts [b, KV]: one per column
+    sources = (rows_k,) if cache.v is cache.k else (rows_k, rows_v)
+    for src, buf in zip(sources, buffers):  # counts [b, KV]: one per column
         if not tiers.gather_mapped(src, flat, counts, cols, buf.view(-1, d)[:n * cols]):
             return None
     tiers.count_deferred("host->device", "kv_cache", counts, cache.row_bytes)

@@ -69,20 +69,26 @@ def _ranks(top: int, device) -> torch.Tensor:
 
 
 def row_buffers(spec: CacheSpec, rows: int, tag: str, to: str = DEVICE):
-    """K and V buffers [rows, b*KV, d] for one decode step (reused between steps)."""
+    """K and V buffers [rows, b*KV, d] for one decode step (reused between steps); one buffer
+    twice where the values are the keys."""
     shape = (rows, spec.batch_size * spec.kv_heads, spec.head_dim)
+    parts = "k" if spec.values_are_keys else "kv"
     if to == HOST:
-        return torch.empty(shape, dtype=spec.dtype), torch.empty(shape, dtype=spec.dtype)
-    return tuple(spec.tiers.scratch(f"{tag}.{part}", shape, spec.dtype) for part in "kv")
+        made = tuple(torch.empty(shape, dtype=spec.dtype) for _ in parts)
+    else:
+        made = tuple(spec.tiers.scratch(f"{tag}.{part}", shape, spec.dtype) for part in parts)
+    return made if len(made) == 2 else (made[0], made[0])
 
 
 class FullCache(KVCache):
     def __init__(self, spec: CacheSpec):
         self.spec = spec
         shape = (spec.max_len, spec.batch_size * spec.kv_heads, spec.head_dim)
-        self.k, self.v = (SplitTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
+        # what is kept: K and V, or (values_are_keys) K alone, which ``v`` then names too
+        self.parts = tuple(SplitTensor(spec.tiers, shape, spec.dtype, spec.fractions, "kv_cache",
                                        split_dim=1, compress=spec.compress, head_major=True)
-                          for _ in range(2))
+                           for _ in range(1 if spec.values_are_keys else 2))
+        self.k, self.v = self.parts[0], self.parts[-1]
         # attention on the CPU, where the cache lives (only q and the output cross the link)
         self.cpu_compute = spec.cpu_compute
         # where the compute device can read it (on the device, or in CPU memory when the CPU
@@ -103,23 +109,23 @@ class FullCache(KVCache):
     def take_row(self, row: int, start: int, other: KVCache, length: int) -> None:
         kv = self.spec.kv_heads
         rows, cols = slice(start, start + length), slice(row * kv, (row + 1) * kv)
-        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+        for mine, theirs in zip(self.parts, other.parts):
             mine.write_columns(theirs.read(slice(0, length)), rows, cols)
 
     def store_prompt(self, q, k, v, valid) -> None:
-        self.k.write(to_rows(k), slice(0, k.shape[1]))
-        self.v.write(to_rows(v), slice(0, v.shape[1]))
+        for tensor, rows in zip(self.parts, (k, v)):
+            tensor.write(to_rows(rows), slice(0, rows.shape[1]))
 
     def _read_rows(self, length: int, to: str = DEVICE):
         """The visible rows of the first ``length`` (all, without a sliding window) of K and V
         in buffers with one more row, for the new token."""
         first = self.spec.first_visible(length)
         n = length - first
-        k, v = row_buffers(self.spec, n + 1, "kv", to)
+        buffers = row_buffers(self.spec, n + 1, "kv", to)
         rows = slice(first, length)
-        self.k.read(rows, to=to, out=k[:n])
-        self.v.read(rows, to=to, out=v[:n])
-        return k, v
+        for tensor, buf in zip(self.parts, buffers):
+            tensor.read(rows, to=to, out=buf[:n])
+        return buffers
 
     def prompt_reader(self, length: int, batch_size: int):
         if self.k.compressed:  # 4-bit: not the values the prompt made
@@ -127,8 +133,9 @@ class FullCache(KVCache):
 
         def read():  # where the compute device can read it, a view; else a copy to the host
             rows = slice(0, length)
-            return tuple(from_rows(t.view(rows) if t.addressable else t.read(rows, to=HOST),
-                                   batch_size) for t in (self.k, self.v))
+            got = tuple(from_rows(t.view(rows) if t.addressable else t.read(rows, to=HOST),
+                                  batch_size) for t in self.parts)
+            return got[0], got[-1]
         return read
 
     def load(self, length: int) -> Loaded:
@@ -159,7 +166,8 @@ class FullCache(KVCache):
                                f"{loaded.read.value!r}")
         k, v = loaded.k, loaded.v
         k[length - first] = to_rows(k_new)[0]
-        v[length - first] = to_rows(v_new)[0]
+        if v is not k:
+            v[length - first] = to_rows(v_new)[0]
         out = attend_rows(q, k, v, bias, sinks=sinks)
         if self.cpu_compute:
             out = tiers.to_compute(out, HOST, "activations")
@@ -175,6 +183,7 @@ class FullCache(KVCache):
             return None
         rows = slice(first, length)
         k, v = (Packed(*(p[rows] for p in t.packed().parts), t.shape) for t in (self.k, self.v))
+        # (where the values are the keys, both read the one copy's codes)
         flat = bias[..., :length - first].float().expand(b, self.spec.kv_heads, 1,
                                                          length - first)
         return self.attend_codes(q, k, v, flat.reshape(b * self.spec.kv_heads, -1), k_new,
@@ -196,16 +205,16 @@ class FullCache(KVCache):
 
     def _store(self, k_new, v_new, position: int) -> None:
         rows = slice(position, position + k_new.shape[1])
-        self.k.write(to_rows(k_new), rows)
-        self.v.write(to_rows(v_new), rows)
+        for tensor, new in zip(self.parts, (k_new, v_new)):
+            tensor.write(to_rows(new), rows)
 
     def store_token(self, k_new, v_new, position: int) -> None:
         if not self.in_place:  # stored during attention otherwise
             self._store(k_new, v_new, position)
 
     def bytes_by_tier(self) -> dict[str, int]:
-        a, b = self.k.bytes_by_tier(), self.v.bytes_by_tier()
-        return {t: a[t] + b[t] for t in a}
+        counts = [t.bytes_by_tier() for t in self.parts]
+        return {tier: sum(c[tier] for c in counts) for tier in counts[0]}
 
     # ---- the fused decode layer -------------------------------------------------------------
     def fused_attention(self, call: "LayerCall", next_cache: KVCache | None):
@@ -224,7 +233,8 @@ class FullCache(KVCache):
         the call writes is counted as :meth:`store_token`'s write would count it."""
         counter = None
         if self.k.segments[0].tier != DEVICE:  # its row crosses to host memory
-            tiers, n = self.spec.tiers, 2 * call.batch * call.cfg.kv_dim * 4
+            tiers = self.spec.tiers
+            n = len(self.parts) * call.batch * call.cfg.kv_dim * 4
 
             def counter() -> None:
                 tiers.count("device->host", "kv_cache", n)

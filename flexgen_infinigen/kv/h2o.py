@@ -172,7 +172,7 @@ class H2OPolicy(SelectivePolicy):
         b, heads = policy.gpu_batch_size, cfg.num_heads
         rows = min(max_len, score_rows(b, heads, max_len))
         return {"h2o_scores_and_masks": caches * cols * max_len * (1 + 4),  # bool + float32
-                "selected_rows": 2 * 2 * (top + 1) * cols * cfg.head_dim * item,
+                "selected_rows": 2 * cfg.kv_copies * (top + 1) * cols * cfg.head_dim * item,
                 # the prompt's key mass: one chunk of float32 scores, their softmax and bias
                 "prompt_scores": 3 * 4 * b * heads * max_len * rows}
 

@@ -206,9 +206,12 @@ class KiviPolicy(KVPolicy):
         return cache
 
     def report(self) -> dict:
-        """With ``relative_kv_size``: the bytes its rows take over an fp16 cache's."""
+        """With ``relative_kv_size``: the bytes its rows take over an fp16 cache's (one copy
+        where the values are the keys: KIVI keeps keys and values apart even then, as each
+        is quantized its own way)."""
         out = {"kv_policy": self.name, "kivi_group": self.group, "kivi_window": self.window}
-        rows = sum(c.length * c.k_codes.shape[1] * c.spec.head_dim for c in self.caches)
+        rows = sum(c.length * c.k_codes.shape[1] * c.spec.head_dim
+                   * (1 if c.spec.values_are_keys else 2) for c in self.caches)
         if rows:
-            out["relative_kv_size"] = sum(c.stored_bytes() for c in self.caches) / (2 * 2 * rows)
+            out["relative_kv_size"] = sum(c.stored_bytes() for c in self.caches) / (2 * rows)
         return out

@@ -11,8 +11,9 @@ of the latents. Every KV policy, InfiniGen included, sees that one-head cache: I
 speculates with the absorbed query against the cached latent rows (its skew is computed
 from them like any head's), and the rows it selects are latent rows.
 
-The value is the cached row itself: the cache stores it as both K and V (a cache keeps one
-width for both), so a token's cache bytes are twice the latent's. The MoE MLP (sigmoid group
+The value is the cached row itself: the model hands the same row as K and V, and the cache
+(``cfg.values_are_keys``) keeps, reads and moves it once, so a token's cache bytes in a
+layer are the latent row's. The MoE MLP (sigmoid group
 router, shared experts, dense first layers) is :mod:`.moe`'s, through :mod:`.llama`'s MLP.
 DeepSeek's RoPE pairs dims interleaved; the rotary parts are de-interleaved (the same order
 for query and key, which leaves their dot product unchanged) and rotated as Llama's.

@@ -121,8 +121,10 @@ def prefill_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dic
         compute += r * sum(hw.seconds("dequant", n * sz.weights_step_raw / sz.weights_step)
                            for n in sz.weight_tensors)
     if policy.compress_cache:
-        compute += hw.seconds("dequant", n * b * p * sz.kv_token_raw * layers, 2 * n * layers)
-    copies, kv_copies = n * sz.num_stages, 2 * n * layers
+        compute += hw.seconds("dequant", n * b * p * sz.kv_token_raw * layers,
+                              cfg.kv_copies * n * layers)
+    # K and V are separate copies (one where the values are the keys)
+    copies, kv_copies = n * sz.num_stages, cfg.kv_copies * n * layers
     terms = {"h2d": r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies),
             "d2h": off_c * hw.seconds("d2h", kv_new, kv_copies)
             + off_h * hw.seconds("d2h", hid, copies),
@@ -159,7 +161,8 @@ def decode_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict
     ctx_raw = n * b * (context * sz.kv_token_raw * layers * f + sz.state_row)
     kv_new = n * b * (sz.kv_token * layers + sz.state_row)  # and the states written back
     off_w, off_c, off_h = x["wc"] + x["wd"], x["cc"] + x["cd"], x["hc"] + x["hd"]
-    copies, kv_copies = n * sz.num_stages, 2 * n * layers  # K and V are separate copies
+    # K and V are separate copies (one where the values are the keys)
+    copies, kv_copies = n * sz.num_stages, cfg.kv_copies * n * layers
     r = work.weight_reads
     h2d = r * off_w * _weights_time(hw, sz) + off_h * hw.seconds("h2d", hid, copies)
     d2h = off_c * hw.seconds("d2h", kv_new, kv_copies) + off_h * hw.seconds("d2h", hid, copies)
@@ -168,7 +171,8 @@ def decode_terms(work: Workload, policy: Placement, hw: HardwareProfile, x: dict
     cpu_compute = gather = 0.0
     if policy.cpu_cache_compute:  # q, k, v to the host, the output back, attention there
         h2d += hw.seconds("h2d", n * layers * b * cfg.hidden_size * item, n * layers)
-        d2h += hw.seconds("d2h", n * layers * b * (cfg.hidden_size + 2 * cfg.kv_dim) * item,
+        d2h += hw.seconds("d2h", n * layers * b * (cfg.hidden_size + cfg.kv_copies * cfg.kv_dim)
+                          * item,
                           3 * n * layers) + x["cg"] * hw.seconds("d2h", ctx, kv_copies)
         cpu_compute = hw.seconds("cpu_attention", ctx_raw, n * layers)
     else:
@@ -221,14 +225,15 @@ def step_costs(work: Workload, policy: Placement, hw: HardwareProfile,
                      for v in sz.weight_tensors)
     if context is None:
         return t
-    per = policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction(context) / 2
+    per = (policy.gpu_batch_size * context * sz.kv_token_raw * work.fetch_fraction(context)
+           / cfg.kv_copies)  # one of K and V
     if c[0] < 1 or policy.cpu_cache_compute:
         # a loaded (not resident) cache is joined with the new token's keys and values
-        t += 2 * n * layers * hw.seconds("device_copy", per)
+        t += cfg.kv_copies * n * layers * hw.seconds("device_copy", per)
         if not policy.cpu_cache_compute:
             t += n * layers * hw.overhead(cfg.family, "kv_offload")
     if sum(v > 0 for v in c) > 1:
-        t += 2 * n * layers * hw.seconds("device_copy", c[0] * per)
+        t += cfg.kv_copies * n * layers * hw.seconds("device_copy", c[0] * per)
     return t
 
 

@@ -76,7 +76,7 @@ class Sizes:
     weights_step_raw: float  # the same, decompressed
     layer_params: float  # matmul parameters of one layer (a MoE layer's router, no expert)
     head_params: float
-    kv_token: float  # K+V bytes of one token in one layer, as stored
+    kv_token: float  # K+V bytes (the latent alone for MLA) of one token in one layer, as stored
     kv_token_raw: float
     num_stages: int
     # mixture of experts: layers with routed experts, and one expert's three matrices in
@@ -105,9 +105,11 @@ class Sizes:
         raw = sum(math.prod(shapes[full]) * item for full in dense)
         layer = sum(math.prod(s) for n, s in shapes.items()
                     if n.startswith("layers.0.") and len(s) == 2 and not is_expert_weight(n))
-        kv_raw = 2 * cfg.kv_dim * item
-        # one token's row of the cache, as stored ([tokens, KV heads, head_dim] per K and V)
-        kv = 2 * stored_bytes((cfg.num_kv_heads, cfg.head_dim), item, policy.compress_cache)
+        kv_raw = cfg.kv_copies * cfg.kv_dim * item
+        # one token's row of the cache, as stored ([tokens, KV heads, head_dim] per K and V,
+        # or the one latent row where the values are the keys)
+        kv = cfg.kv_copies * stored_bytes((cfg.num_kv_heads, cfg.head_dim), item,
+                                          policy.compress_cache)
         # per layer on average: a hybrid's recurrent layers keep no cache, but a state a row
         share = cfg.attention_layers / cfg.num_layers
         kv, kv_raw = kv * share, kv_raw * share

@@ -195,7 +195,7 @@ class InfiniGenPolicy(SelectivePolicy):
                 self._folds(cfg) or not weights_in_place) + bias) * item,
             "projections": cfg.num_layers * cfg.num_kv_heads * d * r * item
             + (caches * cols * d * r * item if o.prompt_skew else 0),
-            "selected_rows": 2 * 2 * (o.budget.most(max_len) + 1) * cols * d * item,
+            "selected_rows": 2 * cfg.kv_copies * (o.budget.most(max_len) + 1) * cols * d * item,
             # decode keys waiting while a layer reads itself whole (infinigen_cache)
             "pending_keys": caches * min(PENDING_KEYS, max_len) * cols * d * item,
         }
