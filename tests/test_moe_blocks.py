@@ -98,36 +98,3 @@ def test_refuses_what_it_does_not_compute():
     assert moe_blocks(x, swapped, *args) is None
     assert moe_blocks(x.expand(17, H).contiguous(), mats[:3], [0, 17], list(range(17)),
                       [1.0] * 17) is None  # more tokens for an expert than the call takes
-
-
-@pytest.mark.parametrize("limit", [7.0, 0.0])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_gpt_oss_experts_biases_and_clamped_swiglu_in_the_call(limit, tokens):
-    """Experts with biases and gpt-oss's clamped SwiGLU (``ExpertMath``) run in the one call,
-    equal to the per-expert path (``expert_mlp`` over ``linear_blocks``, the biases added by
-    the biased product) up to the activation's exp; the call is really taken."""
-    from types import SimpleNamespace
-
-    experts, k = 5, 2
-    mats, _ = _experts(("MXFP4", "MXFP4"), experts, seed=11)
-    gen = torch.Generator().manual_seed(4)
-    biases = [torch.randn(FF if i % 3 < 2 else H, generator=gen) for i in range(3 * experts)]
-    parts = [mats[3 * e:3 * e + 3] + biases[3 * e:3 * e + 3] for e in range(experts)]
-    cfg = SimpleNamespace(swiglu_limit=limit, swiglu_alpha=1.702)
-    math = moe.ExpertMath(cfg)
-    x = torch.randn(tokens, H, generator=gen) * 3  # large enough that the clamp bites
-    weights, chosen, used = _routing(tokens, experts, k, seed=6)
-    got = moe.apply_experts(x, weights, chosen, used, lambda e: parts[e], expert=math)
-    first, toks, wts = moe._by_expert(weights, chosen, used, False)
-    direct = moe_blocks(x, [m for e in used for m in mats[3 * e:3 * e + 3]], first, toks, wts,
-                        biases=[b for e in used for b in biases[3 * e:3 * e + 3]],
-                        limit=limit, alpha=1.702)
-    assert direct is not None and torch.equal(got, direct)
-    want = torch.zeros_like(x)
-    for e in used:
-        rows, slot = torch.where(chosen == e)
-        want.index_add_(0, rows, moe.expert_mlp(cfg, x[rows], parts[e])
-                        * weights[rows, slot, None])
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    without = moe_blocks(x, [m for e in used for m in mats[3 * e:3 * e + 3]], first, toks, wts)
-    assert (without - want).abs().max() > 1e-3 * want.abs().max()  # the biases counted

@@ -55,8 +55,7 @@ def linear_blocks(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
 MOE_BLOCK_ROWS = 16  # tokens an expert may take in moe_blocks (kernels/c/moe_blocks.c)
 
 
-def moe_blocks(x: torch.Tensor, mats: list, first: list[int], tokens, weights,
-               biases: list | None = None, limit: float = 0.0, alpha: float = 0.0
+def moe_blocks(x: torch.Tensor, mats: list, first: list[int], tokens, weights
                ) -> torch.Tensor | None:
     """A decode step's routed experts over a file's blocks in one compiled call
     (``kernels/c/moe_blocks.c``): ``out[t] = sum_u weights * down_u(silu(gate_u x[t]) *
@@ -65,10 +64,7 @@ def moe_blocks(x: torch.Tensor, mats: list, first: list[int], tokens, weights,
     expert ``u`` takes the tokens ``tokens[first[u]:first[u + 1]]`` with router weights
     ``weights`` at the same places. None when the call cannot take them (a matrix that is
     not blocks the kernels take as they lie, gate and up of different types, more than
-    :data:`MOE_BLOCK_ROWS` tokens for an expert): the caller multiplies expert by expert.
-    gpt-oss's experts: ``biases`` (each matrix's, in the order of ``mats``) are added to the
-    products, and ``limit`` > 0 makes the activation the clamped SwiGLU with ``alpha``
-    (:func:`~..models.moe.expert_mlp`'s math)."""
+    :data:`MOE_BLOCK_ROWS` tokens for an expert): the caller multiplies expert by expert."""
     n, h = len(mats), x.shape[-1]
     if (x.is_cuda or x.dtype != torch.float32 or x.dim() != 2 or not n or n % 3
             or len(first) != n // 3 + 1 or library() is None
@@ -85,20 +81,11 @@ def moe_blocks(x: torch.Tensor, mats: list, first: list[int], tokens, weights,
     starts = torch.tensor(first, dtype=torch.int64)
     tok = torch.as_tensor(tokens, dtype=torch.int64).contiguous()
     w = torch.as_tensor(weights, dtype=torch.float32).contiguous()
-    bias_table, kept = None, []
-    if biases is not None:
-        if len(biases) != n:
-            return None
-        kept = [b.float().contiguous() for b in biases]  # alive through the call
-        if any(b.is_cuda or b.numel() != (f if i % 3 < 2 else h) for i, b in enumerate(kept)):
-            return None
-        bias_table = (ctypes.c_void_p * n)(*(b.data_ptr() for b in kept))
     xs = x.contiguous()
     out = torch.empty(x.shape[0], h, dtype=torch.float32)
     done = invoke("moe_gguf", x=xs.data_ptr(), T=x.shape[0], U=n // 3, first=starts.data_ptr(),
                   tok=tok.data_ptr(), wt=w.data_ptr(), w=table, types=types.data_ptr(),
-                  out=out.data_ptr(), H=h, F=f, bias=bias_table, limit=float(limit),
-                  alpha=float(alpha), nthreads=torch.get_num_threads())
+                  out=out.data_ptr(), H=h, F=f, nthreads=torch.get_num_threads())
     return out if done else None
 
 

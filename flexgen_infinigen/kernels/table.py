@@ -77,7 +77,7 @@ KERNELS: dict[str, Kernel] = {
                                nthreads=I64),
     # moe_experts.c, moe_layer.c: a MoE layer's routed experts
     "moe_gguf": _k(INT, x=PTR, T=I64, U=I64, first=PTR, tok=PTR, wt=PTR, w=PTR, types=PTR,
-                   out=PTR, H=I64, F=I64, bias=PTR, limit=F32, alpha=F32, nthreads=I64),
+                   out=PTR, H=I64, F=I64, nthreads=I64),
     "moe_q4_h16": _k(INT, x=PTR, T=I64, U=I64, first=PTR, tok=PTR, wt=PTR, codes=PTR,
                      scales=PTR, minima=PTR, out=PTR, H=I64, F=I64, group=I64, nthreads=I64),
     "moe_layer_q4_h16": _k(INT, h=PTR, T=I64, norm_w=PTR, eps=F32, router=PTR, E=I64, K=I64,

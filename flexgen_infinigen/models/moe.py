@@ -15,6 +15,7 @@ multiplied in CPU memory with the tokens crossing).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -138,19 +139,6 @@ def expert_mlp(cfg: ModelConfig, x: torch.Tensor, parts: list) -> torch.Tensor:
     return linear(act, down, db)
 
 
-class ExpertMath:
-    """One routed expert's math where it is not plain SwiGLU (:func:`expert_mlp` of ``cfg``),
-    with what a compiled experts call needs to compute it too: the clamped SwiGLU's
-    ``limit`` (0: silu) and ``alpha``; biases come with the matrices."""
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        self.limit, self.alpha = cfg.swiglu_limit or 0.0, cfg.swiglu_alpha or 0.0
-
-    def __call__(self, x: torch.Tensor, parts: list) -> torch.Tensor:
-        return expert_mlp(self.cfg, x, parts)
-
-
 def plain_experts(cfg: ModelConfig) -> bool:
     """Routed experts that are three SwiGLU matrices and nothing else (what the compiled
     experts calls compute)."""
@@ -237,20 +225,13 @@ def apply_experts(x: torch.Tensor, weights, experts, used: list[int],
     # on a CPU, every expert in one compiled call when none takes more rows than the call
     # can: a decode step's tokens (one GPU batch's, or a whole block's), a short prompt (on
     # a GPU the routing below would cost host syncs for a call that never takes GPU tensors)
-    # (an expert's math other than plain SwiGLU: a file's blocks as they lie take gpt-oss's)
-    compiled = expert is None or isinstance(expert, ExpertMath)
-    grouped = None if x.is_cuda or not compiled else _by_expert(weights, experts, used, some)
+    grouped = None if x.is_cuda or expert is not None else _by_expert(weights, experts, used,
+                                                                       some)
     if grouped is not None:
         mats = [mat for e in used for mat in matrices(e)]
-        if expert is None:
-            out = moe_experts(x, mats, *grouped)
-            if out is None:  # a file's blocks as they lie
-                out = moe_blocks(x, mats, *grouped)
-        else:  # each expert's three matrices, then (with biases) their three biases
-            per = len(mats) // len(used)
-            out = moe_blocks(x, [m for i, m in enumerate(mats) if i % per < 3], *grouped,
-                             biases=[m for i, m in enumerate(mats) if i % per >= 3] or None,
-                             limit=expert.limit, alpha=expert.alpha)
+        out = moe_experts(x, mats, *grouped)
+        if out is None:  # a file's blocks as they lie
+            out = moe_blocks(x, mats, *grouped)
         if out is not None:
             return out
     out = torch.zeros_like(x)
@@ -275,7 +256,7 @@ def mlp(cfg: ModelConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     if plain_experts(cfg):
         out = runner(flat, weights, experts, used)
     else:
-        out = runner(flat, weights, experts, used, expert=ExpertMath(cfg))
+        out = runner(flat, weights, experts, used, expert=partial(expert_mlp, cfg))
     if cfg.shared_expert_size:
         shared = swiglu(flat, *(w[f"{SHARED}.{m}.weight"] for m in EXPERT_MATRICES))
         gate = w.get(SHARED_GATE)

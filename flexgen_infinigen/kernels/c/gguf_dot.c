@@ -220,11 +220,10 @@ int gguf_linear_q(int64_t type, const uint8_t *w, const int32_t *order, const ui
     const int64_t nb = K / f->values, wrow = nb * f->bytes, xrow = gguf_act_bytes(type, K);
 #ifdef GD512
     const tile2_fn tile2 = tile2_of(type);
-    /* Q8_0's and MXFP4's blocks are small (34 and 17 bytes), and the two-row tile widens
-       and spreads two factors a block: with one or two rows of x (a decode step) that work,
-       not memory, sets the pace, and the one-row AVX2 tile reads the weight faster (its
-       floats are the two-row tile's: the same eight lanes, the same products and sums) */
-    const int few = M <= 2 && (type == GT_Q8_0 || type == GT_MXFP4) && tile_of(type) != NULL;
+    /* Q8_0's blocks are small (34 bytes), and the two-row tile widens and spreads two
+       factors a block: with one or two rows of x (a decode step) that work, not memory,
+       sets the pace, and the one-row AVX2 tile reads the weight faster */
+    const int few = M <= 2 && type == GT_Q8_0 && tile_of(type) != NULL;
 #ifdef GD512_ONE
     /* one row of x against a K-quant: the one-row tile, whose floats equal the two-row
        tile's for that row (see gguf_tiles_avx512_one.h) */

@@ -13,13 +13,7 @@
    output rows are dealt to the threads in chunks of an even number of rows, each chunk
    through gguf_linear_q (the layer's own tiles: the AVX-512 tiles' row pairs fall where the
    whole layer's call puts them), so every product equals gguf_linear's, and a token's
-   result does not depend on which other tokens share the step.
-
-   gpt-oss's experts: with bias (3U float pointers, expert u's gate, up and down biases at
-   3u, 3u + 1, 3u + 2) each product's bias is added to it, as a biased linear layer adds
-   it; with limit > 0 the activation is the clamped SwiGLU
-   (min(up, limit) clamped below at -limit, plus 1) * g * sigmoid(alpha * g), g = min(gate,
-   limit), instead of silu(gate) * up. */
+   result does not depend on which other tokens share the step. */
 
 #define MOE_BLOCK_ROWS 16
 #define MOE_CHUNK 64  /* output rows a task (even) */
@@ -41,8 +35,7 @@ static int rows_of(int64_t type, const uint8_t *w, int64_t wrow, const uint8_t *
 
 int moe_gguf(const float *x, int64_t T, int64_t U, const int64_t *first, const int64_t *tok,
              const float *wt, const uint8_t *const *w, const int64_t *types, float *out,
-             int64_t H, int64_t F, const float *const *bias, float limit, float alpha,
-             int64_t nthreads) {
+             int64_t H, int64_t F, int64_t nthreads) {
     if (U <= 0 || T <= 0)
         return 0;
     const int64_t R = first[U];
@@ -96,22 +89,9 @@ int moe_gguf(const float *x, int64_t T, int64_t U, const int64_t *first, const i
         for (int64_t u = 0; u < U; u++) {  /* silu(gate) * up, quantized for down */
             const int64_t M = first[u + 1] - first[u];
             float *g = G + first[u] * F;
-            float *up = Up + first[u] * F;
-            if (bias)
-                for (int64_t m = 0; m < M; m++)
-                    for (int64_t i = 0; i < F; i++) {
-                        g[m * F + i] += bias[3 * u][i];
-                        up[m * F + i] += bias[3 * u + 1][i];
-                    }
-            if (limit > 0.0f)
-                for (int64_t i = 0; i < M * F; i++) {
-                    const float gi = fminf(g[i], limit);
-                    const float ui = fminf(fmaxf(up[i], -limit), limit);
-                    g[i] = (ui + 1.0f) * (gi / (1.0f + expf(fminf(-alpha * gi, 80.0f))));
-                }
-            else
-                for (int64_t i = 0; i < M * F; i++)
-                    g[i] = silu1(g[i]) * up[i];
+            const float *up = Up + first[u] * F;
+            for (int64_t i = 0; i < M * F; i++)
+                g[i] = silu1(g[i]) * up[i];
             gguf_quantize_act(types[3 * u + 2], g, M, F, aq + aat[u], 1);
         }
         #pragma omp for schedule(dynamic, 1)
@@ -122,10 +102,6 @@ int moe_gguf(const float *x, int64_t T, int64_t U, const int64_t *first, const i
             const gguf_format *f = gguf_format_of(types[at]);
             ok = rows_of(types[at], w[at], F / f->values * f->bytes, aq + aat[u], M, F, o0, n,
                          Y + first[u] * H, H, tmp) && ok;
-            if (bias)
-                for (int64_t m = 0; m < M; m++)
-                    for (int64_t i = o0; i < o0 + n; i++)
-                        Y[(first[u] + m) * H + i] += bias[3 * u + 2][i];
         }
         #pragma omp for schedule(static)
         for (int64_t o = 0; o < H; o++)  /* each token's experts, weighted, in order */
