@@ -319,15 +319,12 @@ def _write_gguf(model, path, experts: str = "MXFP4") -> None:
     w.close()
 
 
-@pytest.mark.parametrize("experts", ["MXFP4", "Q8_0"])
-@pytest.mark.parametrize("placement", ["all-on-device", "experts-multiplied-in-cpu-memory"])
-def test_a_gguf_runs_from_its_codes(tmp_path, experts, placement):
-    """The same tiny model written as llama.cpp writes a gpt-oss GGUF, its experts MXFP4
-    blocks (or Q8_0), read in place: the tokens and logits of transformers run on the
-    values the file encodes (the experts multiplied as stored, against 8-bit activations)."""
+def _tiny_with_large_experts(seed: int):
+    """A tiny gpt-oss whose experts' widths are whole blocks of 32, with random sinks and
+    biases and experts scaled up (so that their codes matter to the output)."""
     import transformers
 
-    torch.manual_seed(1)  # experts' widths whole blocks of 32
+    torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
         **{**CONFIG, "intermediate_size": 64}))
     with torch.no_grad():
@@ -336,6 +333,16 @@ def test_a_gguf_runs_from_its_codes(tmp_path, experts, placement):
                 p.copy_(torch.randn_like(p))
             elif "experts" in name:
                 p.mul_(20)
+    return model
+
+
+@pytest.mark.parametrize("experts", ["MXFP4", "Q8_0"])
+@pytest.mark.parametrize("placement", ["all-on-device", "experts-multiplied-in-cpu-memory"])
+def test_a_gguf_runs_from_its_codes(tmp_path, experts, placement):
+    """The same tiny model written as llama.cpp writes a gpt-oss GGUF, its experts MXFP4
+    blocks (or Q8_0), read in place: the tokens and logits of transformers run on the
+    values the file encodes (the experts multiplied as stored, against 8-bit activations)."""
+    model = _tiny_with_large_experts(seed=1)
     path = tmp_path / "tiny-gpt-oss.gguf"
     _write_gguf(model, path, experts)
     model.eval()
@@ -344,6 +351,12 @@ def test_a_gguf_runs_from_its_codes(tmp_path, experts, placement):
         assert lm.cfg.family == "gpt_oss" and lm.cfg.layer_windows == (8, 0, 8, 0)
         assert lm.weight_formats.get("layers.0.experts.0.gate_proj.weight") == experts
         out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
+    _equals_transformers_on_rounded_inputs(model, out)
+
+
+def _equals_transformers_on_rounded_inputs(model, out) -> None:
+    """``out``'s tokens and logits are transformers' with the experts' inputs rounded as the
+    block kernels round them."""
     with experts_inputs_rounded(model):
         for row, prompt in enumerate(PROMPTS):
             tokens, logits = hf_greedy(model, prompt, STEPS)
@@ -398,21 +411,12 @@ def test_a_hub_mxfp4_folder_runs_from_its_codes(tmp_path, placement):
     ``quantization_config`` mxfp4) converts with its experts kept as 4-bit blocks, and gives
     the tokens and logits of transformers run on the values transformers' own MXFP4 reader
     makes of the same tensors."""
-    import transformers
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from flexgen_infinigen.weights.hf_convert import convert_hf
 
-    torch.manual_seed(2)  # experts' widths whole blocks of 32
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **{**CONFIG, "intermediate_size": 64}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "sinks" in name or "bias" in name:
-                p.copy_(torch.randn_like(p))
-            elif "experts" in name:
-                p.mul_(20)
+    model = _tiny_with_large_experts(seed=2)
     folder = tmp_path / "gpt-oss-mxfp4"
     model.save_pretrained(folder)
     state = {}
@@ -439,8 +443,4 @@ def test_a_hub_mxfp4_folder_runs_from_its_codes(tmp_path, placement):
     with OffloadedLM.load(path=store, policy=PLACEMENTS[placement], progress=False) as lm:
         assert lm.weight_formats.get("layers.1.experts.3.up_proj.weight") == "MXFP4"
         out = lm.generate(PROMPTS, STEPS, stop_token_id=None, keep_logits=True)
-    with experts_inputs_rounded(model):
-        for row, prompt in enumerate(PROMPTS):
-            tokens, logits = hf_greedy(model, prompt, STEPS)
-            assert out.token_ids[row] == tokens
-            assert (out.logits[row] - logits).abs().max().item() < 1e-4
+    _equals_transformers_on_rounded_inputs(model, out)

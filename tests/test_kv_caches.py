@@ -149,27 +149,6 @@ class ExactRehearsal:
         return torch.einsum("bkgd,bkdr->bkgr", qg, projection)
 
 
-@pytest.mark.parametrize("where", ["device", "host", "split"])
-def test_infinigen_with_exact_scores_selects_what_the_oracle_selects(tiers, where):
-    """The same rule and budget over exact scores: InfiniGen (speculate, then fetch only the
-    chosen rows) must attend exactly as the oracle (score the whole cache, then choose)."""
-    budget = dict(alpha=math.inf, max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
-    ig = InfiniGenPolicy(InfiniGenOptions(speculation_keys="partial", partial_weight_ratio=1.0,
-                                          **budget))
-    ig.options = ig.options.with_defaults("opt", ig.default_rule)
-    ig.rehearsal = ExactRehearsal()
-    oracle = OraclePolicy(SelectionOptions(**budget))
-    oracle.options = oracle.options.with_defaults("opt", oracle.default_rule)
-    got, want = _drive(ig.make_cache(_spec(tiers, PLACEMENTS[where])), speculate=True)
-    chosen, _ = _drive(oracle.make_cache(_spec(tiers, PLACEMENTS[where])))
-    _close(got, chosen)
-    with pytest.raises(AssertionError):  # and the budget really dropped keys
-        _close(got, want)
-    report = ig.report()
-    assert report["kv_fetch_fraction"] < 0.5
-    assert report["kv_fetch_fraction"] == pytest.approx(report["kv_selected_fraction"])
-
-
 def _policies():
     """Every policy that keeps a float cache, at a budget that drops rows where it selects."""
     budget = dict(alpha=math.inf, max_kv_fraction=0.3, min_num_kv=4, first_layer=1)
@@ -181,6 +160,22 @@ def _policies():
     oracle.options = oracle.options.with_defaults("opt", oracle.default_rule)
     return {"full": FullPolicy(), "h2o": H2OPolicy(0.25, 0.25), "oracle": oracle,
             "infinigen": ig}
+
+
+@pytest.mark.parametrize("where", ["device", "host", "split"])
+def test_infinigen_with_exact_scores_selects_what_the_oracle_selects(tiers, where):
+    """The same rule and budget over exact scores: InfiniGen (speculate, then fetch only the
+    chosen rows) must attend exactly as the oracle (score the whole cache, then choose)."""
+    policies = _policies()
+    ig, oracle = policies["infinigen"], policies["oracle"]
+    got, want = _drive(ig.make_cache(_spec(tiers, PLACEMENTS[where])), speculate=True)
+    chosen, _ = _drive(oracle.make_cache(_spec(tiers, PLACEMENTS[where])))
+    _close(got, chosen)
+    with pytest.raises(AssertionError):  # and the budget really dropped keys
+        _close(got, want)
+    report = ig.report()
+    assert report["kv_fetch_fraction"] < 0.5
+    assert report["kv_fetch_fraction"] == pytest.approx(report["kv_selected_fraction"])
 
 
 @pytest.mark.parametrize("name", ["full", "h2o", "oracle", "infinigen"])
