@@ -158,6 +158,20 @@ def test_a_new_blocks_long_prompts_are_prefilled_alone(lm):
             assert _logprobs(r) == logprobs[:len(_logprobs(r))]
 
 
+def test_a_lone_requests_block_prefills_it_alone(lm):
+    """A lone request's block has a spare row: padded beside it, the prefill would be half
+    padding, so the prompt is prefilled alone into its row (its own tokens computed only),
+    and answers as alone."""
+    ids = lm.tokenizer.encode(TEXTS[1])
+    requests, counts = _serve(lm, [ids], [4], alone_prompt_tokens=1000, spare_rows=1)
+    skew = lm.engine.kv_policy.needs_prompt_queries  # a per-prompt skew: no free columns
+    assert counts.get("requests_prefilled_alone", 0) == (0 if skew else 1)
+    text, _, logprobs = _alone_logprobs(lm, ids, 4)
+    assert _text(requests[0]) == text
+    if lm.weight_layouts:  # the runtime's kernels: exact
+        assert _logprobs(requests[0]) == logprobs[:len(_logprobs(requests[0]))]
+
+
 @pytest.mark.parametrize("spare", [1, 0])
 def test_a_request_that_comes_while_one_runs_takes_a_spare_row(lm, spare):
     """A block of one request starts with a spare row (``spare_rows``): a request sent

@@ -67,8 +67,12 @@ class BlockRun:
         # a long prompt is prefilled alone into its row at the first step (as a joiner),
         # not padded beside the others: no padding computed, and its first token comes
         # after its own prefill, not the whole block's
-        alone = [len(r.ids) >= self.alone_prompt_tokens and r.echo is None for r in block] \
-            if self.prefills_alone and free else [False] * real
+        # so is every prompt of a block whose padded prefill would be mostly padding (a lone
+        # request beside its spare row): each prompt's own prefill computes its tokens only
+        padded = size * count * max(len(r.ids) for r in block)
+        mostly_padding = padded >= 2 * sum(len(r.ids) for r in block)
+        alone = [(mostly_padding or len(r.ids) >= self.alone_prompt_tokens) and r.echo is None
+                 for r in block] if self.prefills_alone and free else [False] * real
         # (its columns end at the block's last: the free columns hold the longest)
         free = max([free] + [len(r.ids) for r, a in zip(block, alone) if a])
         dummy = [self.lm.cfg.pad_token_id]  # a free row's one token (padding costs the same)
