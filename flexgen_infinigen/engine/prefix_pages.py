@@ -42,9 +42,6 @@ class Page:
     def nbytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
-    def values(self) -> torch.Tensor:
-        return self.k if self.v is None else self.v
-
 
 class PrefixPages:
     """Pages by name, in CPU memory and (with ``folder``) on disk, least recently used out
@@ -107,7 +104,7 @@ class PrefixPages:
                 return None
             pages.append(page)
         k = torch.cat([p.k for p in pages], 1)
-        return k, (k if pages[0].v is None else torch.cat([p.values() for p in pages], 1))
+        return k, (k if pages[0].v is None else torch.cat([p.v for p in pages], 1))
 
     def _get(self, name: str, ids: list[int]) -> Page | None:
         page = self.memory.get(name)
